@@ -1,0 +1,34 @@
+"""Exceptions raised by onnx-autodiff; every one names what went wrong and what to do."""
+
+from __future__ import annotations
+
+
+class AutodiffError(Exception):
+    """Base class of every error onnx-autodiff raises on purpose."""
+
+
+class MissingRuleError(AutodiffError):
+    """A node on the path from the variables to the output has no gradient rule."""
+
+
+class NotDifferentiableError(AutodiffError):
+    """A requested variable or output cannot carry a gradient (integer type, declared non-differentiable)."""
+
+
+class UnknownValueError(AutodiffError):
+    """A name given as ``of`` or ``wrt`` does not exist in the graph."""
+
+
+class RuleError(AutodiffError):
+    """A rule refused a node (unsupported attribute or shape) or returned something malformed."""
+
+
+class UnsupportedModelError(AutodiffError):
+    """The model itself cannot be processed (cycle, missing opset, malformed graph)."""
+
+
+def describe_node(node, opset: int | None) -> str:
+    """One phrase naming a node: its name, op type, domain and opset."""
+    name = node.name or "<unnamed>"
+    domain = node.domain or "ai.onnx"
+    return f"node '{name}' (op {node.op_type}, domain {domain}, opset {opset})"

@@ -1,0 +1,13 @@
+"""The differentiation engine and the passes that clean up what it emits."""
+
+from onnx_autodiff.passes.autodiff import AutodiffPass, autodiff_pass
+from onnx_autodiff.passes.cleanup import cleanup_passes
+from onnx_autodiff.passes.functions import gradient_of_function, gradient_of_nodes  # noqa: E402
+
+__all__ = [
+    "AutodiffPass",
+    "autodiff_pass",
+    "cleanup_passes",
+    "gradient_of_function",
+    "gradient_of_nodes",
+]

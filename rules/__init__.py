@@ -1,0 +1,64 @@
+"""Gradient rules: the registry, the op builder, shared shape helpers and the shipped rule families."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import onnx_ir as ir
+
+from onnx_autodiff.rules import shapes
+from onnx_autodiff.rules.builder import OpBuilder
+from onnx_autodiff.rules.registry import _DEFAULT, Backward, GradRegistry, GradRule
+
+__all__ = [
+    "Backward",
+    "GradRegistry",
+    "GradRule",
+    "OpBuilder",
+    "default_registry",
+    "register_gradient",
+    "shapes",
+]
+
+_FAMILIES = ("math", "nn", "tensor", "reduction", "normalization", "losses", "nondiff")
+
+
+def default_registry() -> GradRegistry:
+    """The registry holding every shipped rule (and those added with ``register_gradient``)."""
+    import importlib
+
+    for family in _FAMILIES:
+        importlib.import_module(f"onnx_autodiff.rules.{family}")
+    return _DEFAULT
+
+
+def register_gradient(
+    op_type: str,
+    domain: str = "",
+    *,
+    differentiable: Sequence[str] = (),
+    opsets: tuple[int, int] | None = None,
+    broadcast: bool = False,
+    when: Callable[[ir.Node], bool] | None = None,
+    inputs: Sequence[str] | None = None,
+    registry: GradRegistry | None = None,
+) -> Callable[[Backward], Backward]:
+    """Decorator adding (or overriding) the rule of ``domain::op_type`` in ``registry``.
+
+    The default is the shipped registry, so the rule applies to every later pass::
+
+        @register_gradient("MyScale", domain="custom", differentiable=("X",), inputs=("X", "s"))
+        def my_scale(op, node, dY):
+            X, s = node.inputs
+            return {"X": op.Mul(dY, s)}
+    """
+    target = registry if registry is not None else default_registry()
+    return target.register(
+        op_type,
+        domain,
+        differentiable=differentiable,
+        opsets=opsets,
+        broadcast=broadcast,
+        when=when,
+        inputs=inputs,
+    )

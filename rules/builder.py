@@ -1,0 +1,194 @@
+"""The op builder backward templates are written with: ``op.Mul(dY, B)`` emits one standard ONNX node."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+FLOAT_TYPES = frozenset(
+    {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
+)
+
+_INT64_RESULT = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin"})
+_BOOL_RESULT = frozenset(
+    {"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "Xor",
+     "IsNaN", "IsInf"}
+)
+
+
+class Namer:
+    """Fresh, deterministic names that collide with no name already in the model."""
+
+    def __init__(self, taken: Iterable[str] = (), prefix: str = "bwd") -> None:
+        self.taken = set(taken)
+        self.prefix = prefix
+        self._count = 0
+
+    def fresh(self, hint: str | None = None) -> str:
+        base = hint or f"{self.prefix}{self._count}"
+        if hint is None:
+            self._count += 1
+        name, suffix = base, 0
+        while name in self.taken:
+            suffix += 1
+            name = f"{base}_{suffix}" if hint else f"{self.prefix}{self._count}"
+            if hint is None:
+                self._count += 1
+        self.taken.add(name)
+        return name
+
+    @classmethod
+    def for_graph(cls, graph: ir.Graph | ir.Function, prefix: str = "bwd") -> Namer:
+        names: list[str] = [v.name for v in (*graph.inputs, *graph.outputs) if v.name]
+        if isinstance(graph, ir.Graph):
+            names.extend(graph.initializers)
+        for node in ir.traversal.RecursiveGraphIterator(graph):
+            if node.name:
+                names.append(node.name)
+            names.extend(v.name for v in (*node.inputs, *node.outputs) if v is not None and v.name)
+        return cls(names, prefix)
+
+
+class OpBuilder:
+    """Emits nodes for one backward pass.
+
+    ``op.<OpType>(*inputs, **attributes)`` appends a node and returns its output (a tuple when
+    ``_outputs`` > 1). Inputs may be ``ir.Value``, None (an omitted optional input), numpy arrays,
+    lists of ints (int64 tensors) or Python numbers (a scalar of the first input's dtype).
+    Attributes set to None are left out. Methods in lower case emit the form right for ``opset``.
+    """
+
+    def __init__(self, opset: int, namer: Namer, opsets: dict[str, int] | None = None) -> None:
+        self.opset = opset
+        self.opsets = dict(opsets or {"": opset})
+        self.namer = namer
+        self.nodes: list[ir.Node] = []
+
+    def __getattr__(self, op_type: str):
+        if not op_type[:1].isupper():
+            raise AttributeError(op_type)
+        return functools.partial(self.emit, op_type)
+
+    def emit(self, op_type: str, *inputs, _outputs: int = 1, _domain: str = "", **attributes):
+        like = _like(inputs)
+        values = [self._as_value(v, like) for v in inputs]
+        while values and values[-1] is None:
+            values.pop()
+        attrs = {k: v for k, v in attributes.items() if v is not None}
+        node = ir.Node(
+            _domain,
+            op_type,
+            values,
+            attributes=ir.convenience.convert_attributes(attrs),
+            num_outputs=_outputs,
+            name=self.namer.fresh(f"{self.namer.prefix}_{op_type}_{len(self.nodes)}"),
+        )
+        dtype = _result_dtype(op_type, values, attrs)
+        for i, out in enumerate(node.outputs):
+            out.name = self.namer.fresh()
+            if dtype is not None and (i == 0 or op_type == "Split"):
+                out.dtype = dtype
+        self.nodes.append(node)
+        if _domain and _domain not in self.opsets:
+            self.opsets[_domain] = 1
+        return node.outputs[0] if _outputs == 1 else tuple(node.outputs)
+
+    def const(self, value, dtype: ir.DataType | None = None, like: ir.Value | None = None):
+        """A Constant node; ``dtype`` or the dtype of ``like`` (CastLike when it is unknown)."""
+        if dtype is None and like is not None:
+            dtype = like.dtype
+        array = np.asarray(value, dtype=dtype.numpy() if dtype is not None else None)
+        if dtype is None and like is None and array.dtype == np.float64:
+            array = array.astype(np.float32)
+        if dtype is None and array.dtype.kind in "iu" and like is None:
+            array = array.astype(np.int64)
+        out = self.Constant(value=ir.tensor(array))
+        out.dtype = ir.DataType.from_numpy(array.dtype)
+        if dtype is None and like is not None:
+            return self.CastLike(out, like)
+        return out
+
+    def _as_value(self, value, like: ir.Value | None):
+        if value is None or isinstance(value, ir.Value):
+            return value
+        if isinstance(value, (list, tuple)):
+            return self.const(np.asarray(value, dtype=np.int64))
+        if isinstance(value, np.ndarray):
+            return self.const(value)
+        if isinstance(value, (int, float, np.number)):
+            return self.const(value, like=like)
+        raise TypeError(f"cannot use {type(value).__name__} as a node input")
+
+    # Forms that changed across opsets. Axes are Python ints or an int64 ir.Value.
+
+    def reduce(self, op_type: str, x, axes, keepdims: bool = True, noop_with_empty_axes=None):
+        """Reduce* over ``axes`` (None: all axes), as an input from opset 13/18, else an attribute."""
+        axes_as_input = self.opset >= (13 if op_type == "ReduceSum" else 18)
+        keep = int(bool(keepdims))
+        if axes is None:
+            return self.emit(op_type, x, keepdims=keep)
+        if axes_as_input:
+            return self.emit(op_type, x, _axes(axes), keepdims=keep,
+                             noop_with_empty_axes=noop_with_empty_axes)
+        if isinstance(axes, ir.Value):
+            raise ValueError(f"{op_type} at opset {self.opset} needs constant axes")
+        return self.emit(op_type, x, axes=list(axes), keepdims=keep)
+
+    def reduce_sum(self, x, axes, keepdims: bool = True):
+        return self.reduce("ReduceSum", x, axes, keepdims)
+
+    def unsqueeze(self, x, axes):
+        if self.opset >= 13:
+            return self.Unsqueeze(x, _axes(axes))
+        return self.Unsqueeze(x, axes=list(axes))
+
+    def squeeze(self, x, axes):
+        if self.opset >= 13:
+            return self.Squeeze(x, _axes(axes))
+        return self.Squeeze(x, axes=list(axes))
+
+    def split(self, x, sizes: Sequence[int] | ir.Value, axis: int, count: int | None = None):
+        count = count if count is not None else len(sizes)
+        if self.opset >= 13:
+            return self._tuple(self.Split(x, _axes(sizes), axis=axis, _outputs=count))
+        return self._tuple(self.Split(x, axis=axis, split=list(sizes), _outputs=count))
+
+    @staticmethod
+    def _tuple(result):
+        return result if isinstance(result, tuple) else (result,)
+
+
+def _axes(axes):
+    return axes if isinstance(axes, ir.Value) else np.asarray(list(axes), dtype=np.int64)
+
+
+def _like(inputs) -> ir.Value | None:
+    """The input whose dtype Python numbers take: a float one first, then any typed one."""
+    values = [v for v in inputs if isinstance(v, ir.Value)]
+    for wanted in (lambda v: v.dtype in FLOAT_TYPES, lambda v: v.dtype is not None, bool):
+        found = next((v for v in values if wanted(v)), None)
+        if found is not None:
+            return found
+    return None
+
+
+_SAME_AS_INPUT = {"Where": 1, "OneHot": 2}
+
+
+def _result_dtype(op_type: str, inputs: Sequence[ir.Value | None], attrs: dict):
+    if op_type in _INT64_RESULT:
+        return ir.DataType.INT64
+    if op_type in _BOOL_RESULT:
+        return ir.DataType.BOOL
+    if op_type == "Cast":
+        return ir.DataType(attrs["to"])
+    if op_type == "CastLike":
+        return inputs[1].dtype
+    if op_type in ("Constant", "ConstantOfShape", "EyeLike") or op_type.startswith("Random"):
+        return None
+    index = _SAME_AS_INPUT.get(op_type, 0)
+    source = inputs[index] if len(inputs) > index else None
+    return source.dtype if source is not None else None

@@ -1,0 +1,175 @@
+"""The rule registry: forward patterns (domain, op type, opset range, condition) mapped to backward templates."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+
+import onnx
+import onnx_ir as ir
+
+from onnx_autodiff.errors import AutodiffError
+
+MAX_OPSET = 10_000
+
+Backward = Callable[..., dict]
+"""``backward(op, node, *dYs) -> {input_name: gradient}``: one ``dY`` per node output, None where
+that output carries no gradient. A gradient is an ``ir.Value``, None for none, or a list for a
+variadic input."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GradRule:
+    """How to differentiate one operator.
+
+    ``differentiable`` names the inputs that receive gradients, by the schema's input names; every
+    other input is non-differentiable. An empty tuple declares the whole op non-differentiable:
+    gradients stop at it. ``broadcast`` says the gradients come back in the output's broadcast
+    shape and the engine reduces them to each input's shape. ``when`` restricts the rule to nodes
+    it accepts (attribute conditions); ``inputs`` names the inputs of an op without a schema.
+    """
+
+    op_type: str
+    domain: str = ""
+    opsets: tuple[int, int] = (1, MAX_OPSET)
+    differentiable: tuple[str, ...] = ()
+    backward: Backward | None = None
+    broadcast: bool = False
+    when: Callable[[ir.Node], bool] | None = None
+    inputs: tuple[tuple[str, ...], bool] | None = None
+
+    def matches(self, node: ir.Node, opset: int) -> bool:
+        low, high = self.opsets
+        return low <= opset <= high and (self.when is None or self.when(node))
+
+    def input_names(self, node: ir.Node, opset: int) -> list[str]:
+        """The schema name of each of the node's inputs (variadic inputs repeat their name)."""
+        formal = self.inputs if self.inputs is not None else _schema_input_names(node, opset)
+        if formal is None:
+            raise AutodiffError(
+                f"the rule for {node.domain or 'ai.onnx'}::{node.op_type} has no input names and "
+                "the op has no registered schema: pass inputs=(...) to register_gradient"
+            )
+        names, variadic = formal
+        count = len(node.inputs)
+        if len(names) >= count:
+            return list(names[:count])
+        if not variadic:
+            raise AutodiffError(
+                f"{node.op_type} node '{node.name}' has {count} inputs, its schema names {len(names)}"
+            )
+        return list(names) + [names[-1]] * (count - len(names))
+
+
+def _schema_input_names(node: ir.Node, opset: int) -> tuple[tuple[str, ...], bool] | None:
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+    except onnx.defs.SchemaError:
+        return None
+    variadic = onnx.defs.OpSchema.FormalParameterOption.Variadic
+    params = schema.inputs
+    return tuple(p.name for p in params), bool(params) and params[-1].option == variadic
+
+
+def _normalise(inputs) -> tuple[tuple[str, ...], bool] | None:
+    if inputs is None:
+        return None
+    names = tuple(inputs)
+    variadic = bool(names) and names[-1].endswith("...")
+    if variadic:
+        names = names[:-1] + (names[-1][:-3],)
+    return names, variadic
+
+
+class GradRegistry:
+    """Gradient rules keyed by (domain, op type); the most recently registered match wins."""
+
+    def __init__(self, rules: Iterable[GradRule] = ()) -> None:
+        self._rules: dict[tuple[str, str], list[GradRule]] = {}
+        for rule in rules:
+            self.add(rule)
+
+    def add(self, rule: GradRule) -> GradRule:
+        self._rules.setdefault((_domain(rule.domain), rule.op_type), []).append(rule)
+        return rule
+
+    def lookup(self, node: ir.Node, opset: int) -> GradRule | None:
+        for rule in reversed(self._rules.get((_domain(node.domain), node.op_type), ())):
+            if rule.matches(node, opset):
+                return rule
+        return None
+
+    def copy(self) -> GradRegistry:
+        clone = GradRegistry()
+        clone._rules = {key: list(rules) for key, rules in self._rules.items()}
+        return clone
+
+    def op_types(self, differentiable: bool | None = None) -> list[tuple[str, str]]:
+        """Sorted (domain, op type) pairs with a rule; filter by whether any rule is differentiable."""
+        keys = []
+        for key, rules in self._rules.items():
+            has_grad = any(r.backward is not None for r in rules)
+            if differentiable is None or has_grad == differentiable:
+                keys.append(key)
+        return sorted(keys)
+
+    def rules(self) -> list[GradRule]:
+        return [r for key in sorted(self._rules) for r in self._rules[key]]
+
+    def __contains__(self, key: str | tuple[str, str]) -> bool:
+        domain, op_type = ("", key) if isinstance(key, str) else key
+        return (_domain(domain), op_type) in self._rules
+
+    def register(
+        self,
+        op_type: str,
+        domain: str = "",
+        *,
+        differentiable: Sequence[str] = (),
+        opsets: tuple[int, int] | None = None,
+        since: int | None = None,
+        until: int | None = None,
+        broadcast: bool = False,
+        when: Callable[[ir.Node], bool] | None = None,
+        inputs: Sequence[str] | None = None,
+    ) -> Callable[[Backward], Backward]:
+        """Decorator registering ``backward`` for ``op_type``; see :class:`GradRule`.
+
+        ``inputs`` is only needed for ops without a schema; a trailing ``"name..."`` marks a
+        variadic last input. ``since``/``until`` are a shorthand for ``opsets``.
+        """
+        bounds = opsets or (since or 1, until or MAX_OPSET)
+
+        def decorate(backward: Backward) -> Backward:
+            self.add(
+                GradRule(
+                    op_type,
+                    domain,
+                    bounds,
+                    tuple(differentiable),
+                    backward,
+                    broadcast,
+                    when,
+                    _normalise(inputs),
+                )
+            )
+            return backward
+
+        return decorate
+
+    def not_differentiable(self, *op_types: str, domain: str = "") -> None:
+        """Declare ops whose outputs carry no gradient to any input (Shape, comparisons, ...)."""
+        for op_type in op_types:
+            self.add(GradRule(op_type, domain))
+
+
+def _domain(domain: str) -> str:
+    return "" if domain == "ai.onnx" else domain
+
+
+_DEFAULT = GradRegistry()
+
+rule = _DEFAULT.register
+"""Decorator the shipped rule families register with: ``@rule("Mul", differentiable=("A", "B"))``."""
+
+not_differentiable = _DEFAULT.not_differentiable

@@ -1,0 +1,164 @@
+"""Shape and axis helpers shared by every rule family and by the engine's broadcast reduction."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_autodiff.errors import RuleError
+from onnx_autodiff.rules.builder import OpBuilder
+
+Dim = int | str | None
+
+
+def dims(value: ir.Value) -> tuple[Dim, ...] | None:
+    """The value's shape as ints (static), strings (symbolic) and None (unknown); None if no rank."""
+    if value.shape is None:
+        return None
+    out: list[Dim] = []
+    for d in value.shape.dims:
+        if isinstance(d, int):
+            out.append(d)
+        else:
+            out.append(d.value if d.value else None)
+    return tuple(out)
+
+
+def static_shape(value: ir.Value) -> tuple[int, ...] | None:
+    """The shape when every dimension is a known integer, else None."""
+    shape = dims(value)
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    return shape  # type: ignore[return-value]
+
+
+def rank(value: ir.Value) -> int | None:
+    return None if value.shape is None else len(value.shape)
+
+
+def attr(node: ir.Node, name: str, default=None):
+    """An attribute's Python value (lists for repeated fields), or ``default``."""
+    attribute = node.attributes.get(name)
+    if attribute is None:
+        return default
+    value = attribute.value
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return list(value)
+    return value
+
+
+def normalize_axis(axis: int, rank_: int) -> int:
+    return axis + rank_ if axis < 0 else axis
+
+
+def inverse_perm(perm: Sequence[int]) -> list[int]:
+    inverse = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inverse[p] = i
+    return inverse
+
+
+def swap_last2(op: OpBuilder, x: ir.Value, rank_: int) -> ir.Value:
+    perm = list(range(rank_))
+    perm[-2:] = perm[-1], perm[-2]
+    return op.Transpose(x, perm=perm)
+
+
+def constant_input(value: ir.Value | None) -> np.ndarray | None:
+    """The numpy value of an initializer or Constant-produced input, else None."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Constant" and producer.domain == "":
+        for key in ("value", "value_float", "value_floats", "value_int", "value_ints"):
+            attribute = producer.attributes.get(key)
+            if attribute is not None:
+                raw = attribute.value
+                return raw.numpy() if hasattr(raw, "numpy") else np.asarray(raw)
+    return None
+
+
+def fill_like(op: OpBuilder, x: ir.Value, fill: float) -> ir.Value:
+    """A tensor of x's shape and dtype filled with ``fill``."""
+    shape = static_shape(x)
+    if x.dtype is not None and shape is not None and int(np.prod(shape)) <= 1:
+        return op.const(np.full(shape, fill), dtype=x.dtype)
+    if x.dtype is not None:
+        return op.ConstantOfShape(op.Shape(x), value=ir.tensor(np.array([fill], x.dtype.numpy())))
+    filled = op.ConstantOfShape(op.Shape(x), value=ir.tensor(np.array([fill], np.float32)))
+    return op.CastLike(filled, x)
+
+
+def zeros_like(op: OpBuilder, x: ir.Value) -> ir.Value:
+    return fill_like(op, x, 0.0)
+
+
+def ones_like(op: OpBuilder, x: ir.Value) -> ir.Value:
+    return fill_like(op, x, 1.0)
+
+
+def accumulate(op: OpBuilder, contributions: Sequence[ir.Value]) -> ir.Value:
+    """One value for the sum: itself, an Add of two, a Sum of more."""
+    if len(contributions) == 1:
+        return contributions[0]
+    if len(contributions) == 2:
+        return op.Add(*contributions)
+    return op.Sum(*contributions)
+
+
+def alias(op: OpBuilder, value: ir.Value) -> ir.Value:
+    """A new name for the same tensor (for graph outputs that must be distinct values)."""
+    return op.Identity(value)
+
+
+def unbroadcast(op: OpBuilder, grad: ir.Value, x: ir.Value, broadcast_like: ir.Value) -> ir.Value:
+    """Sum ``grad`` (shaped like ``broadcast_like``) down to the shape of ``x``.
+
+    Static axes when the shapes decide them, a run-time computation from Shape otherwise.
+    """
+    x_dims, y_dims = dims(x), dims(broadcast_like)
+    if x_dims is not None and y_dims is not None and len(y_dims) >= len(x_dims):
+        lead = len(y_dims) - len(x_dims)
+        inner: list[int] = []
+        decided = True
+        for i, (xd, yd) in enumerate(zip(x_dims, y_dims[lead:])):
+            if xd == yd and xd is not None:
+                continue
+            if xd == 1:
+                inner.append(lead + i)
+            elif not (isinstance(xd, int) and isinstance(yd, int)):
+                decided = False
+                break
+        if decided:
+            return _reduce_static(op, grad, list(range(lead)), inner)
+    return _reduce_dynamic(op, grad, x)
+
+
+def _reduce_static(op: OpBuilder, grad: ir.Value, lead: list[int], inner: list[int]) -> ir.Value:
+    if not lead and not inner:
+        return grad
+    if not inner:
+        return op.reduce_sum(grad, lead, keepdims=False)
+    summed = op.reduce_sum(grad, lead + inner, keepdims=True)
+    return op.squeeze(summed, lead) if lead else summed
+
+
+def _reduce_dynamic(op: OpBuilder, grad: ir.Value, x: ir.Value) -> ir.Value:
+    """Axes where x (left-padded with ones) has extent 1, found at run time; then Reshape."""
+    if op.opset < 13:
+        raise RuleError(
+            f"undoing a broadcast whose axes are only known at run time needs opset 13 or later "
+            f"(the model has {op.opset}); convert it with onnx.version_converter"
+        )
+    grad_shape = op.Shape(grad)
+    x_shape = op.Shape(x)
+    pad_len = op.Sub(op.Shape(grad_shape), op.Shape(x_shape))
+    ones = op.ConstantOfShape(pad_len, value=ir.tensor(np.array([1], np.int64)))
+    padded = op.Concat(ones, x_shape, axis=0)
+    axes = op.Reshape(op.NonZero(op.Equal(padded, [1])), [-1])
+    summed = op.ReduceSum(grad, axes, keepdims=1, noop_with_empty_axes=1)
+    return op.Reshape(summed, x_shape)
