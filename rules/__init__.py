@@ -20,7 +20,7 @@ __all__ = [
     "shapes",
 ]
 
-_FAMILIES = ("math", "nn", "tensor", "reduction", "normalization", "losses", "nondiff")
+_FAMILIES = ("math", "activation", "nn", "tensor", "reduction", "normalization", "losses", "nondiff")
 
 
 def default_registry() -> GradRegistry:
