@@ -10,6 +10,7 @@ from onnx_autodiff.errors import (
 )
 from onnx_autodiff.passes import (
     AutodiffPass,
+    GradientOpLoweringPass,
     autodiff_pass,
     cleanup_passes,
     gradient_of_function,
@@ -23,6 +24,7 @@ __all__ = [
     "AutodiffError",
     "AutodiffPass",
     "GradRegistry",
+    "GradientOpLoweringPass",
     "GradRule",
     "MissingRuleError",
     "NotDifferentiableError",

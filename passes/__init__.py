@@ -2,10 +2,12 @@
 
 from onnx_autodiff.passes.autodiff import AutodiffPass, autodiff_pass
 from onnx_autodiff.passes.cleanup import cleanup_passes
-from onnx_autodiff.passes.functions import gradient_of_function, gradient_of_nodes  # noqa: E402
+from onnx_autodiff.passes.functions import gradient_of_function, gradient_of_nodes
+from onnx_autodiff.passes.gradient_op import GradientOpLoweringPass
 
 __all__ = [
     "AutodiffPass",
+    "GradientOpLoweringPass",
     "autodiff_pass",
     "cleanup_passes",
     "gradient_of_function",

@@ -1,7 +1,150 @@
 """Protobuf entry points: the gradient of a list of nodes or of a function as an onnx.FunctionProto."""
-def gradient_of_nodes(*a, **k):
-    raise NotImplementedError
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import onnx
+import onnx_ir as ir
+
+from onnx_autodiff.errors import UnknownValueError, UnsupportedModelError
+from onnx_autodiff.passes.autodiff import Backward, _check_differentiable, find_value
+from onnx_autodiff.rules import GradRegistry, default_registry, shapes
+from onnx_autodiff.rules.builder import Namer
+
+DOMAIN = "onnx_autodiff"
 
 
-def gradient_of_function(*a, **k):
-    raise NotImplementedError
+def gradient_of_nodes(
+    nodes: Sequence[onnx.NodeProto],
+    xs: Sequence[str],
+    y: str,
+    zs: Sequence[str] = (),
+    registry: GradRegistry | None = None,
+    *,
+    opset_imports: dict[str, int] | None = None,
+    name: str | None = None,
+    domain: str = DOMAIN,
+) -> onnx.FunctionProto:
+    """The function [xs..., zs..., dy] -> [grad_x1, ...] computing dy·∂y/∂x through ``nodes``.
+
+    ``zs`` are the other values the nodes read; ``opset_imports`` defaults to the installed
+    onnx's default-domain version.
+    """
+    opsets = dict(opset_imports or {"": onnx.defs.onnx_opset_version()})
+    function = onnx.helper.make_function(
+        domain,
+        name or f"Forward_{y}",
+        list(xs) + list(zs),
+        [y],
+        list(nodes),
+        [onnx.helper.make_opsetid(d, v) for d, v in opsets.items()],
+    )
+    return gradient_of_function(function, xs, y, zs, registry, name=name, domain=domain)
+
+
+def gradient_of_function(
+    fn: onnx.FunctionProto | onnx.ModelProto | onnx.GraphProto,
+    xs: Sequence[str],
+    y: str,
+    zs: Sequence[str] = (),
+    registry: GradRegistry | None = None,
+    *,
+    name: str | None = None,
+    domain: str = DOMAIN,
+) -> onnx.FunctionProto:
+    """The function [xs..., zs..., dy] -> [grad_x1, ...] for a function, model or graph.
+
+    Initializers of a model or graph may be named in ``xs`` or ``zs`` like inputs; those not
+    named become Constant nodes, so the function is self-contained. It recomputes every forward
+    value the backward nodes need.
+    """
+    graph, opsets = _as_ir_graph(fn)
+    variables = [find_value(graph, x, "xs") for x in xs]
+    for x in variables:
+        _check_differentiable(x, "xs")
+    others = [find_value(graph, z, "zs") for z in zs]
+    output = find_value(graph, y, "y")
+    _initializers_to_constants(graph, keep=set(xs) | set(zs))
+    namer = Namer.for_graph(graph)
+    backward = Backward(graph, registry or default_registry(), opsets, namer)
+    op = backward.op
+    dy = ir.Value(name=namer.fresh("dy"), type=output.type, shape=output.shape)
+    grads = backward.gradients(output, variables, dy)
+    results = []
+    for x, grad in zip(variables, grads):
+        grad = shapes.zeros_like(op, x) if grad is None else grad
+        if grad is dy or grad in results or grad.producer() not in op.nodes:
+            grad = shapes.alias(op, grad)
+        grad.name = namer.fresh(f"grad_{x.name}")
+        results.append(grad)
+    inputs = [*variables, *others, dy]
+    nodes = _needed_nodes([*backward.order, *op.nodes], results, inputs)
+    for value in (*variables, *others):
+        if value.producer() is not None:
+            raise UnsupportedModelError(
+                f"'{value.name}' is computed by the nodes; xs and zs must name their inputs"
+            )
+    graph.remove([node for node in nodes if node.graph is graph])
+    graph.inputs.clear()
+    graph.outputs.clear()
+    body = ir.Graph(inputs, results, nodes=nodes, opset_imports={**opsets, **op.opsets})
+    function = ir.Function(domain, name or f"Gradient_of_{y}", graph=body, attributes=[])
+    return ir.serde.serialize_function(function)
+
+
+def _as_ir_graph(fn) -> tuple[ir.Graph, dict[str, int]]:
+    if isinstance(fn, onnx.FunctionProto):
+        if fn.attribute or fn.attribute_proto:
+            raise UnsupportedModelError(
+                f"function '{fn.name}' has attributes: differentiate a call site's body instead"
+            )
+        body = onnx.helper.make_graph(
+            list(fn.node),
+            fn.name,
+            [onnx.ValueInfoProto(name=n) for n in fn.input],
+            [onnx.ValueInfoProto(name=n) for n in fn.output],
+        )
+        opsets = {o.domain: o.version for o in fn.opset_import}
+        model = onnx.helper.make_model(body, opset_imports=list(fn.opset_import))
+        return ir.serde.deserialize_model(model).graph, opsets
+    if isinstance(fn, onnx.GraphProto):
+        graph = ir.serde.deserialize_graph(fn)
+        return graph, dict(graph.opset_imports) or {"": onnx.defs.onnx_opset_version()}
+    if isinstance(fn, onnx.ModelProto):
+        model = ir.serde.deserialize_model(fn)
+        return model.graph, dict(model.opset_imports)
+    raise TypeError(f"expected a FunctionProto, GraphProto or ModelProto, not {type(fn).__name__}")
+
+
+def _initializers_to_constants(graph: ir.Graph, keep: set[str]) -> None:
+    """Functions hold no initializers: the ones not fed as inputs become Constant nodes."""
+    for name in list(graph.initializers):
+        value = graph.initializers.pop(name)
+        if name in keep:
+            continue
+        constant = ir.node("Constant", [], attributes={"value": value.const_value})
+        value.replace_all_uses_with(constant.outputs[0])
+        constant.outputs[0].name = name
+        constant.outputs[0].type = value.type
+        constant.outputs[0].shape = value.shape
+        graph.insert_before(graph.node(0), constant) if len(graph) else graph.append(constant)
+
+
+def _needed_nodes(nodes: list[ir.Node], results, inputs) -> list[ir.Node]:
+    """The nodes that the results depend on, in their order; every other read must be an input."""
+    needed = set(results)
+    keep: list[ir.Node] = []
+    for node in reversed(nodes):
+        if any(out in needed for out in node.outputs):
+            keep.append(node)
+            needed.update(v for v in node.inputs if v is not None)
+    keep.reverse()
+    produced = {out for node in keep for out in node.outputs}
+    missing = [v.name for v in needed if v not in produced and v not in set(inputs)]
+    if missing:
+        raise UnknownValueError(
+            f"the gradient needs {sorted(missing)}, which are neither computed by the nodes nor "
+            "listed in xs or zs: add them to zs"
+        )
+    return keep

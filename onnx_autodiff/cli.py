@@ -1,0 +1,153 @@
+"""The ``onnx-autodiff`` command line: grad, demo and conformance."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+import onnx
+import onnx_ir as ir
+
+from onnx_autodiff.errors import AutodiffError, UnknownValueError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """Bad command-line usage: exit 2 with one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage dump
+        raise UsageError(message)
+
+
+def load_model(path: str) -> ir.Model:
+    if not os.path.isfile(path):
+        raise UsageError(f"no such model file: {path}")
+    try:
+        proto = onnx.load(path)
+    except Exception as error:  # noqa: BLE001 - any parse failure is a malformed model
+        raise AutodiffError(f"cannot read {path} as an ONNX model: {type(error).__name__}: {error}") from error
+    try:
+        return ir.from_proto(proto)
+    except Exception as error:  # noqa: BLE001
+        raise AutodiffError(f"{path} is not a well-formed ONNX model: {error}") from error
+
+
+def save_atomically(proto: onnx.ModelProto, path: str) -> None:
+    """Write ``proto`` to ``path`` through a temporary file, so ``path`` is never half-written."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise UsageError(f"output directory does not exist: {directory}")
+    handle, temporary = tempfile.mkstemp(dir=directory, prefix=".onnx-autodiff-", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(proto.SerializeToString(deterministic=True))
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
+
+def _single_output(model: ir.Model) -> str:
+    outputs = [v.name for v in model.graph.outputs]
+    if len(outputs) != 1:
+        raise UsageError(f"the model has {len(outputs)} outputs {outputs}: choose one with --of")
+    return outputs[0]
+
+
+def cmd_grad(args) -> int:
+    from onnx_autodiff.passes import AutodiffPass, cleanup_passes
+
+    model = load_model(args.model)
+    forward_nodes = len(model.graph)
+    of = args.of or _single_output(model)
+    start = time.perf_counter()
+    autodiff = AutodiffPass(of=of, wrt=args.wrt or None)
+    passes = [autodiff] if args.no_cleanup else [autodiff, *cleanup_passes()]
+    result = ir.passes.PassManager(passes)(model)
+    proto = ir.to_proto(result.model)
+    seconds = time.perf_counter() - start
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+    except onnx.checker.ValidationError as error:
+        first = str(error).strip().splitlines()[0]
+        raise AutodiffError(f"the generated model fails the ONNX checker (a bug, please report): {first}")
+    save_atomically(proto, args.output)
+    seed = f"; seed input '{autodiff.seed_name}'" if autodiff.seed_name else ""
+    print(
+        f"wrote {args.output}: {forward_nodes} forward + {len(result.model.graph) - forward_nodes} "
+        f"backward nodes in {seconds:.2f} s; outputs {', '.join(autodiff.gradient_names.values())}{seed}"
+    )
+    return EXIT_OK
+
+
+def cmd_demo(args) -> int:
+    from onnx_autodiff.demo import run_demo
+
+    return run_demo(steps=args.steps)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="onnx-autodiff", description=__doc__)
+    commands = parser.add_subparsers(dest="command", parser_class=_Parser)
+    grad = commands.add_parser("grad", help="append gradient outputs to a model")
+    grad.add_argument("model", help="input .onnx file")
+    grad.add_argument("-o", "--output", required=True, help="where to write the model with gradients")
+    grad.add_argument("--of", help="the value to differentiate (default: the single graph output)")
+    grad.add_argument("--wrt", nargs="+", help="variables (default: every floating-point initializer)")
+    grad.add_argument("--no-cleanup", action="store_true", help="skip the cleanup passes")
+    grad.set_defaults(run=cmd_grad)
+    demo = commands.add_parser("demo", help="differentiate, check and train an embedded classifier")
+    demo.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    demo.set_defaults(run=cmd_demo)
+    try:
+        from onnx_autodiff.conformance import runner
+    except ImportError:
+        runner = None
+    if runner is not None and hasattr(runner, "add_arguments"):
+        conformance = commands.add_parser(
+            "conformance", help="check the rules against the ONNX backend test data"
+        )
+        runner.add_arguments(conformance)
+        conformance.set_defaults(run=runner.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if getattr(args, "run", None) is None:
+            raise UsageError("choose a command: " + ", ".join(_commands(parser)))
+        return args.run(args)
+    except (UsageError, UnknownValueError) as error:
+        return _fail(str(error), EXIT_USAGE)
+    except AutodiffError as error:
+        return _fail(str(error), EXIT_FAILED)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+    except Exception as error:  # noqa: BLE001 - users get one line, never a traceback
+        return _fail(f"unexpected {type(error).__name__} (please report): {error}", EXIT_FAILED)
+
+
+def _fail(message: str, code: int) -> int:
+    print("onnx-autodiff: error: " + " ".join(message.split()), file=sys.stderr)
+    return code
+
+
+def _commands(parser: argparse.ArgumentParser) -> list[str]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return sorted(action.choices)
+    return []
+
+
+if __name__ == "__main__":
+    sys.exit(main())
