@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import tempfile
@@ -121,12 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Failed shape inference is reported by onnx-ir as a log warning; our errors say what matters.
+    logging.getLogger("onnx_ir").setLevel(logging.ERROR)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
         if getattr(args, "run", None) is None:
             raise UsageError("choose a command: " + ", ".join(_commands(parser)))
-        return args.run(args)
+        try:
+            return args.run(args)
+        except ir.passes.PassError as error:
+            raise _root_cause(error) from error
     except (UsageError, UnknownValueError) as error:
         return _fail(str(error), EXIT_USAGE)
     except AutodiffError as error:
@@ -135,6 +141,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail("interrupted", 130)
     except Exception as error:  # noqa: BLE001 - users get one line, never a traceback
         return _fail(f"unexpected {type(error).__name__} (please report): {error}", EXIT_FAILED)
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    """The exception a pass raised, unwrapped from the PassManager's PassError."""
+    while isinstance(error, ir.passes.PassError) and error.__cause__ is not None:
+        error = error.__cause__
+    return error
 
 
 def _fail(message: str, code: int) -> int:

@@ -82,7 +82,7 @@ class OpBuilder:
             _domain,
             op_type,
             values,
-            attributes=ir.convenience.convert_attributes(attrs),
+            attributes=[_attribute(k, v) for k, v in attrs.items()],
             num_outputs=_outputs,
             name=self.namer.fresh(f"{self.namer.prefix}_{op_type}_{len(self.nodes)}"),
         )
@@ -105,7 +105,7 @@ class OpBuilder:
             array = array.astype(np.float32)
         if dtype is None and array.dtype.kind in "iu" and like is None:
             array = array.astype(np.int64)
-        out = self.Constant(value=ir.tensor(array))
+        out = self.Constant(value=ir.Tensor(array))
         out.dtype = ir.DataType.from_numpy(array.dtype)
         if dtype is None and like is not None:
             return self.CastLike(out, like)
@@ -161,18 +161,42 @@ class OpBuilder:
         return result if isinstance(result, tuple) else (result,)
 
 
+def _attribute(name: str, value) -> ir.Attr:
+    """An ir.Attr for the common Python types, without onnx-ir's slower generic conversion."""
+    if isinstance(value, bool) or isinstance(value, (int, np.integer)):
+        return ir.AttrInt64(name, int(value))
+    if isinstance(value, (float, np.floating)):
+        return ir.AttrFloat32(name, float(value))
+    if isinstance(value, str):
+        return ir.AttrString(name, value)
+    if isinstance(value, np.ndarray):
+        return ir.AttrTensor(name, ir.Tensor(value))
+    if isinstance(value, ir.Tensor):
+        return ir.AttrTensor(name, value)
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, np.integer)) for v in value):
+        return ir.AttrInt64s(name, [int(v) for v in value])
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (float, int)) for v in value):
+        return ir.AttrFloat32s(name, [float(v) for v in value])
+    return ir.convenience.convert_attribute(name, value)
+
+
 def _axes(axes):
     return axes if isinstance(axes, ir.Value) else np.asarray(list(axes), dtype=np.int64)
 
 
 def _like(inputs) -> ir.Value | None:
     """The input whose dtype Python numbers take: a float one first, then any typed one."""
-    values = [v for v in inputs if isinstance(v, ir.Value)]
-    for wanted in (lambda v: v.dtype in FLOAT_TYPES, lambda v: v.dtype is not None, bool):
-        found = next((v for v in values if wanted(v)), None)
-        if found is not None:
-            return found
-    return None
+    typed = first = None
+    for value in inputs:
+        if isinstance(value, ir.Value):
+            dtype = value.dtype
+            if dtype in FLOAT_TYPES:
+                return value
+            if typed is None and dtype is not None:
+                typed = value
+            if first is None:
+                first = value
+    return typed if typed is not None else first
 
 
 _SAME_AS_INPUT = {"Where": 1, "OneHot": 2}

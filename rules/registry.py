@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Sequence
 
 import onnx
@@ -62,8 +63,13 @@ class GradRule:
 
 
 def _schema_input_names(node: ir.Node, opset: int) -> tuple[tuple[str, ...], bool] | None:
+    return _schema_inputs(node.op_type, opset, node.domain)
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_inputs(op_type: str, opset: int, domain: str) -> tuple[tuple[str, ...], bool] | None:
     try:
-        schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+        schema = onnx.defs.get_schema(op_type, opset, domain)
     except onnx.defs.SchemaError:
         return None
     variadic = onnx.defs.OpSchema.FormalParameterOption.Variadic

@@ -88,8 +88,8 @@ def fill_like(op: OpBuilder, x: ir.Value, fill: float) -> ir.Value:
     if x.dtype is not None and shape is not None and int(np.prod(shape)) <= 1:
         return op.const(np.full(shape, fill), dtype=x.dtype)
     if x.dtype is not None:
-        return op.ConstantOfShape(op.Shape(x), value=ir.tensor(np.array([fill], x.dtype.numpy())))
-    filled = op.ConstantOfShape(op.Shape(x), value=ir.tensor(np.array([fill], np.float32)))
+        return op.ConstantOfShape(op.Shape(x), value=ir.Tensor(np.array([fill], x.dtype.numpy())))
+    filled = op.ConstantOfShape(op.Shape(x), value=ir.Tensor(np.array([fill], np.float32)))
     return op.CastLike(filled, x)
 
 
@@ -157,7 +157,7 @@ def _reduce_dynamic(op: OpBuilder, grad: ir.Value, x: ir.Value) -> ir.Value:
     grad_shape = op.Shape(grad)
     x_shape = op.Shape(x)
     pad_len = op.Sub(op.Shape(grad_shape), op.Shape(x_shape))
-    ones = op.ConstantOfShape(pad_len, value=ir.tensor(np.array([1], np.int64)))
+    ones = op.ConstantOfShape(pad_len, value=ir.Tensor(np.array([1], np.int64)))
     padded = op.Concat(ones, x_shape, axis=0)
     axes = op.Reshape(op.NonZero(op.Equal(padded, [1])), [-1])
     summed = op.ReduceSum(grad, axes, keepdims=1, noop_with_empty_axes=1)

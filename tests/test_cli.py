@@ -1,0 +1,159 @@
+"""The command line: exit codes, one-line errors, atomic output."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnx_autodiff.cli import main
+
+
+def write_model(path, nodes, inputs, outputs, initializers=(), opsets=(("", 18),)):
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(n, t, s) for n, t, s in inputs],
+        [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs],
+        list(initializers),
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets])
+    onnx.save(model, str(path))
+    return str(path)
+
+
+@pytest.fixture
+def scaled_model(tmp_path):
+    W = numpy_helper.from_array(np.array([2.0, -1.0, 0.5], np.float32), "W")
+    return write_model(
+        tmp_path / "m.onnx",
+        [helper.make_node("Mul", ["x", "W"], ["y"])],
+        [("x", TensorProto.FLOAT, [3])],
+        [("y", TensorProto.FLOAT, [3])],
+        [W],
+    )
+
+
+def one_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+def test_grad_writes_model_with_gradient_outputs(scaled_model, tmp_path, capsys):
+    out = tmp_path / "g.onnx"
+    assert main(["grad", scaled_model, "-o", str(out)]) == 0
+    assert "grad_W" in capsys.readouterr().out
+    model = onnx.load(str(out))
+    onnx.checker.check_model(model, full_check=True)
+    assert [o.name for o in model.graph.output] == ["y", "grad_W"]
+    assert [i.name for i in model.graph.input] == ["x", "dy"]
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.array([1.0, 2.0, 3.0], np.float32)
+    _, grad = session.run(None, {"x": x, "dy": np.ones(3, np.float32)})
+    np.testing.assert_array_equal(grad, x)
+
+
+def test_grad_with_explicit_of_wrt_and_no_cleanup(scaled_model, tmp_path):
+    out = tmp_path / "g.onnx"
+    assert main(["grad", scaled_model, "-o", str(out), "--of", "y", "--wrt", "x", "W", "--no-cleanup"]) == 0
+    assert [o.name for o in onnx.load(str(out)).graph.output] == ["y", "grad_x", "grad_W"]
+
+
+def test_missing_rule_exits_1_with_one_line_and_writes_nothing(tmp_path, capsys):
+    model = write_model(
+        tmp_path / "m.onnx",
+        [helper.make_node("Foo", ["x"], ["h"], domain="acme", name="foo1"), helper.make_node("Neg", ["h"], ["y"])],
+        [("x", TensorProto.FLOAT, [2])],
+        [("y", TensorProto.FLOAT, [2])],
+        opsets=(("", 18), ("acme", 2)),
+    )
+    out = tmp_path / "g.onnx"
+    assert main(["grad", model, "-o", str(out), "--wrt", "x"]) == 1
+    line = one_line(capsys.readouterr().err)
+    for part in ("foo1", "Foo", "acme", "opset 2", "register_gradient"):
+        assert part in line
+    assert sorted(os.listdir(tmp_path)) == ["m.onnx"]
+
+
+@pytest.mark.parametrize(
+    "args,code,fragment",
+    [
+        (["--of", "nope"], 2, "of 'nope'"),
+        (["--wrt", "nope"], 2, "wrt 'nope'"),
+    ],
+)
+def test_unknown_names_exit_2(scaled_model, tmp_path, capsys, args, code, fragment):
+    assert main(["grad", scaled_model, "-o", str(tmp_path / "g.onnx"), *args]) == code
+    assert fragment in one_line(capsys.readouterr().err)
+    assert not (tmp_path / "g.onnx").exists()
+
+
+def test_integer_wrt_exits_1(tmp_path, capsys):
+    model = write_model(
+        tmp_path / "m.onnx",
+        [helper.make_node("Cast", ["i"], ["f"], to=TensorProto.FLOAT), helper.make_node("Neg", ["f"], ["y"])],
+        [("i", TensorProto.INT64, [2])],
+        [("y", TensorProto.FLOAT, [2])],
+    )
+    assert main(["grad", model, "-o", str(tmp_path / "g.onnx"), "--wrt", "i"]) == 1
+    assert "INT64" in one_line(capsys.readouterr().err)
+
+
+def test_malformed_and_missing_files(tmp_path, capsys):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"this is not a protobuf \xff\xfe")
+    assert main(["grad", str(bad), "-o", str(tmp_path / "g.onnx")]) == 1
+    assert "cannot read" in one_line(capsys.readouterr().err)
+    assert main(["grad", str(tmp_path / "none.onnx"), "-o", str(tmp_path / "g.onnx")]) == 2
+    assert "no such model file" in one_line(capsys.readouterr().err)
+
+
+def test_cyclic_model_exits_1(tmp_path, capsys):
+    model = write_model(
+        tmp_path / "m.onnx",
+        [helper.make_node("Add", ["x", "b"], ["a"]), helper.make_node("Neg", ["a"], ["b"])],
+        [("x", TensorProto.FLOAT, [2])],
+        [("b", TensorProto.FLOAT, [2])],
+    )
+    assert main(["grad", model, "-o", str(tmp_path / "g.onnx"), "--wrt", "x"]) == 1
+    assert "cycle" in one_line(capsys.readouterr().err)
+
+
+def test_several_outputs_need_of(tmp_path, capsys):
+    model = write_model(
+        tmp_path / "m.onnx",
+        [helper.make_node("Neg", ["x"], ["y"]), helper.make_node("Abs", ["x"], ["z"])],
+        [("x", TensorProto.FLOAT, [2])],
+        [("y", TensorProto.FLOAT, [2]), ("z", TensorProto.FLOAT, [2])],
+    )
+    assert main(["grad", model, "-o", str(tmp_path / "g.onnx"), "--wrt", "x"]) == 2
+    assert "--of" in one_line(capsys.readouterr().err)
+
+
+def test_bad_usage_exits_2(capsys):
+    assert main([]) == 2
+    one_line(capsys.readouterr().err)
+    assert main(["grad"]) == 2
+    one_line(capsys.readouterr().err)
+
+
+def test_module_entry_point_runs(scaled_model, tmp_path):
+    out = tmp_path / "g.onnx"
+    done = subprocess.run(
+        [sys.executable, "-m", "onnx_autodiff", "grad", scaled_model, "-o", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert out.exists()
+
+
+def test_demo_trains_and_checks(capsys):
+    assert main(["demo", "--steps", "30"]) == 0
+    report = capsys.readouterr().out
+    assert "gradient check" in report and "result         ok" in report
