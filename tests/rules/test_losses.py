@@ -1,0 +1,235 @@
+import numpy as np
+import pytest
+from onnx import helper
+
+from onnx_autodiff.rules import default_registry
+
+from helpers import assert_gradients, make_model, op_model, rng
+
+R = rng()
+C = 4
+IGNORE = 2
+
+
+def _scores(shape):
+    return (R.standard_normal(shape) * 2).astype(np.float32)
+
+
+def _labels(shape, ignore_index=None, dtype=np.int64):
+    labels = R.integers(0, C, shape).astype(dtype)
+    if ignore_index is not None:
+        flat = labels.reshape(-1)
+        flat[::3] = ignore_index  # some labels ignored, most not
+        flat[1] = 0 if ignore_index != 0 else 1  # never all ignored
+    return labels
+
+
+# Softmax and LogSoftmax
+
+
+@pytest.mark.parametrize("op", ["Softmax", "LogSoftmax"])
+@pytest.mark.parametrize("axis", [None, 0, 1, 2, -1, -2])
+def test_softmax_opset13(op, axis):
+    x = _scores((2, 3, 4))
+    model = op_model(op, {"input": x}, axis=axis, opset=18)
+    assert_gradients(model, {"input": x}, ["input"])
+
+
+@pytest.mark.parametrize("opset", [11, 12])
+@pytest.mark.parametrize("op", ["Softmax", "LogSoftmax"])
+@pytest.mark.parametrize("axis", [None, 0, 1, 2, -1, -2])
+def test_softmax_coerced_2d(op, axis, opset):
+    x = _scores((2, 3, 4))
+    model = op_model(op, {"input": x}, axis=axis, opset=opset)
+    assert_gradients(model, {"input": x}, ["input"])
+
+
+@pytest.mark.parametrize("op", ["Softmax", "LogSoftmax"])
+def test_softmax_coerced_2d_unknown_rank(op):
+    # Squeeze without axes over symbolic dims: shape inference loses the rank of S.
+    x = _scores((2, 3, 4))
+    nodes = [helper.make_node("Squeeze", ["X"], ["S"]),
+             helper.make_node(op, ["S"], ["P"], axis=1),
+             helper.make_node("Reshape", ["P", "shape"], ["Y"])]
+    model = make_model(nodes, {"X": x}, ["Y"], opset=12, shapes={"X": ["A", "B", "D"]},
+                       initializers={"shape": np.array([2, 3, 4], np.int64)})
+    assert not model.graph.value_info[1].type.tensor_type.HasField("shape")
+    # Local reshape rules keep this test independent of the tensor family.
+    registry = default_registry().copy()
+    for reshape_like in ("Squeeze", "Reshape"):
+        registry.register(reshape_like, differentiable=("data",))(_reshape_back)
+    assert_gradients(model, {"X": x}, ["X"], registry=registry)
+
+
+def _reshape_back(op, node, dY):
+    return {"data": op.Reshape(dY, op.Shape(node.inputs[0]))}
+
+
+@pytest.mark.parametrize("opset", [12, 18])
+@pytest.mark.parametrize("op", ["Softmax", "LogSoftmax"])
+def test_softmax_symbolic_batch(op, opset):
+    x = _scores((3, 2, 4))
+    model = op_model(op, {"input": x}, axis=1, opset=opset, shapes={"input": ["N", 2, 4]})
+    assert_gradients(model, {"input": x}, ["input"])
+
+
+def test_softmax_1d():
+    x = _scores((5,))
+    assert_gradients(op_model("Softmax", {"input": x}), {"input": x}, ["input"])
+
+
+# Hardmax: zero gradient, not an error
+
+
+def test_hardmax_gradient_is_zero():
+    x = _scores((3, 4))
+    nodes = [helper.make_node("Hardmax", ["X"], ["H"]), helper.make_node("Mul", ["H", "X"], ["Y"])]
+    model = make_model(nodes, {"X": x}, ["Y"])
+    result = assert_gradients(model, {"X": x}, ["X"])  # dX = dY * Hardmax(X): nothing through H
+    assert np.count_nonzero(result.ad["X"]) == 3
+
+
+def test_hardmax_alone():
+    x = _scores((3, 4))
+    result = assert_gradients(op_model("Hardmax", {"input": x}, axis=0), {"input": x}, ["input"])
+    assert result.ad["input"].shape == x.shape and not np.any(result.ad["input"])
+
+
+# SoftmaxCrossEntropyLoss
+
+
+LABEL_SHAPES = [((5, C), (5,)), ((3, C, 2), (3, 2)), ((2, C, 2, 3), (2, 2, 3))]
+
+
+def _sce_inputs(score_shape, label_shape, weights, ignore_index, label_dtype=np.int64):
+    inputs = {"scores": _scores(score_shape),
+              "labels": _labels(label_shape, ignore_index, label_dtype)}
+    if weights:
+        inputs["weights"] = R.uniform(0.5, 2.0, (C,)).astype(np.float32)
+    return inputs
+
+
+@pytest.mark.parametrize("n_outputs", [1, 2])
+@pytest.mark.parametrize("score_shape,label_shape", LABEL_SHAPES)
+@pytest.mark.parametrize("ignore_index", [None, IGNORE])
+@pytest.mark.parametrize("weights", [False, True])
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_softmax_cross_entropy(reduction, weights, ignore_index, score_shape, label_shape, n_outputs):
+    inputs = _sce_inputs(score_shape, label_shape, weights, ignore_index)
+    model = op_model("SoftmaxCrossEntropyLoss", inputs, n_outputs, reduction=reduction,
+                     ignore_index=ignore_index, opset=13)
+    wrt = ["scores", "weights"] if weights else ["scores"]
+    assert_gradients(model, inputs, wrt)
+
+
+@pytest.mark.parametrize("n_outputs", [1, 2])
+@pytest.mark.parametrize("score_shape,label_shape", LABEL_SHAPES)
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_softmax_cross_entropy_opset12(reduction, score_shape, label_shape, n_outputs):
+    inputs = _sce_inputs(score_shape, label_shape, True, IGNORE)
+    model = op_model("SoftmaxCrossEntropyLoss", inputs, n_outputs, reduction=reduction,
+                     ignore_index=IGNORE, opset=12)
+    assert_gradients(model, inputs, ["scores", "weights"])
+
+
+@pytest.mark.parametrize("ignore_index", [-1, -100, C + 3])
+@pytest.mark.parametrize("weights", [False, True])
+def test_softmax_cross_entropy_out_of_range_ignore(ignore_index, weights):
+    inputs = _sce_inputs((3, C, 2), (3, 2), weights, ignore_index)
+    model = op_model("SoftmaxCrossEntropyLoss", inputs, reduction="mean", ignore_index=ignore_index)
+    assert_gradients(model, inputs, ["scores", "weights"] if weights else ["scores"])
+
+
+def test_softmax_cross_entropy_int32_labels():
+    inputs = _sce_inputs((3, C, 2), (3, 2), True, IGNORE, np.int32)
+    model = op_model("SoftmaxCrossEntropyLoss", inputs, reduction="mean", ignore_index=IGNORE)
+    assert_gradients(model, inputs, ["scores", "weights"])
+
+
+@pytest.mark.parametrize("opset", [12, 18])
+def test_softmax_cross_entropy_log_prob_only(opset):
+    inputs = _sce_inputs((3, C, 2), (3, 2), True, IGNORE)
+    node = helper.make_node("SoftmaxCrossEntropyLoss", list(inputs), ["loss", "log_prob"],
+                            ignore_index=IGNORE)
+    model = make_model([node], inputs, ["log_prob"], opset=opset)
+    result = assert_gradients(model, inputs, ["scores", "weights"])
+    assert not np.any(result.ad["weights"])
+
+
+@pytest.mark.parametrize("opset", [12, 18])
+def test_softmax_cross_entropy_omitted_log_prob(opset):
+    inputs = _sce_inputs((3, C, 2), (3, 2), True, IGNORE)
+    node = helper.make_node("SoftmaxCrossEntropyLoss", list(inputs), ["loss", ""],
+                            ignore_index=IGNORE)
+    model = make_model([node], inputs, ["loss"], opset=opset)
+    assert_gradients(model, inputs, ["scores", "weights"])
+
+
+def test_softmax_cross_entropy_scores_from_upstream():
+    inputs = _sce_inputs((3, C, 2), (3, 2), True, IGNORE)
+    x = inputs.pop("scores")
+    nodes = [helper.make_node("Mul", ["x", "x"], ["scores"]),
+             helper.make_node("SoftmaxCrossEntropyLoss", ["scores", "labels", "weights"],
+                              ["loss", "log_prob"], reduction="sum", ignore_index=IGNORE),
+             helper.make_node("ReduceSum", ["log_prob"], ["lp_sum"], keepdims=0),
+             helper.make_node("Add", ["loss", "lp_sum"], ["y"])]
+    feeds = {"x": x, **inputs}
+    model = make_model(nodes, feeds, ["y"])
+    assert_gradients(model, feeds, ["x", "weights"])
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("n_outputs", [1, 2])
+def test_softmax_cross_entropy_symbolic_batch(reduction, n_outputs):
+    inputs = _sce_inputs((3, C, 2), (3, 2), True, IGNORE)
+    shapes = {"scores": ["N", C, 2], "labels": ["N", 2]}
+    model = op_model("SoftmaxCrossEntropyLoss", inputs, n_outputs, reduction=reduction,
+                     ignore_index=IGNORE, shapes=shapes)
+    assert_gradients(model, inputs, ["scores", "weights"])
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_softmax_cross_entropy_symbolic_classes(reduction):
+    inputs = _sce_inputs((3, C, 2), (3, 2), True, IGNORE)
+    shapes = {"scores": ["N", "C", "D"], "labels": ["N", "D"], "weights": ["C"]}
+    model = op_model("SoftmaxCrossEntropyLoss", inputs, 2, reduction=reduction,
+                     ignore_index=IGNORE, shapes=shapes)
+    assert_gradients(model, inputs, ["scores", "weights"])
+
+
+# NegativeLogLikelihoodLoss
+
+
+def _nll_inputs(score_shape, label_shape, weights, ignore_index):
+    inputs = {"input": _scores(score_shape), "target": _labels(label_shape, ignore_index)}
+    if weights:
+        inputs["weight"] = R.uniform(0.5, 2.0, (C,)).astype(np.float32)
+    return inputs
+
+
+@pytest.mark.parametrize("score_shape,label_shape", LABEL_SHAPES)
+@pytest.mark.parametrize("ignore_index", [None, IGNORE])
+@pytest.mark.parametrize("weights", [False, True])
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_negative_log_likelihood(reduction, weights, ignore_index, score_shape, label_shape):
+    inputs = _nll_inputs(score_shape, label_shape, weights, ignore_index)
+    model = op_model("NegativeLogLikelihoodLoss", inputs, reduction=reduction,
+                     ignore_index=ignore_index, opset=13)
+    assert_gradients(model, inputs, ["input", "weight"] if weights else ["input"])
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_negative_log_likelihood_opset12_symbolic_batch(reduction):
+    inputs = _nll_inputs((3, C, 2), (3, 2), True, -100)
+    model = op_model("NegativeLogLikelihoodLoss", inputs, reduction=reduction, ignore_index=-100,
+                     opset=12, shapes={"input": ["N", C, 2], "target": ["N", 2]})
+    assert_gradients(model, inputs, ["input", "weight"])
+
+
+@pytest.mark.parametrize("ignore_index", [-1, C + 3])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_negative_log_likelihood_out_of_range_ignore(reduction, ignore_index):
+    inputs = _nll_inputs((5, C), (5,), False, ignore_index)
+    model = op_model("NegativeLogLikelihoodLoss", inputs, reduction=reduction,
+                     ignore_index=ignore_index)
+    assert_gradients(model, inputs, ["input"])
