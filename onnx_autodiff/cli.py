@@ -95,6 +95,51 @@ def cmd_demo(args) -> int:
     return run_demo(steps=args.steps)
 
 
+def operator_table() -> str:
+    """Markdown list of the registry's operators: differentiable inputs, then declared non-differentiable."""
+    from onnx_autodiff.rules import default_registry
+
+    registry = default_registry()
+    lines = ["| domain | op type | differentiable inputs | opsets |", "|---|---|---|---|"]
+    for domain, op_type in registry.op_types(differentiable=True):
+        rules = [r for r in registry.rules() if (r.domain, r.op_type) == (domain, op_type) and r.backward]
+        inputs = sorted({name for r in rules for name in r.differentiable})
+        ranges = ", ".join(_opset_range(b) for b in sorted({r.opsets for r in rules}))
+        lines.append(f"| {domain or 'ai.onnx'} | {op_type} | {', '.join(inputs) or '(zero gradient)'} | {ranges} |")
+    stopped = [op for _, op in registry.op_types(differentiable=False)]
+    lines += ["", f"Declared non-differentiable (gradients stop there): {', '.join(stopped)}."]
+    return "\n".join(lines)
+
+
+def _opset_range(bounds: tuple[int, int]) -> str:
+    from onnx_autodiff.rules.registry import MAX_OPSET
+
+    low, high = bounds
+    return f"{low}+" if high >= MAX_OPSET else f"{low}-{high}"
+
+
+OPS_BEGIN, OPS_END = "<!-- operators:begin -->", "<!-- operators:end -->"
+
+
+def cmd_ops(args) -> int:
+    table = operator_table()
+    if args.update is None:
+        print(table)
+        return EXIT_OK
+    try:
+        with open(args.update, encoding="utf-8") as stream:
+            text = stream.read()
+    except OSError as error:
+        raise UsageError(f"cannot read {args.update}: {error.strerror}") from error
+    if OPS_BEGIN not in text or OPS_END not in text:
+        raise UsageError(f"{args.update} has no {OPS_BEGIN} ... {OPS_END} section")
+    head, rest = text.split(OPS_BEGIN, 1)
+    tail = rest.split(OPS_END, 1)[1]
+    with open(args.update, "w", encoding="utf-8") as stream:
+        stream.write(f"{head}{OPS_BEGIN}\n{table}\n{OPS_END}{tail}")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="onnx-autodiff", description=__doc__)
     commands = parser.add_subparsers(dest="command", parser_class=_Parser)
@@ -105,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     grad.add_argument("--wrt", nargs="+", help="variables (default: every floating-point initializer)")
     grad.add_argument("--no-cleanup", action="store_true", help="skip the cleanup passes")
     grad.set_defaults(run=cmd_grad)
+    ops = commands.add_parser("ops", help="list the operators that have gradient rules (Markdown)")
+    ops.add_argument("--update", metavar="FILE", help="rewrite the operator section of FILE (README.md)")
+    ops.set_defaults(run=cmd_ops)
     demo = commands.add_parser("demo", help="differentiate, check and train an embedded classifier")
     demo.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
     demo.set_defaults(run=cmd_demo)
@@ -139,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(str(error), EXIT_FAILED)
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
+    except BrokenPipeError:  # the reader went away (| head): nothing left to say
+        return EXIT_OK
     except Exception as error:  # noqa: BLE001 - users get one line, never a traceback
         return _fail(f"unexpected {type(error).__name__} (please report): {error}", EXIT_FAILED)
 
