@@ -288,6 +288,13 @@ class AutodiffPass(ir.passes.InPlacePass):
         dy = self._seed(op, graph, y, namer)
         grads = backward.gradients(y, xs, dy)
         outputs = self._gradient_outputs(op, graph, y, xs, grads, namer)
+        if self.seed_name is not None:
+            if y.shape is None:
+                raise UnsupportedModelError(
+                    f"the rank of '{y.name}' is unknown, so no 'dy' input can be declared for it: "
+                    "give it a shape in the model's outputs or value_info, or use seed='ones'"
+                )
+            graph.inputs.append(dy)
         graph.extend(op.nodes)
         graph.outputs.extend(outputs)
         for domain, version in op.opsets.items():
@@ -313,13 +320,7 @@ class AutodiffPass(ir.passes.InPlacePass):
         if self.seed == "ones" or (self.seed == "auto" and is_scalar(y)):
             self.seed_name = None
             return shapes.ones_like(op, y)
-        if y.shape is None:
-            raise UnsupportedModelError(
-                f"the rank of '{y.name}' is unknown, so no 'dy' input can be declared for it: "
-                "give it a shape in the model's outputs or value_info, or use seed='ones'"
-            )
         dy = ir.Value(name=namer.fresh("dy"), type=y.type, shape=y.shape)
-        graph.inputs.append(dy)
         self.seed_name = dy.name
         return dy
 
