@@ -185,18 +185,17 @@ def _axes(axes):
 
 
 def _like(inputs) -> ir.Value | None:
-    """The input whose dtype Python numbers take: a float one first, then any typed one."""
-    typed = first = None
+    """The input whose dtype Python numbers take: a float one, else one of unknown dtype (via
+    CastLike), else an integer one; a bool one only when nothing else is there."""
+    ranked = []
     for value in inputs:
         if isinstance(value, ir.Value):
             dtype = value.dtype
             if dtype in FLOAT_TYPES:
                 return value
-            if typed is None and dtype is not None:
-                typed = value
-            if first is None:
-                first = value
-    return typed if typed is not None else first
+            rank = 0 if dtype is None else (2 if dtype == ir.DataType.BOOL else 1)
+            ranked.append((rank, len(ranked), value))
+    return min(ranked)[2] if ranked else None
 
 
 _SAME_AS_INPUT = {"Where": 1, "OneHot": 2}
@@ -211,7 +210,12 @@ def _result_dtype(op_type: str, inputs: Sequence[ir.Value | None], attrs: dict):
         return ir.DataType(attrs["to"])
     if op_type == "CastLike":
         return inputs[1].dtype
-    if op_type in ("Constant", "ConstantOfShape", "EyeLike") or op_type.startswith("Random"):
+    if op_type == "ConstantOfShape":
+        value = attrs.get("value")
+        if value is None:
+            return ir.DataType.FLOAT
+        return ir.DataType.from_numpy(value.dtype) if isinstance(value, np.ndarray) else value.dtype
+    if op_type in ("Constant", "EyeLike") or op_type.startswith("Random"):
         return None
     index = _SAME_AS_INPUT.get(op_type, 0)
     source = inputs[index] if len(inputs) > index else None
