@@ -105,8 +105,13 @@ class OpBuilder:
             array = array.astype(np.float32)
         if dtype is None and array.dtype.kind in "iu" and like is None:
             array = array.astype(np.int64)
-        out = self.Constant(value=ir.Tensor(array))
-        out.dtype = ir.DataType.from_numpy(array.dtype)
+        target = ir.DataType.from_numpy(array.dtype)
+        if self.opset < 9 and target not in FLOAT_TYPES:
+            # Constant holds only float tensors before opset 9: store as float, Cast back.
+            out = self.Cast(self.Constant(value=ir.Tensor(array.astype(np.float32))), to=int(target))
+        else:
+            out = self.Constant(value=ir.Tensor(array))
+        out.dtype = target
         if dtype is None and like is not None:
             return self.CastLike(out, like)
         return out

@@ -1,5 +1,431 @@
-"""tensor rules."""
+"""Structural and indexing ops: each backward is the structural inverse (Transpose by the inverse
+perm, Concat by Split, Slice by Pad or a scatter, Expand and Tile by a sum) or a scatter-add of dY
+back to the positions it was read from (Gather, GatherElements, GatherND, Compress, Pad's reflect,
+edge and wrap modes)."""
 
 from __future__ import annotations
 
-from onnx_autodiff.rules.registry import rule  # noqa: F401
+import numpy as np
+import onnx_ir as ir
+
+from onnx_autodiff.errors import RuleError
+from onnx_autodiff.rules import shapes
+from onnx_autodiff.rules.registry import rule
+
+# Shape vectors below are Python lists of ints when every dimension is known while the rule runs,
+# else int64 values computed at run time from Shape, so one graph serves every batch size.
+
+
+def _rank(value: ir.Value, what: str = "input") -> int:
+    r = shapes.rank(value)
+    if r is None:
+        raise RuleError(f"the rank of the {what} '{value.name}' is unknown (run shape inference)")
+    return r
+
+
+def _dims(op, x, start: int, end: int):
+    """x's dimensions start:end: a list when static, else a 1-D int64 value."""
+    known = shapes.dims(x)
+    if end <= start:
+        return []
+    if known is not None and all(isinstance(d, int) for d in known[start:end]):
+        return list(known[start:end])
+    if op.opset >= 15:
+        return op.Shape(x, start=start, end=end)
+    return op.Slice(op.Shape(x), [start], [end])
+
+
+def _dim(op, x, axis: int):
+    """x's extent along axis: an int when static, else a scalar int64 value."""
+    known = shapes.dims(x)
+    if known is not None and isinstance(known[axis], int):
+        return known[axis]
+    return op.Gather(op.Shape(x), axis)
+
+
+def _cat(op, *parts):
+    """Concatenate shape pieces (lists and 1-D int64 values)."""
+    if all(isinstance(p, list) for p in parts):
+        return [d for p in parts for d in p]
+    values = [op.const(np.array(p, np.int64)) if isinstance(p, list) else p for p in parts if
+              not (isinstance(p, list) and not p)]
+    return values[0] if len(values) == 1 else op.Concat(*values, axis=0)
+
+
+def _reshape_to(op, g, x):
+    """g reshaped to x's shape (static when known, else Shape(x))."""
+    shape = shapes.static_shape(x)
+    if op.opset < 5:
+        if shape is None:
+            raise RuleError("Reshape before opset 5 takes a static shape; x's shape is not static")
+        return op.Reshape(g, shape=list(shape))
+    if shape is not None and op.opset >= 9:  # Constant holds int64 from opset 9
+        return op.Reshape(g, list(shape), allowzero=1 if 0 in shape and op.opset >= 14 else None)
+    # A run-time shape may hold a real 0 dimension, which must not mean "copy".
+    return op.Reshape(g, op.Shape(x), allowzero=1 if op.opset >= 14 else None)
+
+
+def _arange(op, d):
+    """0, 1, ..., d-1 as int64 (d an int or a scalar int64 value)."""
+    return op.const(np.arange(d, dtype=np.int64)) if isinstance(d, int) else op.Range(0, d, 1)
+
+
+def _zeros(op, shape, like):
+    dtype = like.dtype if like.dtype is not None else ir.DataType.FLOAT
+    zeros = op.ConstantOfShape(shape, value=ir.tensor(np.zeros(1, dtype.numpy())))
+    return zeros if like.dtype is not None else op.CastLike(zeros, like)
+
+
+def _scatter_axis(op, g, idx, d, axis: int, rank: int, add: bool):
+    """out[.., idx[i], ..] (+)= g[.., i, ..] along axis, out's extent there being d (int or scalar).
+
+    Repeated indices sum (add=True): ScatterElements/ScatterND with reduction="add" from opset
+    16, before that a one-hot matrix product.
+    """
+    if op.opset < 11:
+        if not add or not isinstance(d, int):
+            raise RuleError(f"this gradient needs opset 11 or later (the model has {op.opset})")
+    if op.opset >= 16 or not add:
+        shape_g = op.Shape(g)
+        d_vec = [d] if isinstance(d, int) else op.Reshape(d, [1])
+        head = op.Slice(shape_g, [0], [axis]) if axis > 0 else []
+        tail = op.Slice(shape_g, [axis + 1], [rank]) if axis + 1 < rank else []
+        zeros = _zeros(op, _cat(op, head, d_vec, tail), g)
+        reduction = "add" if add else None
+        if axis == 0:
+            return op.ScatterND(zeros, op.unsqueeze(idx, [1]), g, reduction=reduction)
+        index = op.Expand(op.Reshape(idx, [1] * axis + [-1] + [1] * (rank - axis - 1)), shape_g)
+        return op.ScatterElements(zeros, index, g, axis=axis, reduction=reduction)
+    if g.dtype is None:
+        raise RuleError("the one-hot scatter-add used before opset 16 needs the gradient's dtype")
+    hot = op.Cast(op.Equal(op.unsqueeze(idx, [1]), _arange(op, d)), to=g.dtype)
+    if axis == rank - 1:
+        return op.MatMul(g, hot)
+    perm = [i for i in range(rank) if i != axis] + [axis]
+    moved = op.MatMul(op.Transpose(g, perm=perm), hot)
+    return op.Transpose(moved, perm=shapes.inverse_perm(perm))
+
+
+def _flat_index(op, indices, d):
+    """indices flattened to 1-D int64 with negatives wrapped by d."""
+    known = shapes.constant_input(indices)
+    if known is not None and (isinstance(d, int) or np.all(known >= 0)):
+        flat = known.reshape(-1).astype(np.int64)
+        return op.const(np.where(flat < 0, flat + (d if isinstance(d, int) else 0), flat))
+    flat = op.Reshape(op.Cast(indices, to=ir.DataType.INT64), [-1])
+    return op.Where(op.Less(flat, 0), op.Add(flat, d), flat)
+
+
+def _axes_of(op, node, index: int = 1):
+    """Axes given as an attribute (before opset 13) or an input: a list, an int64 value or None."""
+    if op.opset < 13:
+        return shapes.attr(node, "axes")
+    if len(node.inputs) <= index or node.inputs[index] is None:
+        return None
+    known = shapes.constant_input(node.inputs[index])
+    return [int(a) for a in known.reshape(-1)] if known is not None else node.inputs[index]
+
+
+def _pad(op, x, pads, mode: str, axes=None):
+    if op.opset < 11:
+        return op.Pad(x, pads=list(pads), mode=mode)
+    return op.Pad(x, pads, None, axes, mode=mode)
+
+
+# --- Pure rearrangements ---------------------------------------------------------------------
+
+
+@rule("Reshape", differentiable=("data",))
+def reshape(op, node, dY):
+    """Y = X with a new shape; dX = Reshape(dY, Shape(X))"""
+    return {"data": _reshape_to(op, dY, node.inputs[0])}
+
+
+@rule("Flatten", differentiable=("input",))
+def flatten(op, node, dY):
+    """Y = X as 2-D (dims before axis, dims after); dX = Reshape(dY, Shape(X))"""
+    return {"input": _reshape_to(op, dY, node.inputs[0])}
+
+
+@rule("Squeeze", differentiable=("data",))
+def squeeze(op, node, dY):
+    """Y = X without the 1-sized axes (all of them if none given); dX = Unsqueeze(dY, axes)"""
+    axes = _axes_of(op, node)
+    if axes is None:
+        return {"data": _reshape_to(op, dY, node.inputs[0])}
+    return {"data": op.unsqueeze(dY, axes)}
+
+
+@rule("Unsqueeze", differentiable=("data",))
+def unsqueeze(op, node, dY):
+    """Y = X with 1-sized axes inserted; dX = Squeeze(dY, axes)"""
+    return {"data": op.squeeze(dY, _axes_of(op, node))}
+
+
+@rule("Transpose", differentiable=("data",))
+def transpose(op, node, dY):
+    """Y = X with axes permuted (reversed by default); dX = Transpose(dY, inverse perm)"""
+    perm = shapes.attr(node, "perm")
+    return {"data": op.Transpose(dY, perm=None if perm is None else shapes.inverse_perm(perm))}
+
+
+@rule("DepthToSpace", differentiable=("input",))
+def depth_to_space(op, node, dY):
+    """Y = channel blocks moved into b×b spatial blocks (DCR or CRD order)"""
+    X = node.inputs[0]
+    b = shapes.attr(node, "blocksize")
+    if shapes.attr(node, "mode", "DCR") == "DCR":
+        return {"input": op.SpaceToDepth(dY, blocksize=b)}
+    # CRD: Y = reshape(transpose(reshape(X, [N, C/b², b, b, H, W]), [0, 1, 4, 2, 5, 3]), ...)
+    g = op.Reshape(dY, _cat(op, [0, 0, -1, b], _dims(op, X, 3, 4), [b]))
+    g = op.Transpose(g, perm=[0, 1, 3, 5, 2, 4])
+    return {"input": _reshape_to(op, g, X)}
+
+
+@rule("SpaceToDepth", differentiable=("input",))
+def space_to_depth(op, node, dY):
+    """Y = b×b spatial blocks moved into channels; dX = DepthToSpace(dY) in DCR order"""
+    return {"input": op.DepthToSpace(dY, blocksize=shapes.attr(node, "blocksize"))}
+
+
+@rule("ReverseSequence", differentiable=("input",))
+def reverse_sequence(op, node, dY):
+    """Y = each batch entry's first sequence_lens steps reversed; an involution, dX = the same op"""
+    return {"input": op.ReverseSequence(
+        dY, node.inputs[1],
+        batch_axis=shapes.attr(node, "batch_axis", 1), time_axis=shapes.attr(node, "time_axis", 0))}
+
+
+# --- Joining and cutting ---------------------------------------------------------------------
+
+
+@rule("Concat", differentiable=("inputs",))
+def concat(op, node, dY):
+    """Y = inputs joined along axis; dX_i = Split(dY, input sizes)[i]"""
+    inputs = list(node.inputs)
+    axis = shapes.normalize_axis(shapes.attr(node, "axis", 1), _rank(inputs[0]))
+    if len(inputs) == 1:
+        return {"inputs": [dY]}
+    sizes = _cat(op, *(_dims(op, x, axis, axis + 1) for x in inputs))
+    if isinstance(sizes, ir.Value) and op.opset < 13:
+        raise RuleError(
+            f"splitting the gradient by run-time sizes needs opset 13 (the model has {op.opset}): "
+            "the inputs' extents along the Concat axis are not static")
+    return {"inputs": list(op.split(dY, sizes, axis, count=len(inputs)))}
+
+
+@rule("Split", differentiable=("input",))
+def split(op, node, *dYs):
+    """Y_i = consecutive chunks of X along axis; dX = Concat(dY_i, zeros for unused outputs)"""
+    parts = [g if g is not None else shapes.zeros_like(op, y) for g, y in zip(dYs, node.outputs)]
+    return {"input": op.Concat(*parts, axis=shapes.attr(node, "axis", 0))}
+
+
+def _slice_params(op, node):
+    """Slice's (starts, ends, axes, steps) as inputs (None if absent) and as lists (None if not
+    constant); absent axes and steps take their defaults."""
+    if op.opset < 10:
+        starts, ends, axes = (shapes.attr(node, k) for k in ("starts", "ends", "axes"))
+        return [None] * 4, [starts, ends, axes or list(range(len(starts))), [1] * len(starts)]
+    values = [node.inputs[i] if len(node.inputs) > i else None for i in range(1, 5)]
+    known = [None if v is None else shapes.constant_input(v) for v in values]
+    known = [None if k is None else [int(i) for i in k.reshape(-1)] for k in known]
+    count = (shapes.static_shape(values[0]) or [None])[0]
+    if count is not None:
+        known[2] = list(range(count)) if values[2] is None else known[2]
+        known[3] = [1] * count if values[3] is None else known[3]
+    return values, known
+
+
+@rule("Slice", differentiable=("data",))
+def slice_(op, node, dY):
+    """Y = X[starts:ends:steps] on axes; dX = dY put back into zeros (a Pad for unit steps)"""
+    X = node.inputs[0]
+    r, dims = _rank(X), shapes.dims(X)
+    values, (starts, ends, axes, steps) = _slice_params(op, node)
+    if axes is None:
+        raise RuleError("Slice axes that are only known at run time are not supported")
+    axes = [shapes.normalize_axis(a, r) for a in axes]
+    static = None not in (starts, ends, steps) and all(isinstance(dims[a], int) for a in axes)
+    if static:
+        ranges = {a: range(*slice(*p).indices(dims[a])) for a, *p in zip(axes, starts, ends, steps)}
+        if all(rg.step == 1 for rg in ranges.values()):
+            pads = [0] * (2 * r)
+            for a, rg in ranges.items():
+                pads[a], pads[a + r] = rg.start, dims[a] - max(rg.stop, rg.start)
+            return {"data": _pad(op, dY, pads, "constant")}
+    if op.opset < 11:
+        raise RuleError(f"this Slice gradient needs opset 11 or later (the model has {op.opset})")
+    g = dY
+    for i, a in enumerate(axes):
+        d = _dim(op, X, a)
+        if static:
+            idx = op.const(np.array(list(ranges[a]), np.int64))
+        else:
+            # The same slice applied to arange(d) yields exactly the positions it read.
+            pick = [None if v is None else op.Gather(v, [i]) for v in values]
+            idx = op.Slice(_arange(op, d), pick[0], pick[1], None, pick[3])
+        g = _scatter_axis(op, g, idx, d, a, r, add=False)
+    return {"data": g}
+
+
+@rule("Pad", differentiable=("data", "constant_value"))
+def pad(op, node, dY):
+    """Y = X padded by a constant, a reflection, the edge value or wrapping around.
+
+    Constant mode: dX = Pad(dY, -pads) (negative pads crop), d(constant_value) = the sum of dY
+    over the padding. Other modes: Y reads X through one index map per axis, whose adjoint
+    scatter-adds dY; the map is the same Pad applied to arange(d).
+    """
+    X = node.inputs[0]
+    mode = shapes.attr(node, "mode", "constant")
+    axes = None
+    if op.opset < 11:
+        pads = shapes.attr(node, "pads", shapes.attr(node, "paddings"))
+    else:
+        known = shapes.constant_input(node.inputs[1])
+        pads = node.inputs[1] if known is None else [int(p) for p in known]
+        axes = _axes_of(op, node, 3)
+        if isinstance(axes, ir.Value):
+            raise RuleError("Pad axes that are only known at run time are not supported")
+    if mode == "constant":
+        dX = _pad(op, dY, [-p for p in pads] if isinstance(pads, list) else op.Neg(pads), mode,
+                  axes)
+        grads = {"data": dX}
+        if len(node.inputs) > 2 and node.inputs[2] is not None:
+            padding = op.Sub(op.ReduceSum(dY, keepdims=0), op.ReduceSum(dX, keepdims=0))
+            grads["constant_value"] = op.Reshape(padding, op.Shape(node.inputs[2]))
+        return grads
+    r = _rank(X)
+    axes = list(range(r)) if axes is None else [shapes.normalize_axis(a, r) for a in axes]
+    g = dY
+    for i, a in enumerate(axes):
+        if isinstance(pads, list):
+            if pads[i] == 0 and pads[i + len(axes)] == 0:
+                continue
+            pads_a = [pads[i], pads[i + len(axes)]]
+        else:
+            pads_a = op.Gather(pads, [i, i + len(axes)])
+        d = _dim(op, X, a)
+        if op.opset >= 11:
+            idx = _pad(op, _arange(op, d), pads_a, mode)
+        elif isinstance(d, int):  # Pad-2 has float kernels only
+            arange = op.const(np.arange(d, dtype=np.float32))
+            idx = op.Cast(_pad(op, arange, pads_a, mode), to=ir.DataType.INT64)
+        else:
+            raise RuleError(f"Pad with mode {mode} on a dynamic axis needs opset 11 or later")
+        g = _scatter_axis(op, g, idx, d, a, r, add=True)
+    return {"data": g}
+
+
+@rule("Expand", differentiable=("input",))
+def expand(op, node, dY):
+    """Y = X broadcast to a shape; dX = dY summed over the broadcast axes"""
+    return {"input": shapes.unbroadcast(op, dY, node.inputs[0], node.outputs[0])}
+
+
+@rule("Tile", differentiable=("input",), since=6)
+def tile(op, node, dY):
+    """Y = X repeated; dX = ReduceSum over r of dY reshaped to (r0, d0, r1, d1, ...)"""
+    X, repeats = node.inputs
+    r = _rank(X)
+    reps, shape = shapes.constant_input(repeats), shapes.static_shape(X)
+    if reps is not None and shape is not None:
+        target = [int(v) for pair in zip(reps.tolist(), shape) for v in pair]
+    else:
+        pairs = op.Concat(op.unsqueeze(repeats, [1]), op.unsqueeze(op.Shape(X), [1]), axis=1)
+        target = op.Reshape(pairs, [-1])
+    g = op.Reshape(dY, target)
+    return {"input": op.reduce_sum(g, list(range(0, 2 * r, 2)), keepdims=False)}
+
+
+# --- Selection -------------------------------------------------------------------------------
+
+
+@rule("Where", differentiable=("X", "Y"), broadcast=True)
+def where(op, node, dY):
+    """Out = condition ? X : Y"""
+    C = node.inputs[0]
+    return {"X": op.Where(C, dY, 0.0), "Y": op.Where(C, 0.0, dY)}
+
+
+@rule("Trilu", differentiable=("input",))
+def trilu(op, node, dY):
+    """Y = the upper or lower triangle of X (offset k), zeros elsewhere; dX = the same mask of dY"""
+    k = node.inputs[1] if len(node.inputs) > 1 else None
+    return {"input": op.Trilu(dY, k, upper=shapes.attr(node, "upper", 1))}
+
+
+@rule("CumSum", differentiable=("x",))
+def cumsum(op, node, dY):
+    """Y = running sum along axis; dX = the running sum of dY in the other direction"""
+    return {"x": op.CumSum(dY, node.inputs[1], exclusive=shapes.attr(node, "exclusive", 0),
+                           reverse=1 - shapes.attr(node, "reverse", 0))}
+
+
+@rule("Gather", differentiable=("data",))
+def gather(op, node, dY):
+    """Y = X indexed by indices along axis; dX scatter-adds dY there (repeated indices sum)"""
+    X, indices = node.inputs
+    r = _rank(X)
+    a = shapes.normalize_axis(shapes.attr(node, "axis", 0), r)
+    d = _dim(op, X, a)
+    g = op.Reshape(dY, _cat(op, _dims(op, X, 0, a), [-1], _dims(op, X, a + 1, r)))
+    return {"data": _scatter_axis(op, g, _flat_index(op, indices, d), d, a, r, add=True)}
+
+
+def _needs_scatter_add(op, node):
+    if op.opset < 16:
+        raise RuleError(
+            f"the {node.op_type} gradient needs ScatterElements/ScatterND with reduction='add' "
+            f"(opset 16; the model has {op.opset}): convert it with onnx.version_converter")
+
+
+@rule("GatherElements", differentiable=("data",))
+def gather_elements(op, node, dY):
+    """Y[i][j] = X[indices[i][j]][j] (for axis 0); dX = ScatterElements-add of dY into zeros"""
+    _needs_scatter_add(op, node)
+    X, indices = node.inputs
+    return {"data": op.ScatterElements(shapes.zeros_like(op, X), indices, dY,
+                                       axis=shapes.attr(node, "axis", 0), reduction="add")}
+
+
+@rule("GatherND", differentiable=("data",))
+def gather_nd(op, node, dY):
+    """Y = X at the index tuples in indices' last axis (after batch_dims shared leading axes);
+    dX = ScatterND-add of dY into zeros, the batch coordinates prepended to each tuple"""
+    _needs_scatter_add(op, node)
+    X, indices = node.inputs
+    b, q = shapes.attr(node, "batch_dims", 0), _rank(indices, "indices")
+    k = (shapes.dims(indices) or [None])[-1]
+    if not isinstance(k, int):
+        raise RuleError("GatherND needs the last dimension of indices to be static")
+    idx = indices
+    if shapes.constant_input(indices) is None or np.any(shapes.constant_input(indices) < 0):
+        extent = _dims(op, X, b, b + k)
+        idx = op.Where(op.Less(indices, 0), op.Add(indices, extent), indices)
+    if b:
+        grid_shape = _cat(op, _dims(op, indices, 0, q - 1), [1])
+        grids = []
+        for j in range(b):
+            column = op.Reshape(_arange(op, _dim(op, indices, j)), [1] * j + [-1] + [1] * (q - 1 - j))
+            grids.append(op.Expand(column, grid_shape))
+        idx = op.Concat(*grids, idx, axis=-1)
+    return {"data": op.ScatterND(shapes.zeros_like(op, X), idx, dY, reduction="add")}
+
+
+@rule("Compress", differentiable=("input",))
+def compress(op, node, dY):
+    """Y = the slices of X (flattened if no axis) where condition is true; dX scatters dY back"""
+    X, condition = node.inputs
+    if op.opset < 11:
+        raise RuleError(f"the Compress gradient needs opset 11 or later (the model has {op.opset})")
+    idx = op.Reshape(op.NonZero(condition), [-1])
+    axis = shapes.attr(node, "axis")
+    if axis is None:
+        shape = shapes.static_shape(X)
+        n = int(np.prod(shape)) if shape is not None else op.Size(X)
+        return {"input": _reshape_to(op, _scatter_axis(op, dY, idx, n, 0, 1, add=False), X)}
+    r = _rank(X)
+    a = shapes.normalize_axis(axis, r)
+    return {"input": _scatter_axis(op, dY, idx, _dim(op, X, a), a, r, add=False)}
