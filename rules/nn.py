@@ -1,5 +1,342 @@
-"""nn rules."""
+"""Neural-network layers: matrix products, convolutions and pooling.
+
+Convolution gradients are convolutions again: dX is the transposed convolution of dY with the same
+kernel, and dW is a convolution of X (batch moved to the channel axis) with dY as the kernel,
+strides and dilations swapped.
+"""
 
 from __future__ import annotations
 
-from onnx_autodiff.rules.registry import rule  # noqa: F401
+import numpy as np
+import onnx_ir as ir
+
+from onnx_autodiff.errors import RuleError
+from onnx_autodiff.rules import shapes
+from onnx_autodiff.rules.registry import rule
+
+
+def _known_rank(value: ir.Value, what: str) -> int:
+    r = shapes.rank(value)
+    if r is None:
+        raise RuleError(f"the rank of {what} '{value.name}' is unknown; run shape inference first")
+    return r
+
+
+def _slice(op, x, starts, ends, axes):
+    if isinstance(ends, ir.Value) or op.opset >= 10:
+        ends = ends if isinstance(ends, ir.Value) else list(ends)
+        return op.Slice(x, list(starts), ends, list(axes))
+    return op.Slice(x, starts=list(starts), ends=list(ends), axes=list(axes))
+
+
+def _need_opset(op, opset: int, why: str) -> None:
+    if op.opset < opset:
+        raise RuleError(f"{why} needs opset {opset} or later (the model has {op.opset}); "
+                        "convert it with onnx.version_converter")
+
+
+def _reshape(op, x, shape):
+    if op.opset >= 5:
+        return op.Reshape(x, list(shape))
+    return op.Reshape(x, shape=list(shape))
+
+
+def _spatial_perm(first: list[int], ns: int) -> list[int]:
+    return [*first, *range(2, ns + 2)]
+
+
+# Matrix products
+
+
+@rule("Gemm", differentiable=("A", "B", "C"), since=7)
+def gemm(op, node, dY):
+    """Y = alpha * A' @ B' + beta * C, A' = A or Aᵀ (transA), B' likewise; C broadcasts to Y."""
+    A, B = node.inputs[:2]
+    C = node.inputs[2] if len(node.inputs) > 2 else None
+    alpha, beta = shapes.attr(node, "alpha", 1.0), shapes.attr(node, "beta", 1.0)
+    ta, tb = shapes.attr(node, "transA", 0), shapes.attr(node, "transB", 0)
+    no_c = None if op.opset >= 11 else 0.0  # C is required before opset 11
+
+    def mm(a, b, trans_a, trans_b):
+        return op.Gemm(a, b, no_c, alpha=float(alpha), transA=int(trans_a), transB=int(trans_b))
+
+    # dA' = alpha dY B'ᵀ and dB' = alpha A'ᵀ dY, transposed back when the input was.
+    dA = mm(B, dY, tb, 1) if ta else mm(dY, B, 0, not tb)
+    dB = mm(dY, A, 1, ta) if tb else mm(A, dY, not ta, 0)
+    grads = {"A": dA, "B": dB}
+    if C is not None:
+        dC = dY if beta == 1.0 else op.Mul(dY, float(beta))
+        grads["C"] = shapes.unbroadcast(op, dC, C, node.outputs[0])
+    return grads
+
+
+def _sum_to_batch(op, grad, x, out_batch):
+    """Sum a matmul operand's gradient (batch dims ``out_batch``) down to x's batch dims."""
+    x_dims = shapes.dims(x)
+    if out_batch is not None and x_dims is not None:
+        grad.shape = ir.Shape([*out_batch, *x_dims[-2:]])
+    return shapes.unbroadcast(op, grad, x, grad)
+
+
+@rule("MatMul", differentiable=("A", "B"))
+def matmul(op, node, dY):
+    """Y = A @ B (numpy matmul: 1-D operands promoted, batch dims broadcast)."""
+    A, B = node.inputs
+    ra, rb = _known_rank(A, "input A"), _known_rank(B, "input B")
+    if ra == 1 and rb == 1:
+        return {"A": op.Mul(dY, B), "B": op.Mul(dY, A)}
+    if ra == 1:  # A is a row (1, K); Y lost that axis
+        dY2 = op.unsqueeze(dY, [rb - 2])
+        dA = op.MatMul(dY2, shapes.swap_last2(op, B, rb))
+        return {"A": op.reduce_sum(dA, list(range(rb - 1)), keepdims=False),
+                "B": op.MatMul(op.unsqueeze(A, [1]), dY2)}
+    if rb == 1:  # B is a column (K, 1)
+        dY2 = op.unsqueeze(dY, [ra - 1])
+        dB = op.MatMul(shapes.swap_last2(op, A, ra), dY2)
+        return {"A": op.MatMul(dY2, op.unsqueeze(B, [0])),
+                "B": op.reduce_sum(dB, [*range(ra - 2), ra - 1], keepdims=False)}
+    y_dims = shapes.dims(node.outputs[0])
+    batch = None if y_dims is None else y_dims[:-2]
+    dA = op.MatMul(dY, shapes.swap_last2(op, B, rb))
+    dB = op.MatMul(shapes.swap_last2(op, A, ra), dY)
+    return {"A": _sum_to_batch(op, dA, A, batch), "B": _sum_to_batch(op, dB, B, batch)}
+
+
+# Convolutions
+
+
+class _Geometry:
+    """A convolution's spatial attributes, with auto_pad turned into explicit pads."""
+
+    def __init__(self, node: ir.Node, X: ir.Value, W: ir.Value | None):
+        w_dims = None if W is None else shapes.dims(W)
+        kernel = shapes.attr(node, "kernel_shape")
+        r = shapes.rank(X) or (len(w_dims) if w_dims is not None else None)
+        r = r or (len(kernel) + 2 if kernel is not None else None)
+        if r is None:
+            raise RuleError("the ranks of the input and of the kernel are unknown")
+        ns = self.ns = r - 2
+        if kernel is None and w_dims is not None and all(isinstance(d, int) for d in w_dims[2:]):
+            kernel = list(w_dims[2:])
+        if kernel is None:
+            raise RuleError("the kernel's spatial shape is unknown: give kernel_shape or static W")
+        self.kernel = list(kernel)
+        self.group = shapes.attr(node, "group", 1)
+        self.strides = shapes.attr(node, "strides", [1] * ns)
+        self.dilations = shapes.attr(node, "dilations", [1] * ns)
+        x_dims = shapes.dims(X)
+        spatial = None if x_dims is None else list(x_dims[2:])
+        static = spatial is not None and all(isinstance(d, int) for d in spatial)
+        self.spatial = spatial if static else None
+        auto_pad = shapes.attr(node, "auto_pad", "NOTSET")
+        self.auto_pad = auto_pad.decode() if isinstance(auto_pad, bytes) else auto_pad
+        if self.auto_pad not in ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER"):
+            raise RuleError(f"auto_pad={self.auto_pad} is not supported")
+        self.pads = shapes.attr(node, "pads", [0] * (2 * ns))
+        if self.auto_pad == "VALID":
+            self.pads = [0] * (2 * ns)
+
+    def need_spatial(self, why: str) -> list[int]:
+        if self.spatial is None:
+            raise RuleError(
+                f"{why} needs static spatial input dimensions; give explicit pads or fix the "
+                "input shape"
+            )
+        return self.spatial
+
+    def resolve_same(self) -> None:
+        """auto_pad=SAME_*: pad so that the output has ceil(S / stride) elements."""
+        if self.auto_pad.startswith("SAME"):
+            spatial = self.need_spatial(f"auto_pad={self.auto_pad}")
+            self.same_pads([
+                max(0, (-(-s // st) - 1) * st + d * (k - 1) + 1 - s)
+                for s, st, d, k in zip(spatial, self.strides, self.dilations, self.kernel)
+            ])
+
+    def extent(self, windows: list[int]) -> list[int]:
+        """How far ``windows`` windows per axis reach, from the first tap to the last."""
+        return [(n - 1) * st + d * (k - 1) + 1
+                for n, st, d, k in zip(windows, self.strides, self.dilations, self.kernel)]
+
+    def same_pads(self, totals: list[int]) -> None:
+        """Split total paddings the auto_pad way: SAME_UPPER puts the odd one at the end."""
+        small = [t // 2 for t in totals]
+        big = [t - t // 2 for t in totals]
+        self.pads = small + big if self.auto_pad == "SAME_UPPER" else big + small
+
+
+def _batch_as_channels(op, x, group: int, ns: int):
+    """(N, C, *S) -> (C/g, g·N, *S): channel c' = i·N + n holds x[n, i·C/g + c] for group i."""
+    if group == 1:
+        return op.Transpose(x, perm=_spatial_perm([1, 0], ns))
+    # Spatial axes go first so that Reshape can copy them with 0 whatever their size.
+    t = op.Transpose(x, perm=[*range(2, ns + 2), 0, 1])  # (*S, N, C)
+    t = _reshape(op, t, [0] * (ns + 1) + [group, -1])  # (*S, N, g, C/g)
+    t = op.Transpose(t, perm=[*range(ns), ns + 2, ns + 1, ns])  # (*S, C/g, g, N)
+    t = _reshape(op, t, [0] * (ns + 1) + [-1])  # (*S, C/g, g·N)
+    return op.Transpose(t, perm=[ns, ns + 1, *range(ns)])
+
+
+def _kernel_grad(op, x, dy, g: _Geometry):
+    """dW[m, c, k] = Σ_n,o dy[n, m, o]·xpad[n, group(m)·C/g + c, o·stride + k·dilation].
+
+    A Conv of x (batch as channels) with dy (batch as input channels) as the kernel.
+    """
+    ns = g.ns
+    xin = _batch_as_channels(op, x, g.group, ns)
+    kern = op.Transpose(dy, perm=_spatial_perm([1, 0], ns))
+    dw = op.Conv(xin, kern, strides=g.dilations, dilations=g.strides, pads=g.pads, group=g.group)
+    dw = op.Transpose(dw, perm=_spatial_perm([1, 0], ns))
+    # The Conv may produce extra taps past the kernel's end (they touch no output).
+    return _slice(op, dw, [0] * ns, g.kernel, range(2, ns + 2))
+
+
+def _fit_to(op, y, like, pad_end):
+    """y (the transposed convolution, pads at the end not cropped) zero-padded by ``pad_end`` and
+    cut to like's shape at run time."""
+    _need_opset(op, 11, "a convolution with symbolic spatial dimensions")
+    if any(pad_end):
+        y = op.Pad(y, [0] * (len(pad_end) + 2) + [0, 0, *pad_end])
+    return op.Slice(y, [0] * (len(pad_end) + 2), op.Shape(like))
+
+
+@rule("Conv", differentiable=("X", "W", "B"))
+def conv(op, node, dY):
+    """Y = Σ_c,k W[m, c, k]·Xpad[n, group(m)·C/g + c, o·stride + k·dilation] + B[m]."""
+    X, W = node.inputs[:2]
+    B = node.inputs[2] if len(node.inputs) > 2 else None
+    g = _Geometry(node, X, W)
+    g.resolve_same()
+    common = dict(strides=g.strides, dilations=g.dilations, group=g.group)
+    if g.spatial is not None:
+        # Windows that do not reach X's end leave a tail that output_padding restores.
+        out_pad = [
+            (s + b + e - d * (k - 1) - 1) % st
+            for s, b, e, d, k, st in zip(
+                g.spatial, g.pads[: g.ns], g.pads[g.ns:], g.dilations, g.kernel, g.strides
+            )
+        ]
+        dX = op.ConvTranspose(dY, W, pads=g.pads, output_padding=out_pad, **common)
+    else:
+        # Without static sizes: keep the whole end of the transposed convolution, then cut.
+        begin = g.pads[: g.ns]
+        full = op.ConvTranspose(dY, W, pads=begin + [0] * g.ns, **common)
+        dX = _fit_to(op, full, X, g.pads[g.ns:])
+    grads = {"X": dX, "W": _kernel_grad(op, X, dY, g)}
+    if B is not None:
+        grads["B"] = op.reduce_sum(dY, [0, *range(2, g.ns + 2)], keepdims=False)
+    return grads
+
+
+@rule("ConvTranspose", differentiable=("X", "W", "B"))
+def conv_transpose(op, node, dY):
+    """Y[n, group(c)·M/g + m, x·stride + k·dilation - pad] += X[n, c, x]·W[c, m, k], + B[m]."""
+    X, W = node.inputs[:2]
+    B = node.inputs[2] if len(node.inputs) > 2 else None
+    g = _Geometry(node, X, W)
+    ns = g.ns
+    output_shape = shapes.attr(node, "output_shape")
+    if g.auto_pad.startswith("SAME") or output_shape is not None:
+        spatial = g.need_spatial("ConvTranspose with output_shape or auto_pad=SAME")
+        out_pad = shapes.attr(node, "output_padding", [0] * ns)
+        full = g.extent(spatial)
+        out = output_shape[-ns:] if output_shape else [s * st for s, st in zip(spatial, g.strides)]
+        g.same_pads([f + p - o for f, p, o in zip(full, out_pad, out)])
+        # Only the begin pads matter; Y's end is cut or zero-extended from the full transpose.
+        end = [f - b - o for f, b, o in zip(full, g.pads, out)]
+    else:
+        end = [e - p for e, p in zip(g.pads[ns:], shapes.attr(node, "output_padding", [0] * ns))]
+    if min(g.pads[:ns]) < 0:
+        raise RuleError(f"negative pads {g.pads[:ns]} are not supported")
+    # The Conv adjoint reads dY with the same begin pads; its end pads bring it back to X's size.
+    g.pads = g.pads[:ns] + [max(0, e) for e in end]
+    dX = op.Conv(dY, W, strides=g.strides, dilations=g.dilations, pads=g.pads, group=g.group)
+    if min(end) < 0:
+        ends = g.spatial if g.spatial is not None else op.Slice(op.Shape(X), [2], [ns + 2])
+        dX = _slice(op, dX, [0] * ns, ends, range(2, ns + 2))
+    grads = {"X": dX, "W": _kernel_grad(op, dY, X, g)}
+    if B is not None:
+        grads["B"] = op.reduce_sum(dY, [0, *range(2, ns + 2)], keepdims=False)
+    return grads
+
+
+# Pooling
+
+
+def _pooled_size(g: _Geometry, spatial, ceil_mode) -> list[int]:
+    """Output sizes; with ceil_mode a last window that would start in the end padding is dropped
+    (onnxruntime and the reference evaluator do so; onnx shape inference does not)."""
+    out = []
+    for s, b, e, st, d, k in zip(spatial, g.pads, g.pads[g.ns:], g.strides, g.dilations, g.kernel):
+        span = s + b + e - d * (k - 1) - 1
+        n = (-(-span // st) if ceil_mode else span // st) + 1
+        out.append(n - 1 if ceil_mode and (n - 1) * st >= s + b else n)
+    return out
+
+
+@rule("AveragePool", differentiable=("X",))
+def average_pool(op, node, dY):
+    """Y[o] = Σ_window(o) X / divisor(o); dX = the window-sum adjoint of dY / divisor."""
+    X = node.inputs[0]
+    _need_opset(op, 7, "AveragePool's gradient")
+    g = _Geometry(node, X, None)
+    g.resolve_same()
+    ns, spatial = g.ns, g.need_spatial("AveragePool's gradient")
+    out = _pooled_size(g, spatial, shapes.attr(node, "ceil_mode", 0))
+    # As in Conv's dX: the windows' full extent is cut, or zero-extended, back to X's size.
+    end = [f - b - s for f, b, s in zip(g.extent(out), g.pads, spatial)]
+    pads = g.pads[:ns] + [max(0, e) for e in end]
+    geometry = dict(strides=g.strides, dilations=g.dilations, pads=pads)
+    window = op.const(np.ones([1, 1, *g.kernel]), like=dY)
+    ones = op.const(np.ones([1, 1, *spatial]), like=dY)
+    # 1/divisor = AveragePool(ones) / in-bounds taps: the runtime's own divisor convention.
+    attrs = {k: shapes.attr(node, k) for k in node.attributes}
+    taps = op.Conv(ones, window, **geometry)
+    scale = op.Div(op.AveragePool(ones, **attrs), taps)
+    flat = _reshape(op, op.Mul(dY, scale), [-1, 1] + [0] * ns)
+    dX = op.ConvTranspose(flat, window, output_padding=[max(0, -e) for e in end], **geometry)
+    return {"X": op.Reshape(dX, op.Shape(X))}
+
+
+@rule("GlobalAveragePool", differentiable=("X",))
+def global_average_pool(op, node, dY):
+    """Y[n, c] = mean of X[n, c] over the spatial axes."""
+    X = node.inputs[0]
+    _need_opset(op, 8, "GlobalAveragePool's gradient (Expand)")
+    spatial = shapes.static_shape(X)
+    if spatial is not None:
+        size = op.const(float(np.prod(spatial[2:])), like=dY)
+    else:
+        size = op.CastLike(op.Div(op.Size(X), op.Size(dY)), dY)
+    return {"X": op.Expand(op.Div(dY, size), op.Shape(X))}
+
+
+@rule("MaxPool", differentiable=("X",), since=8)
+def max_pool(op, node, dY, dIndices=None):
+    """Y[o] = max over the window; dX gets dY[o] at the window's first maximum (Indices)."""
+    X = node.inputs[0]
+    attrs = {k: shapes.attr(node, k) for k in node.attributes if k != "storage_order"}
+    if len(node.outputs) > 1 and shapes.attr(node, "storage_order", 0) == 0:
+        indices = node.outputs[1]
+    else:
+        indices = op.MaxPool(X, _outputs=2, **attrs)[1]
+    g = _Geometry(node, X, None)
+    overlapping = all(st < d * (k - 1) + 1 for st, d, k in zip(g.strides, g.dilations, g.kernel))
+    why = "MaxPool's gradient (ScatterElements, with reduction='add' when windows overlap)"
+    _need_opset(op, 16 if overlapping else 11, why)
+    # Indices are offsets into X flattened whole (batch and channel included).
+    zeros = shapes.zeros_like(op, op.Reshape(X, [-1]))
+    flat = op.ScatterElements(zeros, op.Reshape(indices, [-1]), op.Reshape(dY, [-1]), axis=0,
+                              reduction="add" if op.opset >= 16 else None)
+    return {"X": op.Reshape(flat, op.Shape(X))}
+
+
+@rule("GlobalMaxPool", differentiable=("X",))
+def global_max_pool(op, node, dY):
+    """Y[n, c] = max of X[n, c] over the spatial axes; dX gets dY at the first maximum."""
+    X = node.inputs[0]
+    _need_opset(op, 11, "GlobalMaxPool's gradient (ScatterElements)")
+    rows = _reshape(op, X, [0, 0, -1])
+    first = op.ArgMax(rows, axis=2, keepdims=1)
+    dX = op.ScatterElements(shapes.zeros_like(op, rows), first, _reshape(op, dY, [0, 0, 1]), axis=2)
+    return {"X": op.Reshape(dX, op.Shape(X))}

@@ -1,0 +1,323 @@
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from helpers import op_model, rng
+from onnx_autodiff.conformance import check_vjp
+from onnx_autodiff.conformance.check import backward_model
+from onnx_autodiff.errors import RuleError
+
+R = rng()
+
+
+def f32(*shape):
+    return R.standard_normal(shape).astype(np.float32)
+
+
+def check(op_type, inputs, wrt=None, backends=None, **kw):
+    """Finite-difference check, plus: the backward graph loads and runs on onnxruntime itself.
+
+    When the oracle falls back to float32 (no float64 kernel, or ``backends``), the bound is 10x
+    tighter than its default weak tolerance: these ops are linear in each input, so float32
+    differences stay accurate.
+    """
+    model = op_model(op_type, inputs, **kw)
+    feeds = {k: v for k, v in inputs.items() if k}
+    wrt = list(wrt or feeds)
+    options = {"backends": backends} if backends else {}
+    result = check_vjp(model, feeds, wrt, **options)
+    assert result.ok, f"gradient mismatch\n{result}\nAD: {result.ad}\nFD: {result.fd}"
+    if result.weak:
+        assert max(result.errors.values()) < 0.1, str(result)
+    for name in wrt:
+        assert np.any(result.fd[name] != 0)
+    y = _ort(model).run(None, feeds)[0]
+    proto, autodiff = backward_model(model, "out0", wrt, seed="input")
+    _ort(proto).run(None, {**feeds, autodiff.seed_name: np.ones_like(y)})
+
+
+def _ort(model):
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+# Gemm
+
+@pytest.mark.parametrize("trans_a", [0, 1])
+@pytest.mark.parametrize("trans_b", [0, 1])
+def test_gemm_transpose(trans_a, trans_b):
+    a = f32(*((4, 3) if trans_a else (3, 4)))
+    b = f32(*((5, 4) if trans_b else (4, 5)))
+    c = f32(3, 5)
+    check("Gemm", {"A": a, "B": b, "C": c}, transA=trans_a, transB=trans_b, alpha=0.7, beta=1.3)
+
+
+@pytest.mark.parametrize("c_shape", [(), (5,), (1, 5), (3, 1), (3, 5), (1, 1)])
+def test_gemm_c_broadcast(c_shape):
+    a, b, c = f32(3, 4), f32(4, 5), f32(*c_shape)
+    check("Gemm", {"A": a, "B": b, "C": c}, beta=-0.5)
+
+
+def test_gemm_without_c():
+    check("Gemm", {"A": f32(3, 4), "B": f32(5, 4)}, transB=1, alpha=2.0)
+
+
+@pytest.mark.parametrize("opset", [7, 9, 11, 13])
+def test_gemm_opsets(opset):
+    a, b, c = f32(4, 3), f32(4, 5), f32(5)
+    check("Gemm", {"A": a, "B": b, "C": c}, transA=1, alpha=0.5, opset=opset)
+
+
+def test_gemm_symbolic_rows():
+    a, b, c = f32(3, 4), f32(4, 5), f32(3, 1)
+    check("Gemm", {"A": a, "B": b, "C": c}, shapes={"A": ["M", 4], "C": ["M", 1]})
+
+
+# MatMul
+
+MATMUL_SHAPES = [
+    ((4,), (4,)),
+    ((4,), (4, 3)),
+    ((3, 4), (4,)),
+    ((4,), (2, 4, 3)),
+    ((2, 3, 4), (4,)),
+    ((3, 4), (4, 5)),
+    ((2, 3, 4), (2, 4, 5)),
+    ((2, 1, 3, 4), (5, 4, 2)),
+    ((3, 4), (2, 4, 5)),
+    ((2, 3, 4), (4, 5)),
+    ((2, 1, 2, 3), (1, 3, 3, 2)),
+]
+
+
+@pytest.mark.parametrize("shape_a,shape_b", MATMUL_SHAPES)
+def test_matmul(shape_a, shape_b):
+    check("MatMul", {"A": f32(*shape_a), "B": f32(*shape_b)})
+
+
+@pytest.mark.parametrize("opset", [9, 11])
+def test_matmul_old_opsets(opset):
+    check("MatMul", {"A": f32(2, 3), "B": f32(2, 3, 2)}, opset=opset)
+    check("MatMul", {"A": f32(3), "B": f32(2, 3, 2)}, opset=opset)
+
+
+@pytest.mark.parametrize(
+    "shape_a,shape_b,sym",
+    [
+        ((3, 2, 4), (4, 5), {"A": ["N", 2, 4]}),
+        ((4, 5), (3, 5, 2), {"B": ["N", 5, 2]}),
+        ((3, 2, 4), (1, 4, 5), {"A": ["N", 2, 4]}),
+        ((3, 2, 4), (4,), {"A": ["N", 2, 4]}),
+        ((4,), (3, 4, 2), {"B": ["N", 4, 2]}),
+        ((3, 2, 4), (3, 4, 2), {"A": ["N", 2, 4], "B": ["N", 4, 2]}),
+    ],
+)
+def test_matmul_symbolic_batch(shape_a, shape_b, sym):
+    check("MatMul", {"A": f32(*shape_a), "B": f32(*shape_b)}, shapes=sym)
+
+
+# Conv
+
+CONV_CASES = {
+    # name: (X shape, W shape, attributes)
+    "1d": ((2, 2, 6), (3, 2, 3), {}),
+    "1d_group2": ((1, 4, 6), (4, 2, 3), {"group": 2}),
+    "1d_stride2_pads": ((1, 2, 8), (2, 2, 3), {"strides": [2], "pads": [1, 2]}),
+    "1d_depthwise_dil2": ((2, 3, 7), (3, 1, 3), {"group": 3, "dilations": [2]}),
+    "1d_same_upper_s3": ((1, 2, 8), (2, 2, 4), {"auto_pad": "SAME_UPPER", "strides": [3]}),
+    "2d": ((1, 2, 4, 4), (3, 2, 3, 3), {}),
+    "2d_group2": ((1, 4, 4, 3), (4, 2, 3, 2), {"group": 2}),
+    "2d_depthwise": ((2, 3, 4, 4), (3, 1, 3, 3), {"group": 3}),
+    "2d_depthwise_multiplier": ((1, 2, 4, 4), (4, 1, 2, 3), {"group": 2, "strides": [2, 1]}),
+    "2d_strides2": ((1, 2, 6, 5), (2, 2, 3, 3), {"strides": [2, 2]}),
+    "2d_dilations2": ((1, 2, 6, 5), (2, 2, 3, 2), {"dilations": [2, 2]}),
+    "2d_asym_pads": ((1, 2, 4, 4), (2, 2, 3, 3), {"pads": [1, 0, 2, 1]}),
+    "2d_all": ((1, 4, 5, 6), (4, 2, 3, 2), {"group": 2, "strides": [2, 3], "dilations": [1, 2],
+                                              "pads": [0, 2, 1, 1]}),
+    "2d_valid": ((1, 2, 6, 5), (2, 2, 3, 3), {"auto_pad": "VALID", "strides": [2, 2]}),
+    "2d_same_upper": ((1, 2, 5, 6), (2, 2, 3, 2), {"auto_pad": "SAME_UPPER", "strides": [2, 2]}),
+    "2d_same_lower": ((1, 2, 5, 6), (2, 2, 3, 2), {"auto_pad": "SAME_LOWER", "strides": [2, 2]}),
+    "2d_same_upper_s1": ((1, 1, 4, 5), (2, 1, 2, 3), {"auto_pad": "SAME_UPPER"}),
+    "2d_same_lower_s1": ((1, 1, 5, 4), (2, 1, 2, 3), {"auto_pad": "SAME_LOWER"}),
+    "2d_kernel_shape": ((1, 2, 4, 4), (2, 2, 2, 3), {"kernel_shape": [2, 3], "pads": [1, 1, 1, 1]}),
+    "3d": ((1, 2, 3, 3, 4), (2, 2, 2, 2, 3), {"strides": [1, 2, 1], "pads": [1, 0, 0, 0, 1, 1]}),
+    "3d_group": ((1, 2, 3, 4, 3), (2, 1, 2, 2, 2), {"group": 2, "dilations": [1, 2, 1]}),
+}
+NO_BIAS = ["1d", "1d_group2", "2d_strides2", "2d_depthwise", "2d_same_lower", "3d"]
+
+
+def conv_inputs(case, bias=True):
+    x_shape, w_shape, attrs = CONV_CASES[case]
+    inputs = {"X": f32(*x_shape), "W": f32(*w_shape)}
+    if bias:
+        inputs["B"] = f32(w_shape[0])
+    return inputs, x_shape, attrs
+
+
+@pytest.mark.parametrize(
+    "case,bias", [(c, True) for c in CONV_CASES] + [(c, False) for c in NO_BIAS]
+)
+def test_conv(case, bias):
+    inputs, _, attrs = conv_inputs(case, bias)
+    check("Conv", inputs, **attrs)
+
+
+@pytest.mark.parametrize("case", ["2d_all", "1d_depthwise_dil2", "1d_same_upper_s3"])
+def test_conv_symbolic_batch(case):
+    inputs, x_shape, attrs = conv_inputs(case)
+    check("Conv", inputs, shapes={"X": ["N", *x_shape[1:]]}, **attrs)
+
+
+@pytest.mark.parametrize("case", ["2d_all", "1d_stride2_pads"])
+def test_conv_symbolic_spatial(case):
+    inputs, x_shape, attrs = conv_inputs(case, bias=False)
+    sym = ["N", x_shape[1], *(f"S{i}" for i in range(len(x_shape) - 2))]
+    check("Conv", inputs, shapes={"X": sym}, **attrs)
+
+
+@pytest.mark.parametrize("opset", [1, 11])
+def test_conv_old_opsets(opset):
+    inputs, _, attrs = conv_inputs("1d_depthwise_dil2")
+    check("Conv", inputs, opset=opset, **attrs)
+
+
+def test_conv_same_symbolic_spatial_refused():
+    x, w = f32(1, 2, 5, 5), f32(2, 2, 3, 3)
+    sym = {"X": [1, 2, "H", "W"]}
+    model = op_model("Conv", {"X": x, "W": w}, auto_pad="SAME_UPPER", shapes=sym)
+    with pytest.raises(RuleError, match="SAME_UPPER needs static spatial"):
+        backward_model(model, "out0", ["X"], seed="input")
+
+
+# ConvTranspose
+
+CONV_T_CASES = {
+    # name: (X shape, W shape, attributes)
+    "1d": ((2, 2, 4), (2, 3, 3), {}),
+    "1d_stride2_pads": ((1, 2, 4), (2, 2, 3), {"strides": [2], "pads": [1, 2]}),
+    "1d_output_padding": ((1, 2, 4), (2, 2, 3),
+                          {"strides": [3], "pads": [1, 1], "output_padding": [2]}),
+    "1d_group2_dil2": ((2, 4, 4), (4, 1, 3), {"group": 2, "dilations": [2]}),
+    "2d": ((1, 2, 3, 3), (2, 3, 2, 2), {}),
+    "2d_all": ((1, 4, 3, 3), (4, 2, 3, 2), {"group": 2, "strides": [2, 3], "dilations": [1, 2],
+                                              "pads": [0, 2, 1, 1], "output_padding": [1, 0]}),
+    "2d_depthwise": ((1, 3, 3, 3), (3, 1, 2, 2), {"group": 3, "strides": [2, 2]}),
+    "2d_output_shape": ((1, 2, 3, 3), (2, 2, 3, 3), {"strides": [2, 2], "output_shape": [6, 7]}),
+    "2d_same_upper": ((1, 2, 3, 3), (2, 1, 3, 2), {"strides": [2, 2], "auto_pad": "SAME_UPPER"}),
+    "2d_same_lower": ((1, 2, 3, 3), (2, 1, 3, 2), {"strides": [2, 2], "auto_pad": "SAME_LOWER"}),
+    "2d_valid": ((1, 2, 3, 3), (2, 1, 2, 2), {"strides": [2, 1], "auto_pad": "VALID"}),
+    "3d": ((1, 2, 2, 3, 2), (2, 1, 2, 2, 2), {"strides": [1, 2, 1], "pads": [1, 0, 0, 0, 1, 0]}),
+}
+
+
+@pytest.mark.parametrize("case", list(CONV_T_CASES))
+def test_conv_transpose(case):
+    x_shape, w_shape, attrs = CONV_T_CASES[case]
+    inputs = {"X": f32(*x_shape), "W": f32(*w_shape), "B": f32(w_shape[1] * attrs.get("group", 1))}
+    # onnx.reference's grouped ConvTranspose is wrong (W slices, bias): float32 onnxruntime oracle.
+    backends = ("float32",) if attrs.get("group", 1) > 1 else None
+    check("ConvTranspose", inputs, backends=backends, **attrs)
+
+
+@pytest.mark.parametrize("case", ["2d_all", "1d_output_padding"])
+def test_conv_transpose_symbolic(case):
+    x_shape, w_shape, attrs = CONV_T_CASES[case]
+    inputs = {"X": f32(*x_shape), "W": f32(*w_shape)}
+    sym = ["N", x_shape[1], *(f"S{i}" for i in range(len(x_shape) - 2))]
+    check("ConvTranspose", inputs, shapes={"X": sym}, backends=("float32",), **attrs)
+
+
+# Pooling
+
+def distinct(*shape):
+    """Values 0.1 apart in random order: no ties within a window."""
+    n = int(np.prod(shape))
+    return (R.permutation(n).reshape(shape) * 0.1 - n * 0.05).astype(np.float32)
+
+
+POOL_CASES = {
+    # name: (X shape, attributes, opset)
+    "1d": ((2, 2, 7), {"kernel_shape": [3], "strides": [2]}, 18),
+    "2d_k2s2": ((1, 2, 4, 6), {"kernel_shape": [2, 2], "strides": [2, 2]}, 18),
+    "2d_overlap_pads": ((1, 2, 5, 4), {"kernel_shape": [3, 2], "pads": [1, 0, 2, 1]}, 18),
+    "2d_ceil": ((1, 1, 6, 7), {"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1}, 18),
+    # (Not a case whose last ceil_mode window would start in the padding: onnx shape inference
+    # keeps that window, runtimes drop it, so the model's declared output shape is wrong.)
+    "2d_ceil_pads": ((1, 1, 5, 6), {"kernel_shape": [2, 3], "strides": [2, 2], "pads": [1, 1, 0, 1],
+                                   "ceil_mode": 1}, 18),
+    "2d_same_upper": ((1, 2, 5, 5), {"kernel_shape": [2, 3], "strides": [2, 2],
+                                     "auto_pad": "SAME_UPPER"}, 18),
+    "2d_same_lower": ((1, 2, 5, 5), {"kernel_shape": [2, 3], "strides": [2, 2],
+                                     "auto_pad": "SAME_LOWER"}, 18),
+    "2d_valid": ((1, 2, 5, 5), {"kernel_shape": [2, 2], "strides": [2, 1], "auto_pad": "VALID"},
+                 18),
+    "2d_dilations": ((1, 1, 6, 6), {"kernel_shape": [2, 2], "dilations": [2, 1],
+                                    "pads": [1, 0, 0, 1]}, 19),
+    "3d": ((1, 1, 3, 4, 4), {"kernel_shape": [2, 2, 2], "strides": [1, 2, 2]}, 18),
+    "2d_opset11": ((1, 2, 4, 5), {"kernel_shape": [2, 2], "strides": [2, 2],
+                                  "pads": [0, 1, 0, 0]}, 11),
+}
+
+
+@pytest.mark.parametrize("count_include_pad", [0, 1])
+@pytest.mark.parametrize("case", list(POOL_CASES))
+def test_average_pool(case, count_include_pad):
+    x_shape, attrs, opset = POOL_CASES[case]
+    check("AveragePool", {"X": f32(*x_shape)}, opset=opset, count_include_pad=count_include_pad,
+          **attrs)
+
+
+@pytest.mark.parametrize("case", ["2d_overlap_pads", "2d_ceil"])
+def test_average_pool_symbolic_batch(case):
+    x_shape, attrs, opset = POOL_CASES[case]
+    check("AveragePool", {"X": f32(*x_shape)}, shapes={"X": ["N", "C", *x_shape[2:]]}, opset=opset,
+          count_include_pad=1, **attrs)
+
+
+def test_average_pool_symbolic_spatial_refused():
+    model = op_model("AveragePool", {"X": f32(1, 1, 4, 4)}, kernel_shape=[2, 2],
+                     shapes={"X": [1, 1, "H", "W"]})
+    with pytest.raises(RuleError, match="static spatial"):
+        backward_model(model, "out0", ["X"], seed="input")
+
+
+@pytest.mark.parametrize("case", list(POOL_CASES))
+def test_max_pool(case):
+    x_shape, attrs, opset = POOL_CASES[case]
+    check("MaxPool", {"X": distinct(*x_shape)}, opset=opset, **attrs)
+
+
+@pytest.mark.parametrize("storage_order", [0, 1])
+def test_max_pool_with_indices(storage_order):
+    x = distinct(1, 2, 4, 5)
+    check("MaxPool", {"X": x}, n_outputs=2, kernel_shape=[2, 3], strides=[1, 2],
+          storage_order=storage_order)
+
+
+def test_max_pool_ties_go_to_first():
+    x = np.ones((1, 1, 2, 2), np.float32)
+    model = op_model("MaxPool", {"X": x}, kernel_shape=[2, 2])
+    proto, autodiff = backward_model(model, "out0", ["X"], seed="input")
+    dy = np.full((1, 1, 1, 1), 3.0, np.float32)
+    grad = _ort(proto).run(None, {"X": x, autodiff.seed_name: dy})[-1]
+    np.testing.assert_array_equal(grad, [[[[3, 0], [0, 0]]]])
+
+
+def test_max_pool_symbolic_batch():
+    x_shape, attrs, opset = POOL_CASES["2d_overlap_pads"]
+    check("MaxPool", {"X": distinct(*x_shape)}, shapes={"X": ["N", "C", "H", "W"]}, **attrs)
+
+
+def test_max_pool_overlap_before_opset16_refused():
+    model = op_model("MaxPool", {"X": distinct(1, 1, 4, 4)}, kernel_shape=[2, 2], opset=13)
+    with pytest.raises(RuleError, match="needs opset 16"):
+        backward_model(model, "out0", ["X"], seed="input")
+
+
+@pytest.mark.parametrize(
+    "shape,sym", [((2, 3, 4), None), ((1, 2, 3, 4), None), ((2, 2, 2, 2, 3), None),
+                  ((2, 3, 4, 3), ["N", 3, "H", "W"])]
+)
+@pytest.mark.parametrize("op_type", ["GlobalAveragePool", "GlobalMaxPool"])
+def test_global_pool(op_type, shape, sym):
+    x = distinct(*shape) if op_type == "GlobalMaxPool" else f32(*shape)
+    check(op_type, {"X": x}, shapes={"X": sym} if sym else None)
