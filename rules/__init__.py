@@ -20,7 +20,10 @@ __all__ = [
     "shapes",
 ]
 
-_FAMILIES = ("math", "activation", "nn", "tensor", "reduction", "normalization", "losses", "nondiff")
+_FAMILIES = (
+    "math", "activation", "nn", "spatial", "tensor", "indexing", "reduction", "normalization",
+    "losses", "linalg", "attention", "signal", "nondiff",
+)
 
 
 def default_registry() -> GradRegistry:

@@ -1,0 +1,5 @@
+"""linalg rules."""
+
+from __future__ import annotations
+
+from onnx_autodiff.rules.registry import rule  # noqa: F401
