@@ -26,8 +26,12 @@ def make_model(
     shapes: Mapping[str, Sequence[int | str]] | None = None,
     opset: int = 18,
     extra_opsets: Mapping[str, int] | None = None,
+    output_shapes: Mapping[str, Sequence[int | str]] | None = None,
 ) -> onnx.ModelProto:
-    """A model whose inputs are typed like the given arrays (``shapes`` overrides, e.g. "N")."""
+    """A model whose inputs are typed like the given arrays (``shapes`` overrides, e.g. "N").
+
+    Outputs are typed by shape inference; ``output_shapes`` declares float32 outputs it cannot type.
+    """
     shapes = dict(shapes or {})
     graph_inputs = [
         helper.make_tensor_value_info(
@@ -41,7 +45,12 @@ def make_model(
         list(nodes),
         "test",
         graph_inputs,
-        [helper.make_value_info(name, onnx.TypeProto()) for name in outputs],
+        [
+            helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, output_shapes[name])
+            if name in (output_shapes or {})
+            else helper.make_value_info(name, onnx.TypeProto())
+            for name in outputs
+        ],
         [numpy_helper.from_array(v, k) for k, v in (initializers or {}).items()],
     )
     opsets = [helper.make_opsetid("", opset)]
