@@ -108,11 +108,10 @@ def run_demo(steps: int = 60, learning_rate: float = 0.5, out=print) -> int:
 
 
 def _feedable(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The model with its initializers listed as inputs too, so each step can feed new weights."""
+    """The model with its initializers turned into inputs, so each step feeds the new weights."""
     fed = onnx.ModelProto()
     fed.CopyFrom(model)
-    listed = {i.name for i in fed.graph.input}
     for tensor in fed.graph.initializer:
-        if tensor.name not in listed:
-            fed.graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+        fed.graph.input.append(helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+    del fed.graph.initializer[:]
     return fed
