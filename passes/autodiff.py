@@ -25,34 +25,51 @@ def _can_carry_gradient(value: ir.Value) -> bool:
     return value.dtype is None or value.dtype in FLOAT_TYPES
 
 
-def _captured_values(node: ir.Node) -> list[ir.Value]:
-    """Outer-scope values that the node's subgraphs read (implicit inputs)."""
+def _subgraphs(node: ir.Node) -> list[ir.Graph]:
+    graphs: list[ir.Graph] = []
+    for attribute in node.attributes.values():
+        if attribute.type == ir.AttributeType.GRAPH:
+            graphs.append(attribute.value)
+        elif attribute.type == ir.AttributeType.GRAPHS:
+            graphs.extend(attribute.value)
+    return graphs
+
+
+def captured_values(node: ir.Node) -> list[ir.Value]:
+    """Outer-scope values that the node's subgraphs read (its implicit inputs), in first-use order."""
+    graphs = _subgraphs(node)
+    if not graphs:
+        return []
+    defined: set[ir.Value] = set()
+    used: list[ir.Value] = []
+    for graph in graphs:
+        defined.update(graph.inputs)
+        defined.update(graph.initializers.values())
+        for inner in ir.traversal.RecursiveGraphIterator(graph):
+            defined.update(inner.outputs)
+            for sub in _subgraphs(inner):
+                defined.update(sub.inputs)
+                defined.update(sub.initializers.values())
+                used.extend(sub.outputs)
+            used.extend(v for v in inner.inputs if v is not None)
+        used.extend(graph.outputs)
     captured: list[ir.Value] = []
     seen: set[ir.Value] = set()
-    for attribute in node.attributes.values():
-        graphs = ()
-        if attribute.type == ir.AttributeType.GRAPH:
-            graphs = (attribute.value,)
-        elif attribute.type == ir.AttributeType.GRAPHS:
-            graphs = tuple(attribute.value)
-        for graph in graphs:
-            for inner in ir.traversal.RecursiveGraphIterator(graph):
-                for value in inner.inputs:
-                    if value is not None and value.graph is not None and value.graph is node.graph:
-                        if value not in seen:
-                            seen.add(value)
-                            captured.append(value)
+    for value in used:
+        if value not in defined and value not in seen:
+            seen.add(value)
+            captured.append(value)
     return captured
 
 
-def topological_order(graph: ir.Graph | ir.Function) -> list[ir.Node]:
-    """The graph's nodes in an order where every producer precedes its consumers (stable)."""
-    nodes = list(graph)
+def topological_order(nodes: ir.Graph | ir.Function | Sequence[ir.Node]) -> list[ir.Node]:
+    """The nodes in an order where every producer precedes its consumers (stable)."""
+    nodes = list(nodes)
     position = {node: i for i, node in enumerate(nodes)}
     pending = {node: 0 for node in nodes}
     consumers: dict[ir.Node, list[ir.Node]] = {node: [] for node in nodes}
     for node in nodes:
-        for value in (*node.inputs, *_captured_values(node)):
+        for value in (*node.inputs, *captured_values(node)):
             producer = value.producer() if value is not None else None
             if producer is not None and producer in position:
                 pending[node] += 1
@@ -83,34 +100,48 @@ def topological_order(graph: ir.Graph | ir.Function) -> list[ir.Node]:
 
 
 class Backward:
-    """Builds the backward nodes of one graph for one output and a list of variables."""
+    """Builds the backward nodes of a set of nodes, for seeded outputs and a list of variables.
+
+    Emits into ``op``; rules that hold subgraphs (If, Loop, Scan) differentiate their bodies with
+    ``op.differentiate``, which runs a nested Backward sharing the names and the registry.
+    """
 
     def __init__(
         self,
-        graph: ir.Graph | ir.Function,
+        nodes: ir.Graph | ir.Function | Sequence[ir.Node],
         registry: GradRegistry,
         opsets: dict[str, int],
         namer: Namer,
+        op: OpBuilder | None = None,
     ) -> None:
-        self.graph = graph
         self.registry = registry
         self.opsets = {("" if k == "ai.onnx" else k): v for k, v in opsets.items()}
         if "" not in self.opsets:
             raise UnsupportedModelError("the model imports no version of the default ONNX domain")
-        self.op = OpBuilder(self.opsets[""], namer, self.opsets)
-        self.order = topological_order(graph)
+        self.op = op if op is not None else OpBuilder(self.opsets[""], namer, self.opsets)
+        self.op.vjp_hook = self._differentiate
+        self.order = topological_order(nodes)
+
+    def _differentiate(self, op: OpBuilder, nodes, seeds, xs) -> list[ir.Value | None]:
+        return Backward(nodes, self.registry, self.opsets, op.namer, op).vjp(seeds, xs)
 
     def opset_of(self, node: ir.Node) -> int:
         return self.opsets.get("" if node.domain == "ai.onnx" else node.domain, 1)
 
     def gradients(self, y: ir.Value, xs: Sequence[ir.Value], dy: ir.Value) -> list[ir.Value | None]:
         """The VJP dy·∂y/∂x per x (None where y does not depend on x); emits into ``self.op``."""
+        return self.vjp([(y, dy)], xs)
+
+    def vjp(self, seeds: Sequence[tuple[ir.Value, ir.Value | None]], xs: Sequence[ir.Value]) -> list[ir.Value | None]:
+        """Σ_k dy_k·∂y_k/∂x per x for the (y_k, dy_k) seeds (a None dy_k seeds nothing)."""
+        seeds = [(y, dy) for y, dy in seeds if dy is not None]
         reached, rules = self._forward_reach(xs)
-        active = self._backward_reach(y, reached, rules)
+        active = self._backward_reach([y for y, _ in seeds], reached, rules)
         contributions: dict[ir.Value, list[ir.Value]] = {}
         totals: dict[ir.Value, ir.Value] = {}
-        if y in reached:
-            contributions[y] = [dy]
+        for y, dy in seeds:
+            if y in reached:
+                contributions.setdefault(y, []).append(dy)
 
         def total(value: ir.Value) -> ir.Value | None:
             if value not in totals and value in contributions:
@@ -120,12 +151,11 @@ class Backward:
         for node in reversed(active):
             rule = rules[node]
             if rule is None:
-                self._missing_rule(node, y, xs)
+                self._missing_rule(node, seeds, xs)
             dys = [total(out) for out in node.outputs]
             if all(g is None for g in dys):
                 continue
-            for index, grad in self._call_rule(rule, node, dys, reached):
-                value = node.inputs[index]
+            for value, grad in self._call_rule(rule, node, dys, reached):
                 if rule.broadcast:
                     grad = shapes.unbroadcast(self.op, grad, value, node.outputs[0])
                 contributions.setdefault(value, []).append(grad)
@@ -135,29 +165,31 @@ class Backward:
         reached: set[ir.Value] = set(xs)
         rules: dict[ir.Node, GradRule | None] = {}
         for node in self.order:
-            if not any(v in reached for v in (*node.inputs, *_captured_values(node)) if v is not None):
+            if not any(v in reached for v in (*node.inputs, *captured_values(node)) if v is not None):
                 continue
             rule = self.registry.lookup(node, self.opset_of(node))
             rules[node] = rule
-            if rule is not None and not any(
-                i in self._differentiable_inputs(rule, node, reached) for i in range(len(node.inputs))
-            ):
+            if rule is not None and not self._targets(rule, node, reached):
                 continue
             reached.update(out for out in node.outputs if _can_carry_gradient(out))
         return reached, rules
 
-    def _differentiable_inputs(self, rule: GradRule, node: ir.Node, reached) -> list[int]:
+    def _targets(self, rule: GradRule, node: ir.Node, reached) -> list[tuple[int | None, ir.Value]]:
+        """(input index, value) pairs that get gradients; index None for captured values."""
         if rule.backward is None:
             return []
         names = rule.input_names(node, self.opset_of(node))
-        return [
-            i
+        targets: list[tuple[int | None, ir.Value]] = [
+            (i, value)
             for i, (name, value) in enumerate(zip(names, node.inputs))
             if name in rule.differentiable and value is not None and value in reached
         ]
+        if rule.captures:
+            targets += [(None, v) for v in captured_values(node) if v in reached]
+        return targets
 
-    def _backward_reach(self, y: ir.Value, reached, rules) -> list[ir.Node]:
-        needed: set[ir.Value] = {y}
+    def _backward_reach(self, ys: Sequence[ir.Value], reached, rules) -> list[ir.Node]:
+        needed: set[ir.Value] = set(ys)
         active: list[ir.Node] = []
         for node in reversed(self.order):
             if node not in rules or not any(out in needed and out in reached for out in node.outputs):
@@ -165,14 +197,16 @@ class Backward:
             active.append(node)
             rule = rules[node]
             if rule is None:
-                needed.update(v for v in (*node.inputs, *_captured_values(node)) if v is not None)
+                needed.update(v for v in (*node.inputs, *captured_values(node)) if v is not None)
             else:
-                needed.update(node.inputs[i] for i in self._differentiable_inputs(rule, node, reached))
+                needed.update(value for _, value in self._targets(rule, node, reached))
         active.reverse()
         return active
 
     def _call_rule(self, rule: GradRule, node: ir.Node, dys, reached):
         opset = self.opset_of(node)
+        targets = self._targets(rule, node, reached)
+        self.op.wanted_captures = [value for index, value in targets if index is None]
         try:
             result = rule.backward(self.op, node, *dys)
         except AutodiffError as error:
@@ -184,30 +218,31 @@ class Backward:
             ) from error
         if not isinstance(result, dict):
             raise RuleError(f"the rule of {describe_node(node, opset)} must return a dict of gradients")
-        names = rule.input_names(node, opset)
-        unknown = sorted(set(result) - set(rule.differentiable))
+        unknown = sorted(k for k in result if isinstance(k, str) and k not in rule.differentiable)
         if unknown:
             raise RuleError(
                 f"the rule of {describe_node(node, opset)} returned gradients for {unknown}, "
                 f"which are not among its differentiable inputs {list(rule.differentiable)}"
             )
-        wanted = set(self._differentiable_inputs(rule, node, reached))
-        seen: dict[str, int] = {}
-        for index, name in enumerate(names):
-            position = seen.get(name, 0)
-            seen[name] = position + 1
-            grad = result.get(name)
-            if isinstance(grad, (list, tuple)):
-                grad = grad[position] if position < len(grad) else None
-            if grad is not None and index in wanted:
-                yield index, grad
+        names = rule.input_names(node, opset)
+        positions = [names[:i].count(names[i]) for i in range(len(names))]
+        for index, value in targets:
+            if index is None:
+                grad = result.get(value)
+            else:
+                grad = result.get(names[index])
+                if isinstance(grad, (list, tuple)):
+                    grad = grad[positions[index]] if positions[index] < len(grad) else None
+            if grad is not None:
+                yield value, grad
 
-    def _missing_rule(self, node: ir.Node, y: ir.Value, xs: Sequence[ir.Value]) -> None:
+    def _missing_rule(self, node: ir.Node, seeds, xs: Sequence[ir.Value]) -> None:
         opset = self.opset_of(node)
         domain = f", domain={node.domain!r}" if node.domain else ""
+        ys = ", ".join(f"'{y.name}'" for y, _ in seeds)
         raise MissingRuleError(
             f"no gradient rule for {describe_node(node, opset)}, which lies on the path from "
-            f"{[x.name for x in xs]} to '{y.name}'. Register one with "
+            f"{[x.name for x in xs]} to {ys}. Register one with "
             f"@onnx_autodiff.register_gradient({node.op_type!r}{domain}, differentiable=(...)), "
             "or declare it non-differentiable with default_registry().not_differentiable("
             f"{node.op_type!r}{domain})"

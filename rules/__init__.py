@@ -22,7 +22,7 @@ __all__ = [
 
 _FAMILIES = (
     "math", "activation", "nn", "spatial", "tensor", "indexing", "reduction", "normalization",
-    "losses", "linalg", "attention", "signal", "ml", "nondiff",
+    "losses", "linalg", "attention", "signal", "ml", "control_flow", "nondiff",
 )
 
 

@@ -66,6 +66,8 @@ class OpBuilder:
         self.opsets = dict(opsets or {"": opset})
         self.namer = namer
         self.nodes: list[ir.Node] = []
+        self.vjp_hook = None  # installed by the engine
+        self.wanted_captures: list[ir.Value] = []
 
     def __getattr__(self, op_type: str):
         if not op_type[:1].isupper():
@@ -127,6 +129,67 @@ class OpBuilder:
             return self.const(value, like=like)
         raise TypeError(f"cannot use {type(value).__name__} as a node input")
 
+    # Subgraphs: what control-flow rules build their bodies with.
+
+    def child(self) -> OpBuilder:
+        """A builder for a subgraph body: the same names, opsets and engine, its own nodes."""
+        child = OpBuilder(self.opset, self.namer, self.opsets)
+        child.opsets = self.opsets
+        child.vjp_hook = self.vjp_hook
+        return child
+
+    def differentiate(self, nodes, seeds, xs) -> list[ir.Value | None]:
+        """Σ_k dy_k·∂y_k/∂x for the (y_k, dy_k) seeds through ``nodes``, emitted into this builder."""
+        if self.vjp_hook is None:
+            raise RuntimeError("differentiate() needs a builder created by the engine")
+        return self.vjp_hook(self, nodes, seeds, xs)
+
+    def inline(self, graph: ir.Graph, bindings: Sequence[ir.Value | None]) -> tuple[list[ir.Value], list[ir.Node]]:
+        """Copies ``graph``'s nodes here with its inputs bound to ``bindings``, under fresh names.
+
+        Returns the copies of its outputs and the copied nodes. Outer-scope values stay shared.
+        """
+        clone = graph.clone(allow_outer_scope_values=True)
+        for inner, outer in zip(clone.inputs, bindings):
+            if outer is not None:
+                inner.replace_all_uses_with(outer, replace_graph_outputs=True)
+        outputs = list(clone.outputs)
+        nodes = list(clone)
+        clone.outputs.clear()
+        clone.remove(nodes)
+        for node in nodes:
+            self._rename(node)
+        self.nodes.extend(nodes)
+        return outputs, nodes
+
+    def _rename(self, node: ir.Node) -> None:
+        node.name = self.namer.fresh(f"{self.namer.prefix}_{node.op_type}_{len(self.nodes)}")
+        for out in node.outputs:
+            if out.name:
+                out.name = self.namer.fresh()
+        for attribute in node.attributes.values():
+            graphs = ()
+            if attribute.type == ir.AttributeType.GRAPH:
+                graphs = (attribute.value,)
+            elif attribute.type == ir.AttributeType.GRAPHS:
+                graphs = attribute.value
+            for graph in graphs:
+                for value in graph.inputs:
+                    value.name = self.namer.fresh()
+                for inner in graph:
+                    self._rename(inner)
+
+    def graph(self, inputs: Sequence[ir.Value], outputs: Sequence[ir.Value], name: str) -> ir.Graph:
+        """A subgraph holding this builder's nodes; outputs not produced here get an Identity."""
+        produced = {out for node in self.nodes for out in node.outputs}
+        fixed = []
+        for value in outputs:
+            if value not in produced or value in fixed:
+                value = self.Identity(value)
+                produced.add(value)
+            fixed.append(value)
+        return ir.Graph(list(inputs), fixed, nodes=self.nodes, name=name, opset_imports={})
+
     # Forms that changed across opsets. Axes are Python ints or an int64 ir.Value.
 
     def reduce(self, op_type: str, x, axes, keepdims: bool = True, noop_with_empty_axes=None):
@@ -178,6 +241,8 @@ def _attribute(name: str, value) -> ir.Attr:
         return ir.AttrTensor(name, ir.Tensor(value))
     if isinstance(value, ir.Tensor):
         return ir.AttrTensor(name, value)
+    if isinstance(value, ir.Graph):
+        return ir.AttrGraph(name, value)
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, np.integer)) for v in value):
         return ir.AttrInt64s(name, [int(v) for v in value])
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, (float, int)) for v in value):

@@ -28,6 +28,8 @@ class GradRule:
     gradients stop at it. ``broadcast`` says the gradients come back in the output's broadcast
     shape and the engine reduces them to each input's shape. ``when`` restricts the rule to nodes
     it accepts (attribute conditions); ``inputs`` names the inputs of an op without a schema.
+    ``captures`` makes the outer-scope values read by the node's subgraphs differentiable too: the
+    rule finds those needing gradients in ``op.wanted_captures`` and returns them keyed by value.
     """
 
     op_type: str
@@ -38,6 +40,7 @@ class GradRule:
     broadcast: bool = False
     when: Callable[[ir.Node], bool] | None = None
     inputs: tuple[tuple[str, ...], bool] | None = None
+    captures: bool = False
 
     def matches(self, node: ir.Node, opset: int) -> bool:
         low, high = self.opsets
@@ -138,6 +141,7 @@ class GradRegistry:
         broadcast: bool = False,
         when: Callable[[ir.Node], bool] | None = None,
         inputs: Sequence[str] | None = None,
+        captures: bool = False,
     ) -> Callable[[Backward], Backward]:
         """Decorator registering ``backward`` for ``op_type``; see :class:`GradRule`.
 
@@ -157,6 +161,7 @@ class GradRegistry:
                     broadcast,
                     when,
                     _normalise(inputs),
+                    captures,
                 )
             )
             return backward

@@ -44,9 +44,15 @@ def attr(node: ir.Node, name: str, default=None):
     if attribute is None:
         return default
     value = attribute.value
-    if isinstance(value, Sequence) and not isinstance(value, str):
+    if attribute.type in _REPEATED:
         return list(value)
     return value
+
+
+_REPEATED = frozenset({
+    ir.AttributeType.INTS, ir.AttributeType.FLOATS, ir.AttributeType.STRINGS,
+    ir.AttributeType.TENSORS, ir.AttributeType.GRAPHS,
+})
 
 
 def normalize_axis(axis: int, rank_: int) -> int:
