@@ -269,6 +269,8 @@ def _like(inputs) -> ir.Value | None:
 
 
 _SAME_AS_INPUT = {"Where": 1, "OneHot": 2}
+_UNTYPED = frozenset({"Constant", "EyeLike", "If", "Loop", "Scan", "SequenceMap", "RandomNormal",
+                      "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial"})
 
 
 def _result_dtype(op_type: str, inputs: Sequence[ir.Value | None], attrs: dict):
@@ -285,7 +287,7 @@ def _result_dtype(op_type: str, inputs: Sequence[ir.Value | None], attrs: dict):
         if value is None:
             return ir.DataType.FLOAT
         return ir.DataType.from_numpy(value.dtype) if isinstance(value, np.ndarray) else value.dtype
-    if op_type in ("Constant", "EyeLike") or op_type.startswith("Random"):
+    if op_type in _UNTYPED:
         return None
     index = _SAME_AS_INPUT.get(op_type, 0)
     source = inputs[index] if len(inputs) > index else None

@@ -45,3 +45,71 @@ def test_nested_if():
     for c1 in (True, False):
         for c2 in (True, False):
             assert_gradients(model, {"c1": np.array(c1), "c2": np.array(c2), "x": x}, ["x"])
+
+
+def loop_model(trip_count=4, with_scan=True):
+    """h_{i+1} = tanh(h_i * W + x * i); scan output s_i = h_{i+1} * h_{i+1}; y = h_final (+ scans)."""
+    f = TensorProto.FLOAT
+    body = helper.make_graph(
+        [
+            helper.make_node("Cast", ["i"], ["i_f"], to=f),
+            helper.make_node("Mul", ["h", "W"], ["hw"]),
+            helper.make_node("Mul", ["x", "i_f"], ["xi"]),
+            helper.make_node("Add", ["hw", "xi"], ["pre"]),
+            helper.make_node("Tanh", ["pre"], ["h_next"]),
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+            helper.make_node("Mul", ["h_next", "h_next"], ["s"]),
+        ],
+        "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h", f, [3])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h_next", f, [3])]
+        + ([helper.make_tensor_value_info("s", f, [3])] if with_scan else []),
+    )
+    outputs = ["h_final", "scans"] if with_scan else ["h_final"]
+    nodes = [helper.make_node("Loop", ["M", "", "h0"], outputs, body=body)]
+    shapes = {"h_final": [3], "scans": [trip_count, 3]}
+    model = make_model(
+        nodes,
+        {"h0": np.zeros(3, np.float32), "x": np.zeros(3, np.float32), "W": np.zeros(3, np.float32)},
+        outputs,
+        initializers={"M": np.array(trip_count, np.int64)},
+        output_shapes={k: shapes[k] for k in outputs},
+    )
+    return model
+
+
+@pytest.mark.parametrize("with_scan", [True, False])
+def test_loop_carried_scan_and_captured(with_scan):
+    feeds = {k: (R.standard_normal(3) * 0.7).astype(np.float32) for k in ("h0", "x", "W")}
+    assert_gradients(loop_model(with_scan=with_scan), feeds, ["h0", "x", "W"])
+
+
+def test_loop_stopped_by_condition_with_integer_carried_value():
+    """Carries (k: int64, h: float); stops when k reaches 3 although M = 10."""
+    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    body = helper.make_graph(
+        [
+            helper.make_node("Add", ["k", "one"], ["k_next"]),
+            helper.make_node("Less", ["k_next", "three"], ["cond_out"]),
+            helper.make_node("Sin", ["h"], ["s"]),
+            helper.make_node("Mul", ["s", "W"], ["h_next"]),
+        ],
+        "body",
+        [helper.make_tensor_value_info("i", i64, []), helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("k", i64, []), helper.make_tensor_value_info("h", f, [2])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("k_next", i64, []), helper.make_tensor_value_info("h_next", f, [2])],
+    )
+    nodes = [helper.make_node("Loop", ["M", "go", "k0", "h0"], ["k_final", "h_final"], body=body),
+             helper.make_node("Mul", ["h_final", "h_final"], ["y"])]
+    model = make_model(
+        nodes, {"h0": np.zeros(2, np.float32), "W": np.zeros(2, np.float32)}, ["y"],
+        initializers={"M": np.array(10, np.int64), "go": np.array(True), "k0": np.array(0, np.int64),
+                      "one": np.array(1, np.int64), "three": np.array(3, np.int64)},
+        output_shapes={"y": [2]},
+    )
+    feeds = {"h0": np.array([0.4, -0.9], np.float32), "W": np.array([1.3, 0.7], np.float32)}
+    assert_gradients(model, feeds, ["h0", "W"])
