@@ -12,6 +12,7 @@ import onnx_ir as ir
 
 from onnx_autodiff.errors import RuleError
 from onnx_autodiff.rules import shapes
+from onnx_autodiff.rules.math import as_float
 from onnx_autodiff.rules.registry import rule
 
 
@@ -340,3 +341,207 @@ def global_max_pool(op, node, dY):
     first = op.ArgMax(rows, axis=2, keepdims=1)
     dX = op.ScatterElements(shapes.zeros_like(op, rows), first, _reshape(op, dY, [0, 0, 1]), axis=2)
     return {"X": op.Reshape(dX, op.Shape(X))}
+
+
+# Dropout, local response normalisation, Lp pooling, Col2Im, deformable convolution
+
+
+@rule("Dropout", differentiable=("data",))
+def dropout(op, node, dY, dMask=None):
+    """Identity in inference mode; training: Y = X·mask/(1 − ratio), dX = dY·mask/(1 − ratio)."""
+    X = node.inputs[0]
+    if op.opset >= 12:
+        ratio = node.inputs[1] if len(node.inputs) > 1 else None
+        mode = node.inputs[2] if len(node.inputs) > 2 else None
+        fixed_mode = None if mode is None else shapes.constant_input(mode)
+        fixed_ratio = 0.5 if ratio is None else shapes.constant_input(ratio)
+        if mode is None or (fixed_mode is not None and not fixed_mode.item()):
+            return {"data": dY}
+    else:
+        # Opsets 7-11 have no mode: inference runtimes (all that run them) copy X.
+        training = op.opset < 7 and not shapes.attr(node, "is_test", 0)
+        if not training:
+            return {"data": dY}
+        mode = fixed_mode = None
+        fixed_ratio = shapes.attr(node, "ratio", 0.5)
+    if fixed_ratio is not None and float(fixed_ratio) == 0.0:
+        return {"data": dY}
+    mask = node.outputs[1] if len(node.outputs) > 1 and node.outputs[1].name else None
+    if mask is None:
+        raise RuleError(
+            "Dropout in training mode needs its mask output to be differentiated (the random mask "
+            "cannot be recomputed); add the 'mask' output to the node in the model"
+        )
+    if fixed_ratio is not None:
+        scale = op.const(1.0 / (1.0 - float(fixed_ratio)), like=X)
+    else:
+        scale = op.Reciprocal(op.Sub(1.0, as_float(op, ratio, X)))
+    if mode is not None and fixed_mode is None:
+        scale = op.Where(mode, scale, op.const(1.0, like=X))
+    kept = op.Mul(dY, mask if mask.dtype == X.dtype else as_float(op, mask, X))
+    return {"data": op.Mul(kept, scale, broadcast=1 if op.opset < 7 else None)}
+
+
+def _channel_window_sum(op, x, rank_: int, before: int, after: int):
+    """Σ x[n, c + j] for j in [−before, after] (zero outside): a Conv over (N, 1, C, *S)."""
+    window = op.const(np.ones([1, 1, before + after + 1] + [1] * (rank_ - 2)), like=x)
+    zeros = [0] * (rank_ - 2)
+    summed = op.Conv(op.unsqueeze(x, [1]), window, pads=[before, *zeros, after, *zeros])
+    return op.squeeze(summed, [1])
+
+
+@rule("LRN", differentiable=("X",))
+def lrn(op, node, dY):
+    """Y = X·S^−β, S = bias + α/size·Σ X² over channels c − ⌊(size−1)/2⌋ … c + ⌈(size−1)/2⌉;
+    dX = dY·S^−β − 2αβ/size·X·window_sumᵀ(dY·Y/S)."""
+    X, Y = node.inputs[0], node.outputs[0]
+    _need_opset(op, 7, "LRN's gradient (numpy broadcasting)")
+    size = shapes.attr(node, "size")
+    alpha, beta = shapes.attr(node, "alpha", 1e-4), shapes.attr(node, "beta", 0.75)
+    bias = shapes.attr(node, "bias", 1.0)
+    r = _known_rank(X, "LRN's input X")
+    lo, hi = (size - 1) // 2, size // 2
+    S = op.Add(op.Mul(_channel_window_sum(op, op.Mul(X, X), r, lo, hi), alpha / size), bias)
+    back = _channel_window_sum(op, op.Div(op.Mul(dY, Y), S), r, hi, lo)  # the adjoint window
+    direct = op.Mul(dY, op.Pow(S, -float(beta)))
+    return {"X": op.Sub(direct, op.Mul(op.Mul(X, back), 2.0 * alpha * beta / size))}
+
+
+def _lp_weight(op, X, p):
+    """∂|x|^p/∂x / p = sign(x)·|x|^(p−1)."""
+    _need_opset(op, 7, "the gradient of Lp pooling (numpy broadcasting)")
+    if p == 2:
+        return X
+    if op.opset < 9:  # no Sign yet: x·|x|^(p−2), undefined at x = 0 when p < 2
+        return op.Mul(X, op.Pow(op.Abs(X), float(p - 2)))
+    if p == 1:
+        return op.Sign(X)
+    return op.Mul(op.Sign(X), op.Pow(op.Abs(X), float(p - 1)))
+
+
+@rule("LpPool", differentiable=("X",))
+def lp_pool(op, node, dY):
+    """Y[o] = (Σ_window(o) |X|^p)^(1/p); dX = sign(X)|X|^(p−1)·window_sumᵀ(dY·Y^(1−p))."""
+    X, Y = node.inputs[0], node.outputs[0]
+    p = shapes.attr(node, "p", 2)
+    weight = _lp_weight(op, X, p)
+    g = _Geometry(node, X, None)
+    g.resolve_same()
+    ns, spatial = g.ns, g.need_spatial("LpPool's gradient")
+    t = dY if p == 1 else op.Div(dY, Y) if p == 2 else op.Mul(dY, op.Pow(Y, float(1 - p)))
+    out = _pooled_size(g, spatial, shapes.attr(node, "ceil_mode", 0))
+    # The window-sum adjoint, as in AveragePool: the windows' full extent cut or extended to X.
+    end = [f - b - s for f, b, s in zip(g.extent(out), g.pads, spatial)]
+    window = op.const(np.ones([1, 1, *g.kernel]), like=dY)
+    flat = _reshape(op, t, [-1, 1] + [0] * ns)
+    back = op.ConvTranspose(flat, window, strides=g.strides, dilations=g.dilations,
+                            pads=g.pads[:ns] + [max(0, e) for e in end],
+                            output_padding=[max(0, -e) for e in end])
+    return {"X": op.Mul(weight, op.Reshape(back, op.Shape(X)))}
+
+
+@rule("GlobalLpPool", differentiable=("X",))
+def global_lp_pool(op, node, dY):
+    """Y[n, c] = (Σ_spatial |X|^p)^(1/p); dX = sign(X)|X|^(p−1)·Y^(1−p)·dY."""
+    X, Y = node.inputs[0], node.outputs[0]
+    p = shapes.attr(node, "p", 2)
+    weight = _lp_weight(op, X, p)
+    t = dY if p == 1 else op.Div(dY, Y) if p == 2 else op.Mul(dY, op.Pow(Y, float(1 - p)))
+    return {"X": op.Mul(weight, t)}
+
+
+@rule("Col2Im", differentiable=("input",))
+def col2im(op, node, dY):
+    """Y = Σ of the column blocks at their image positions; dinput = Im2Col(dY): a Conv of each
+    channel of dY with a one-hot kernel per block position."""
+    block = shapes.constant_input(node.inputs[2])
+    if block is None:
+        raise RuleError("Col2Im's gradient needs a constant block_shape")
+    block = [int(b) for b in block]
+    ns, k = len(block), int(np.prod(block))
+    onehot = op.const(np.eye(k).reshape([k, 1, *block]), like=dY)
+    planes = _reshape(op, dY, [-1, 1] + [0] * ns)  # (N·C, 1, *image)
+    cols = op.Conv(planes, onehot, strides=shapes.attr(node, "strides", [1] * ns),
+                   dilations=shapes.attr(node, "dilations", [1] * ns),
+                   pads=shapes.attr(node, "pads", [0] * (2 * ns)))
+    return {"input": op.Reshape(cols, op.Shape(node.inputs[0]))}
+
+
+@rule("DeformConv", differentiable=("X", "W", "offset", "B", "mask"))
+def deform_conv(op, node, dY):
+    """Y[n, m, o] = Σ_c,k W[m, c, k]·mask[n, g, k, o]·bilinear(X[n, c], p(o, k) + off[n, g, k, o])
+    + B[m], g the offset group of c, zeros read outside X. The sampled columns are rebuilt from
+    the four corners (GatherElements); dX scatters back with the bilinear weights, doffset is the
+    slope of the bilinear surface, dmask the unmasked columns."""
+    X, W, offset = node.inputs[:3]
+    B = node.inputs[3] if len(node.inputs) > 3 else None
+    mask = node.inputs[4] if len(node.inputs) > 4 else None
+    x_dims, w_dims = shapes.dims(X), shapes.static_shape(W)
+    if x_dims is None or len(x_dims) != 4 or not all(isinstance(d, int) for d in x_dims[2:]):
+        raise RuleError(
+            "DeformConv's gradient supports 2-D images of static height and width only")
+    if w_dims is None:
+        raise RuleError("DeformConv's gradient needs the kernel W to have a static shape")
+    g = _Geometry(node, X, W)
+    (H, Wd), (kh, kw), group = x_dims[2:], g.kernel, g.group
+    G = shapes.attr(node, "offset_group", 1)
+    oh, ow = [(s + b + e - d * (k - 1) - 1) // st + 1 for s, b, e, d, k, st in
+              zip((H, Wd), g.pads[:2], g.pads[2:], g.dilations, g.kernel, g.strides)]
+    K, L = kh * kw, oh * ow
+    # Sampling positions without offsets, (K, L) flattened as (1, 1, 1, K·L).
+    rows = np.arange(oh) * g.strides[0] - g.pads[0]
+    cols_ = np.arange(ow) * g.strides[1] - g.pads[1]
+    base_y = np.add.outer(np.repeat(np.arange(kh) * g.dilations[0], kw), np.repeat(rows, ow))
+    base_x = np.add.outer(np.tile(np.arange(kw) * g.dilations[1], kh), np.tile(cols_, oh))
+    off_y, off_x = op.split(_reshape(op, offset, [0, G, K, 2, L]), [1, 1], axis=3)
+    py, px = (op.Add(_reshape(op, off, [0, G, 1, K * L]),
+                     op.const(base.reshape(1, 1, 1, -1), like=X))
+              for off, base in ((off_y, base_y), (off_x, base_x)))
+    y0, x0 = op.Floor(py), op.Floor(px)
+    ly, lx = op.Sub(py, y0), op.Sub(px, x0)
+    hy, hx = op.Sub(1.0, ly), op.Sub(1.0, lx)
+    y1, x1 = op.Add(y0, 1.0), op.Add(x0, 1.0)
+    if isinstance(x_dims[1], int):
+        per_group = op.const([1, 1, x_dims[1] // G, 1])
+    else:
+        per_group = op.Concat([1, 1], op.Div(op.Slice(op.Shape(X), [1], [2]), [G]), [1], axis=0)
+    planes = _reshape(op, X, [0, G, -1, H * Wd])  # (N, G, C/G, H·W)
+
+    def corner(yc, xc):
+        inside = op.And(op.And(op.GreaterOrEqual(yc, 0.0), op.LessOrEqual(yc, float(H - 1))),
+                        op.And(op.GreaterOrEqual(xc, 0.0), op.LessOrEqual(xc, float(Wd - 1))))
+        flat = op.Add(op.Mul(op.Clip(yc, 0.0, float(H - 1)), float(Wd)),
+                      op.Clip(xc, 0.0, float(Wd - 1)))
+        index = op.Expand(op.Cast(flat, to=int(ir.DataType.INT64)), per_group)
+        valid = op.CastLike(inside, X)
+        return index, valid, op.Mul(op.GatherElements(planes, index, axis=3), valid)
+
+    (i00, m00, v00), (i01, m01, v01) = corner(y0, x0), corner(y0, x1)
+    (i10, m10, v10), (i11, m11, v11) = corner(y1, x0), corner(y1, x1)
+    weights = [op.Mul(hy, hx), op.Mul(hy, lx), op.Mul(ly, hx), op.Mul(ly, lx)]
+    sampled = op.Sum(*(op.Mul(w, v) for w, v in zip(weights, (v00, v01, v10, v11))))
+    m = None if mask is None else _reshape(op, mask, [0, G, 1, K * L])
+    columns = sampled if m is None else op.Mul(sampled, m)
+    # The convolution proper is a batched matmul per group: (C/group·K) columns, L positions.
+    col_r = _reshape(op, columns, [0, group, -1, L])
+    dy_r = _reshape(op, dY, [0, group, -1, L])
+    w_r = _reshape(op, W, [group, -1, int(np.prod(w_dims[1:]))])
+    d_cols = _reshape(op, op.MatMul(op.Transpose(w_r, perm=[0, 2, 1]), dy_r), [0, G, -1, K * L])
+    dW = op.reduce_sum(op.MatMul(dy_r, op.Transpose(col_r, perm=[0, 1, 3, 2])), [0], False)
+    grads = {"W": _reshape(op, dW, w_dims)}
+    if B is not None:
+        grads["B"] = op.reduce_sum(dY, [0, 2, 3], keepdims=False)
+    if m is not None:
+        d_mask = op.reduce_sum(op.Mul(d_cols, sampled), [2], keepdims=True)
+        grads["mask"] = op.Reshape(d_mask, op.Shape(mask))
+        d_cols = op.Mul(d_cols, m)
+    updates = [op.Mul(d_cols, op.Mul(w, v)) for w, v in zip(weights, (m00, m01, m10, m11))]
+    dX = op.ScatterElements(shapes.zeros_like(op, planes), op.Concat(i00, i01, i10, i11, axis=3),
+                            op.Concat(*updates, axis=3), axis=3, reduction="add")
+    grads["X"] = op.Reshape(dX, op.Shape(X))
+    slope_y = op.Add(op.Mul(hx, op.Sub(v10, v00)), op.Mul(lx, op.Sub(v11, v01)))
+    slope_x = op.Add(op.Mul(hy, op.Sub(v01, v00)), op.Mul(ly, op.Sub(v11, v10)))
+    d_py, d_px = (_reshape(op, op.reduce_sum(op.Mul(d_cols, s), [2]), [0, G, K, 1, L])
+                  for s in (slope_y, slope_x))
+    grads["offset"] = op.Reshape(op.Concat(d_py, d_px, axis=3), op.Shape(offset))
+    return grads
