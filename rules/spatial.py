@@ -1,5 +1,537 @@
-"""spatial rules."""
+"""Spatial resampling: Resize and Upsample, GridSample, AffineGrid, RoiAlign.
+
+Resize is linear in X and separable: along each resized axis Y = W·X for an (out, in) matrix W
+that depends only on static sizes and constant scales/sizes, so it is built here in numpy and
+dX applies Wᵀ axis by axis (one MatMul each). GridSample and RoiAlign depend on run-time data
+(the grid, the boxes): their sampling positions and bilinear/bicubic weights are rebuilt in the
+graph from the forward inputs; dX scatters (or, RoiAlign, multiplies back) the weighted dY.
+AffineGrid is linear in theta: dθ = Σ dgrid ⊗ (base coordinates, 1).
+
+Weights follow onnxruntime where the spec is loose (integer output length in align_corners and
+tf_crop_and_resize, nearest rounding 'simple' before opset 11: ceil when downsampling, floor
+otherwise; pytorch_half_pixel maps a length-1 output to 0). Resize weights are computed in
+float64: where a source coordinate lies exactly on a nearest-rounding tie, onnxruntime's float32
+forward may take the other neighbour (a kink either way). GridSample and RoiAlign recompute the
+forward's own positions in the graph, so their branches agree with it.
+"""
 
 from __future__ import annotations
 
-from onnx_autodiff.rules.registry import rule  # noqa: F401
+import itertools
+import math
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_autodiff.errors import RuleError
+from onnx_autodiff.rules import shapes
+from onnx_autodiff.rules.math import as_float
+from onnx_autodiff.rules.registry import rule
+
+INT64 = int(ir.DataType.INT64)
+
+# Resize / Upsample
+
+
+def _kernel(mode: str, a: float):
+    """(half width, kernel) of an interpolating filter."""
+    if mode == "linear":
+        return 1, lambda t: np.clip(1 - np.abs(t), 0, 1)
+
+    def cubic(t):
+        t = np.abs(t)
+        near = ((a + 2) * t - (a + 3)) * t * t + 1
+        far = ((a * t - 5 * a) * t + 8 * a) * t - 4 * a
+        return np.where(t <= 1, near, np.where(t < 2, far, 0.0))
+
+    return 2, cubic
+
+
+_ROUND = {
+    "round_prefer_floor": lambda x: np.ceil(x - 0.5),
+    "round_prefer_ceil": lambda x: np.floor(x + 0.5),
+    "floor": np.floor,
+    "ceil": np.ceil,
+}
+
+
+def _source_coords(ctm: str, n_in: int, n_out: int, scale: float, roi) -> np.ndarray:
+    """The input coordinate each output index samples."""
+    y = np.arange(n_out, dtype=np.float64)
+    if ctm == "half_pixel":
+        return (y + 0.5) / scale - 0.5
+    if ctm == "half_pixel_symmetric":
+        offset = n_in / 2 * (1 - n_out / (scale * n_in))
+        return offset + (y + 0.5) / scale - 0.5
+    if ctm == "pytorch_half_pixel":
+        return (y + 0.5) / scale - 0.5 if n_out > 1 else np.zeros(n_out)
+    if ctm == "align_corners":
+        return y * (n_in - 1) / (n_out - 1) if n_out > 1 else np.zeros(n_out)
+    if ctm == "asymmetric":
+        return y / scale
+    if ctm == "tf_crop_and_resize":
+        lo, hi = roi
+        if n_out == 1:
+            return np.full(n_out, 0.5 * (lo + hi) * (n_in - 1))
+        return lo * (n_in - 1) + y * (hi - lo) * (n_in - 1) / (n_out - 1)
+    raise RuleError(f"Resize coordinate_transformation_mode={ctm!r} is not supported")
+
+
+def resize_matrix(n_in, n_out, scale, mode, ctm, nearest_mode="round_prefer_floor", cubic_a=-0.75,
+                  exclude_outside=False, antialias=False, roi=(0.0, 1.0)) -> np.ndarray:
+    """W (n_out, n_in) with Y = W·X along one axis of Resize."""
+    x = _source_coords(ctm, n_in, n_out, scale, roi)
+    W = np.zeros((n_out, n_in))
+    rows = np.arange(n_out)
+    if mode == "nearest":
+        if nearest_mode == "simple":  # Upsample and Resize-10 (onnxruntime)
+            rounded = np.ceil(x) if scale < 1 else np.floor(x)
+        elif nearest_mode in _ROUND:
+            rounded = _ROUND[nearest_mode](x)
+        else:
+            raise RuleError(f"Resize nearest_mode={nearest_mode!r} is not supported")
+        W[rows, np.clip(rounded, 0, n_in - 1).astype(np.int64)] = 1.0
+    elif mode in ("linear", "cubic"):
+        half, kernel = _kernel(mode, cubic_a)
+        # Antialiasing stretches the filter by 1/scale when downsampling.
+        s = min(scale, 1.0) if antialias else 1.0
+        reach = math.ceil(half / s)
+        taps = (np.ceil(x) - 1)[:, None] + np.arange(1 - reach, reach + 1)[None, :]
+        w = kernel((taps - x[:, None]) * s)
+        if antialias:
+            w = w / w.sum(1, keepdims=True)
+        if exclude_outside:
+            w = np.where((taps < 0) | (taps > n_in - 1), 0.0, w)
+            w = w / w.sum(1, keepdims=True)
+        cols = np.clip(taps, 0, n_in - 1).astype(np.int64)  # edge padding
+        np.add.at(W, (np.repeat(rows, taps.shape[1]), cols.ravel()), w.ravel())
+    else:
+        raise RuleError(f"Resize mode={mode!r} is not supported")
+    if ctm == "tf_crop_and_resize":
+        W[(x < 0) | (x > n_in - 1)] = 0.0  # extrapolation_value: a constant
+    return W
+
+
+def _constant(node, index: int, what: str):
+    """A constant optional input (None when absent or empty); refuse run-time values."""
+    if index >= len(node.inputs) or node.inputs[index] is None:
+        return None
+    value = shapes.constant_input(node.inputs[index])
+    if value is None:
+        raise RuleError(f"{node.op_type}: the gradient needs '{what}' as a constant, but "
+                        f"'{node.inputs[index].name}' is only known at run time (a graph input or a "
+                        "computed value); make it an initializer or a Constant")
+    return value if value.size else None
+
+
+def _resize_plan(node, opset: int) -> list[tuple[int, np.ndarray]]:
+    """(axis, W) for every axis Resize/Upsample changes."""
+    X = node.inputs[0]
+    in_dims = shapes.dims(X)
+    if in_dims is None:
+        raise RuleError(f"{node.op_type}: the rank of '{X.name}' is unknown; run shape inference first")
+    r = len(in_dims)
+    mode = shapes.attr(node, "mode", "nearest")
+    legacy = node.op_type == "Upsample" or opset < 11
+    ctm = "asymmetric" if legacy else shapes.attr(node, "coordinate_transformation_mode", "half_pixel")
+    nearest_mode = "simple" if legacy else shapes.attr(node, "nearest_mode", "round_prefer_floor")
+    if shapes.attr(node, "antialias", 0) and mode == "nearest":
+        raise RuleError("Resize: antialias is not defined for mode 'nearest'")
+    axes = [shapes.normalize_axis(a, r) for a in shapes.attr(node, "axes", list(range(r)))]
+    roi = sizes = None
+    if node.op_type == "Upsample" and opset < 9:
+        scales = np.asarray(shapes.attr(node, "scales"), np.float64)
+    elif legacy:
+        scales = _constant(node, 1, "scales")
+    else:
+        roi = _constant(node, 1, "roi") if ctm == "tf_crop_and_resize" else None
+        scales, sizes = _constant(node, 2, "scales"), _constant(node, 3, "sizes")
+    if scales is None and sizes is None:
+        raise RuleError(f"{node.op_type}: neither scales nor sizes is given")
+    if roi is None:
+        roi = np.array([0.0] * len(axes) + [1.0] * len(axes))
+
+    def need(axis):
+        if not isinstance(in_dims[axis], int):
+            raise RuleError(f"{node.op_type}: axis {axis} of '{X.name}' is resized but its size is "
+                            "not static; the gradient needs it at rule-construction time")
+        return in_dims[axis]
+
+    if sizes is not None:
+        ratios = [float(s) / need(a) for s, a in zip(sizes, axes)]
+        policy = shapes.attr(node, "keep_aspect_ratio_policy", "stretch")
+        if policy == "stretch":
+            outs, scale_of = [int(s) for s in sizes], ratios
+        elif policy in ("not_larger", "not_smaller"):
+            common = min(ratios) if policy == "not_larger" else max(ratios)
+            scale_of = [common] * len(axes)
+            outs = [int(common * need(a) + 0.5) for a in axes]
+        else:
+            raise RuleError(f"Resize keep_aspect_ratio_policy={policy!r} is not supported")
+    else:
+        scale_of = [float(s) for s in scales]
+        outs = [None] * len(axes)
+    out_dims = shapes.dims(node.outputs[0]) or [None] * r
+    plan = []
+    for i, axis in enumerate(axes):
+        if isinstance(out_dims[axis], int):  # dY's shape decides W's rows when it is known
+            outs[i] = out_dims[axis]
+        scale, lo, hi = scale_of[i], float(roi[i]), float(roi[len(axes) + i])
+        if outs[i] is None and scale == 1.0 and ctm != "tf_crop_and_resize":
+            continue  # identity along this axis, whatever its size
+        n_in = need(axis)
+        n_out = outs[i] if outs[i] is not None else int(np.float32(scale) * np.float32(n_in))
+        W = resize_matrix(n_in, n_out, scale, mode, ctm, nearest_mode,
+                          shapes.attr(node, "cubic_coeff_a", -0.75),
+                          bool(shapes.attr(node, "exclude_outside", 0)),
+                          bool(shapes.attr(node, "antialias", 0)), (lo, hi))
+        if W.shape != (n_in, n_in) or not np.array_equal(W, np.eye(n_in)):
+            plan.append((axis, W))
+    return plan
+
+
+def _along(op, g, W: np.ndarray, axis: int, r: int, like):
+    """Contract axis ``axis`` of g (length W's rows) with W: that axis becomes W's columns."""
+    if axis == r - 1:
+        return op.MatMul(g, op.const(W, like=like))
+    if axis == r - 2:
+        return op.MatMul(op.const(W.T, like=like), g)
+    perm = list(range(r))
+    perm[axis], perm[-1] = perm[-1], perm[axis]
+    return op.Transpose(op.MatMul(op.Transpose(g, perm=perm), op.const(W, like=like)), perm=perm)
+
+
+def _resize_backward(op, node, dY):
+    r = shapes.rank(node.inputs[0])
+    dX = dY
+    for axis, W in _resize_plan(node, op.opset):
+        dX = _along(op, dX, W, axis, r, node.inputs[0] if node.inputs[0].dtype else dY)
+    return dX
+
+
+@rule("Resize", differentiable=("X",), since=10)
+def resize(op, node, dY):
+    """Y = per-axis interpolation of X (nearest/linear/cubic); dX = Wᵀ·dY along each resized axis"""
+    return {"X": _resize_backward(op, node, dY)}
+
+
+@rule("Upsample", differentiable=("X",), since=7, until=9)
+def upsample(op, node, dY):
+    """Y = Resize(X, scales) with asymmetric coordinates (nearest or linear)"""
+    return {"X": _resize_backward(op, node, dY)}
+
+
+# GridSample
+
+
+def _cubic_weights(op, t, a: float = -0.75):
+    """Weights of taps at offsets -1, 0, 1, 2 for a fraction t, and their derivatives in t."""
+    def near(d):  # |d| <= 1
+        return op.Add(op.Mul(op.Mul(op.Sub(op.Mul(d, a + 2), a + 3), d), d), 1.0)
+
+    def far(d):  # 1 < |d| < 2
+        return op.Sub(op.Mul(op.Add(op.Mul(op.Sub(op.Mul(d, a), 5 * a), d), 8 * a), d), 4 * a)
+
+    def near_slope(d):
+        return op.Mul(op.Sub(op.Mul(d, 3 * (a + 2)), 2 * (a + 3)), d)
+
+    def far_slope(d):
+        return op.Add(op.Mul(op.Sub(op.Mul(d, 3 * a), 10 * a), d), 8 * a)
+
+    u = op.Sub(1.0, t)
+    ds = [op.Add(t, 1.0), t, u, op.Add(u, 1.0)]  # distances to the taps
+    kinds = [far, near, near, far]
+    slopes = [far_slope, near_slope, near_slope, far_slope]
+    signs = [1.0, 1.0, -1.0, -1.0]  # d(distance)/dt
+    weights = [k(d) for k, d in zip(kinds, ds)]
+    derivs = [op.Mul(s(d), sign) for s, d, sign in zip(slopes, ds, signs)]
+    return weights, derivs
+
+
+def _reflect(op, u, lo: float, hi: float):
+    """u folded into [lo, hi] like a mirror, and d(folded)/du (±1)."""
+    span = hi - lo
+    if span <= 0:
+        return op.Mul(u, 0.0), op.Mul(u, 0.0)
+    a = op.Abs(op.Sub(u, lo))
+    flips = op.Floor(op.Div(a, span))
+    extra = op.Sub(a, op.Mul(flips, span))
+    odd = op.Greater(op.Sub(flips, op.Mul(op.Floor(op.Mul(flips, 0.5)), 2.0)), 0.5)
+    folded = op.Where(odd, op.Sub(hi, extra), op.Add(extra, lo))
+    slope = op.Mul(op.Sign(op.Sub(u, lo)), op.Where(odd, op.const(-1.0, like=u), op.const(1.0, like=u)))
+    return folded, slope
+
+
+def _pad_coordinate(op, u, n: int, padding: str, align: bool):
+    """(padded u, du_padded/du) for border/reflection; the identity for zeros."""
+    if padding == "zeros":
+        return u, None
+    slope = None
+    if padding == "reflection":
+        lo, hi = (0.0, n - 1.0) if align else (-0.5, n - 0.5)
+        u, slope = _reflect(op, u, lo, hi)
+    inside = op.And(op.GreaterOrEqual(u, 0.0), op.LessOrEqual(u, float(n - 1)))
+    gate = as_float(op, inside, u)
+    slope = gate if slope is None else op.Mul(slope, gate)
+    return op.Clip(u, op.const(0.0, like=u), op.const(float(n - 1), like=u)), slope
+
+
+def _pad_index(op, i, n: int, padding: str, align: bool):
+    """A (float) tap index made valid: clipped, reflected then clipped, or just clipped for zeros."""
+    if padding == "reflection":
+        lo, hi = (0.0, n - 1.0) if align else (-0.5, n - 0.5)
+        i, _ = _reflect(op, i, lo, hi)
+    return op.Clip(i, op.const(0.0, like=i), op.const(float(n - 1), like=i))
+
+
+def _product(op, factors):
+    """The product of the factors that are not None (None if there is none)."""
+    factors = [f for f in factors if f is not None]
+    result = factors[0] if factors else None
+    for f in factors[1:]:
+        result = op.Mul(result, f)
+    return result
+
+
+def _in_range(op, i, n: int):
+    return as_float(op, op.And(op.GreaterOrEqual(i, 0.0), op.LessOrEqual(i, float(n - 1))), i)
+
+
+@rule("GridSample", differentiable=("X", "grid"), since=16)
+def grid_sample(op, node, dY):
+    """Y[n,c,p] = Σ_taps w(grid[n,p])·X[n,c,tap]; dX scatters w·dY, dgrid = Σ_c dY·Σ_taps w'·X"""
+    X, grid = node.inputs
+    x_dims = shapes.dims(X)
+    if x_dims is None or not all(isinstance(d, int) for d in x_dims[2:]):
+        raise RuleError("GridSample: the gradient needs the spatial sizes of X to be static")
+    sizes = list(x_dims[2:])
+    D = len(sizes)
+    mode = shapes.attr(node, "mode", "bilinear")
+    mode = {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode)
+    padding = shapes.attr(node, "padding_mode", "zeros")
+    align = bool(shapes.attr(node, "align_corners", 0))
+    if mode == "cubic" and D > 2:
+        raise RuleError("GridSample: cubic mode over 3 spatial axes (64 taps per point) is not supported")
+    if mode not in ("linear", "nearest", "cubic") or padding not in ("zeros", "border", "reflection"):
+        raise RuleError(f"GridSample mode={mode!r} padding_mode={padding!r} is not supported")
+
+    mixed = X.dtype is not None and grid.dtype is not None and X.dtype != grid.dtype
+    grid_x = op.Cast(grid, to=int(X.dtype)) if mixed else grid  # weights meet dY in X's type
+    comps = op.split(grid_x, [1] * D, axis=-1, count=D)  # x, y(, z): the last spatial axis first
+    taps_per_axis = []  # per spatial axis: [(index, weight, dweight/du or None, in-range mask)]
+    du_dgrid = []  # per spatial axis: du/dgrid (the unnormalisation scale times the padding slope)
+    for d, n in enumerate(sizes):
+        g = comps[D - 1 - d]
+        scale = (n - 1) / 2 if align else n / 2
+        u = op.Mul(op.Add(g, 1.0), scale)
+        if not align:
+            u = op.Sub(u, 0.5)
+        taps = []
+        if mode == "cubic":
+            # Bicubic pads each tap index, not the coordinate.
+            slope = op.const(scale, like=g)
+            base = op.Floor(u)
+            weights, derivs = _cubic_weights(op, op.Sub(u, base))
+            for k, w, dw in zip((-1, 0, 1, 2), weights, derivs):
+                i = op.Add(base, float(k))
+                mask = _in_range(op, i, n) if padding == "zeros" else None
+                taps.append((_pad_index(op, i, n, padding, align), w, dw, mask))
+        elif mode == "nearest":
+            slope = None  # the grid gets zeros
+            i = op.Round(u if padding == "zeros" else _pad_index(op, u, n, padding, align))
+            taps.append((_pad_index(op, i, n, "zeros", align), None, None,
+                         _in_range(op, i, n) if padding == "zeros" else None))
+        else:
+            u, pad_slope = _pad_coordinate(op, u, n, padding, align)
+            slope = op.const(scale, like=g) if pad_slope is None else op.Mul(pad_slope, scale)
+            i0 = op.Floor(u)
+            t = op.Sub(u, i0)
+            for i, w, dw in ((i0, op.Sub(1.0, t), -1.0), (op.Add(i0, 1.0), t, 1.0)):
+                mask = _in_range(op, i, n) if padding == "zeros" else None
+                taps.append((_pad_index(op, i, n, "zeros", align), w, dw, mask))
+        taps_per_axis.append(taps)
+        du_dgrid.append(slope)
+
+    strides = [int(np.prod(sizes[d + 1:])) for d in range(D)]
+    dY_flat = op.Reshape(dY, [0, 0, -1])  # (N, C, Q)
+    X_flat = op.Reshape(X, [0, 0, -1])  # (N, C, P)
+    out_shape = op.Shape(dY_flat)
+
+    def flat(v):  # (N, *out, 1) -> (N, 1, Q)
+        return op.Reshape(v, [0, 1, -1])
+
+    indices, updates = [], []
+    grad_terms = [[] for _ in range(D)]
+    want_grid = mode != "nearest"
+    for combo in itertools.product(*taps_per_axis):
+        offset = shapes.accumulate(op, [op.Mul(i, float(s)) if s != 1 else i
+                                        for (i, _, _, _), s in zip(combo, strides)])
+        index = op.Expand(flat(op.Cast(offset, to=INT64)), out_shape)
+        masks = [m for (_, _, _, m) in combo]
+        weight = _product(op, [w for (_, w, _, _) in combo] + masks)
+        indices.append(index)
+        updates.append(dY_flat if weight is None else op.Mul(dY_flat, flat(weight)))
+        if not want_grid:
+            continue
+        value = op.GatherElements(X_flat, index, axis=2)
+        for d in range(D):
+            dw = combo[d][2]
+            others = _product(op, [w for e, (_, w, _, _) in enumerate(combo) if e != d] + masks)
+            term = value if others is None else op.Mul(value, flat(others))
+            if isinstance(dw, float):
+                term = term if dw > 0 else op.Neg(term)
+            else:
+                term = op.Mul(term, flat(dw))
+            grad_terms[d].append(term)
+
+    zeros = shapes.zeros_like(op, X_flat)
+    dX_flat = op.ScatterElements(zeros, op.Concat(*indices, axis=2), op.Concat(*updates, axis=2),
+                                 axis=2, reduction="add")
+    grads = {"X": op.Reshape(dX_flat, op.Shape(X))}
+    if want_grid:
+        parts = []
+        for d in reversed(range(D)):  # grid's last axis holds x (the last spatial axis) first
+            total = shapes.accumulate(op, grad_terms[d])
+            per_point = op.reduce_sum(op.Mul(total, dY_flat), [1])  # (N, 1, Q)
+            parts.append(op.Mul(op.Reshape(per_point, op.Shape(comps[D - 1 - d])), du_dgrid[d]))
+        dgrid = parts[0] if D == 1 else op.Concat(*parts, axis=-1)
+        grads["grid"] = op.Cast(dgrid, to=int(grid.dtype)) if mixed else dgrid
+    else:
+        grads["grid"] = shapes.zeros_like(op, grid)
+    return grads
+
+
+# AffineGrid
+
+
+def _base_coords(n: int, align: bool) -> np.ndarray:
+    """The normalised coordinates [-1, 1] of n grid points (pixel corners or centres)."""
+    if align:
+        return np.linspace(-1.0, 1.0, n)
+    return (2 * np.arange(n) + 1) / n - 1
+
+
+@rule("AffineGrid", differentiable=("theta",), since=20)
+def affine_grid(op, node, dgrid):
+    """grid[n, p] = θ[n] · (x_p, y_p(, z_p), 1); dθ[n] = Σ_p dgrid[n, p] ⊗ (x_p, y_p(, z_p), 1)"""
+    size = shapes.constant_input(node.inputs[1])
+    if size is None:
+        out = shapes.dims(node.outputs[0])
+        if out is None or not all(isinstance(d, int) for d in out[1:-1]):
+            raise RuleError("AffineGrid: the gradient needs 'size' as a constant (or a static grid shape)")
+        spatial = list(out[1:-1])
+    else:
+        spatial = [int(s) for s in size[2:]]
+    D = len(spatial)
+    align = bool(shapes.attr(node, "align_corners", 0))
+    if align and 1 in spatial:
+        raise RuleError("AffineGrid with align_corners=1 and a spatial size of 1 is ill-defined "
+                        "(onnxruntime puts the point at +1, onnx.reference at -1, PyTorch at 0)")
+    axes = [_base_coords(n, align) for n in spatial]
+    mesh = np.meshgrid(*axes, indexing="ij")  # (z,) y, x over the spatial axes in order
+    base = np.stack([m.ravel() for m in reversed(mesh)] + [np.ones(mesh[0].size)], axis=1)
+    theta = node.inputs[0]
+    flat = op.Transpose(op.Reshape(dgrid, [0, -1, D]), perm=[0, 2, 1])  # (N, D, P)
+    return {"theta": op.MatMul(flat, op.const(base, like=theta if theta.dtype else dgrid))}
+
+
+# RoiAlign
+
+
+def _roi_axis(op, start, bin_size, grid_count, n_bins: int, n_samples: int, size: int):
+    """Per box, the dense (R, n_bins, size) averaging-interpolation matrix of one spatial axis.
+
+    Sample s of bin b sits at start + b·bin + (s + 0.5)·bin / count (count = the box's sampling
+    count; samples beyond it are masked out); each reads its two neighbours bilinearly.
+    """
+    b = np.arange(n_bins, dtype=np.float64)[:, None]
+    s = np.arange(n_samples, dtype=np.float64)[None, :]
+    like = start
+    # (R, 1, 1) box terms against (n_bins, n_samples) constants.
+    start, bin_size, grid_count = (op.unsqueeze(v, [1, 2]) for v in (start, bin_size, grid_count))
+    pos = op.Add(op.Add(start, op.Mul(bin_size, op.const(b, like=like))),
+                 op.Div(op.Mul(bin_size, op.const(s + 0.5, like=like)), grid_count))
+    used = op.Less(op.const(np.broadcast_to(s, (n_bins, n_samples)), like=like), grid_count)
+    # Not(Less) rather than GreaterOrEqual, which appears at opset 12.
+    inside = op.Not(op.Or(op.Less(pos, -1.0), op.Greater(pos, float(size))))
+    valid = as_float(op, op.And(used, inside), like)
+    pos = op.Max(pos, op.const(0.0, like=like))
+    low = op.Floor(pos)
+    edge = op.Not(op.Less(low, float(size - 1)))
+    last = op.const(float(size - 1), like=like)
+    low = op.Where(edge, last, low)
+    frac = op.Where(edge, op.const(0.0, like=like), op.Sub(pos, low))
+    high = op.Min(op.Add(low, 1.0), last)
+    cells = op.const(np.arange(size, dtype=np.float64), like=like)
+
+    def spread(index, weight):  # (R, bins, samples) -> (R, bins, size)
+        hit = as_float(op, op.Equal(op.unsqueeze(index, [3]), cells), like)
+        spread_weight = op.Mul(hit, op.unsqueeze(op.Mul(weight, valid), [3]))
+        return op.reduce_sum(spread_weight, [2], keepdims=False)
+
+    return op.Add(spread(low, op.Sub(1.0, frac)), spread(high, frac))
+
+
+@rule("RoiAlign", differentiable=("X",), since=10)
+def roi_align(op, node, dY):
+    """Y[r,c] = Ay[r]·X[b_r, c]·Ax[r]ᵀ / count[r] (avg mode: bilinear samples averaged per bin);
+    dX[n, c] = Σ_{r: b_r = n} Ay[r]ᵀ·dY[r, c]·Ax[r] / count[r]"""
+    X, rois, batch = node.inputs
+    if shapes.attr(node, "mode", "avg") != "avg":
+        raise RuleError("RoiAlign: mode 'max' (a max over weighted corner values) is not supported; "
+                        "only mode 'avg' is")
+    if op.opset < 11:
+        raise RuleError("RoiAlign's gradient needs opset 11 or later (Range, float Equal); convert "
+                        "the model with onnx.version_converter")
+    x_dims = shapes.dims(X)
+    if x_dims is None or not all(isinstance(d, int) for d in x_dims[2:]):
+        raise RuleError("RoiAlign: the gradient needs static spatial sizes of X")
+    H, W = x_dims[2:]
+    oh, ow = shapes.attr(node, "output_height", 1), shapes.attr(node, "output_width", 1)
+    ratio = shapes.attr(node, "sampling_ratio", 0)
+    scale = shapes.attr(node, "spatial_scale", 1.0)
+    ctm = shapes.attr(node, "coordinate_transformation_mode", "half_pixel")
+    half_pixel = op.opset >= 16 and ctm == "half_pixel"  # RoiAlign-10 is output_half_pixel
+    offset = 0.5 if half_pixel else 0.0
+
+    corners = op.split(op.Mul(rois, float(scale)), [1] * 4, axis=1, count=4)
+    x1, y1, x2, y2 = (op.Reshape(op.Sub(c, offset) if offset else c, [-1]) for c in corners)
+    roi_w, roi_h = op.Sub(x2, x1), op.Sub(y2, y1)
+    if not half_pixel:  # malformed boxes become 1×1
+        one = op.const(1.0, like=roi_w)
+        roi_w, roi_h = op.Max(roi_w, one), op.Max(roi_h, one)
+    if ratio > 0:
+        samples_h = samples_w = ratio
+        count_h = count_w = shapes.fill_like(op, roi_h, float(ratio))
+    else:
+        boxes = shapes.constant_input(rois)
+        if boxes is None:
+            raise RuleError("RoiAlign with sampling_ratio=0 samples a box-dependent number of points; "
+                            "the gradient needs constant rois (or sampling_ratio > 0)")
+        samples_h, samples_w = _max_samples(boxes, scale, offset, half_pixel, oh, ow)
+        count_h, count_w = op.Ceil(op.Div(roi_h, float(oh))), op.Ceil(op.Div(roi_w, float(ow)))
+    Ay = _roi_axis(op, y1, op.Div(roi_h, float(oh)), count_h, oh, samples_h, H)  # (R, oh, H)
+    Ax = _roi_axis(op, x1, op.Div(roi_w, float(ow)), count_w, ow, samples_w, W)  # (R, ow, W)
+    count = op.Max(op.Mul(count_h, count_w), op.const(1.0, like=count_h))
+    Ay = op.Div(Ay, op.unsqueeze(count, [1, 2]))
+    # Per box and channel: Ayᵀ (H, oh) · dY (oh, ow) · Ax (ow, W).
+    Ay_t = op.unsqueeze(op.Transpose(Ay, perm=[0, 2, 1]), [1])
+    per_box = op.MatMul(op.MatMul(Ay_t, dY), op.unsqueeze(Ax, [1]))
+    # Boxes add into their image: a one-hot (N, R) matrix times the per-box gradients.
+    n_images = op.Gather(op.Shape(X), op.const(0, dtype=ir.DataType.INT64))
+    images = op.Range(op.const(0, dtype=ir.DataType.INT64), n_images, op.const(1, dtype=ir.DataType.INT64))
+    onehot = op.Equal(op.unsqueeze(images, [1]), op.unsqueeze(op.Cast(batch, to=INT64), [0]))
+    dX = op.MatMul(as_float(op, onehot, dY), op.Reshape(per_box, [0, -1]))
+    return {"X": op.Reshape(dX, op.Shape(X))}
+
+
+def _max_samples(boxes, scale, offset, half_pixel, oh, ow) -> tuple[int, int]:
+    """The largest per-box sampling count of each axis (sampling_ratio=0), in float32 and float64."""
+    counts = []
+    for dtype in (np.float32, np.float64):
+        b = boxes.reshape(-1, 4).astype(dtype) * dtype(scale) - dtype(offset)
+        w, h = b[:, 2] - b[:, 0], b[:, 3] - b[:, 1]
+        if not half_pixel:
+            w, h = np.maximum(w, 1), np.maximum(h, 1)
+        counts.append((np.ceil(h / dtype(oh)).max(initial=1), np.ceil(w / dtype(ow)).max(initial=1)))
+    return int(max(c[0] for c in counts)), int(max(c[1] for c in counts))
