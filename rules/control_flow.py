@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from onnx_autodiff.errors import RuleError
 from onnx_autodiff.rules import shapes
 from onnx_autodiff.rules.builder import FLOAT_TYPES
 from onnx_autodiff.rules.registry import rule
@@ -103,3 +104,97 @@ def loop(op, node, *dYs):
     for k, g in zip(floats, results):
         grads["v_initial"][k] = g
     return grads
+
+
+def _reverse0(op, x):
+    return op.Slice(x, [-1], [np.iinfo(np.int64).min], [0], [-1])
+
+
+def _to_front(op, x, axis: int, reverse: bool, rank: int | None):
+    """x with ``axis`` moved to the front, reversed along it when the scan runs backwards."""
+    if axis != 0:
+        if rank is None:
+            raise RuleError(f"the rank of '{x.name}' is needed to move its scan axis")
+        axis = shapes.normalize_axis(axis, rank)
+        x = op.Transpose(x, perm=[axis, *(d for d in range(rank) if d != axis)])
+    return _reverse0(op, x) if reverse else x
+
+
+def _from_front(op, x, axis: int, reverse: bool, rank: int | None):
+    """The inverse of :func:`_to_front`."""
+    x = _reverse0(op, x) if reverse else x
+    if axis != 0:
+        axis = shapes.normalize_axis(axis, rank)
+        perm = [axis, *(d for d in range(rank) if d != axis)]
+        x = op.Transpose(x, perm=shapes.inverse_perm(perm))
+    return x
+
+
+@rule("Scan", differentiable=("initial_state_and_scan_inputs",), captures=True, since=9)
+def scan(op, node, *dYs):
+    """states, scans = Scan(states, xs; body(state, x_t) -> (state', y_t)) along each scan axis.
+
+    As for Loop: the states of every step are stacked by a second forward Scan, then a reverse
+    Loop applies the body's VJP step by step, emitting each step's input gradients as scan outputs.
+    """
+    body = shapes.attr(node, "body")
+    n_in = shapes.attr(node, "num_scan_inputs")
+    n_state = len(node.inputs) - n_in
+    n_out = len(node.outputs) - n_state
+    in_axes = shapes.attr(node, "scan_input_axes", [0] * n_in)
+    in_dirs = shapes.attr(node, "scan_input_directions", [0] * n_in)
+    out_axes = shapes.attr(node, "scan_output_axes", [0] * n_out)
+    out_dirs = shapes.attr(node, "scan_output_directions", [0] * n_out)
+    wanted = list(op.wanted_captures)
+    states, xs = list(node.inputs[:n_state]), list(node.inputs[n_state:])
+    fronts = [_to_front(op, x, a, d, shapes.rank(x)) for x, a, d in zip(xs, in_axes, in_dirs)]
+
+    # 1. The states entering every step, stacked by a forward Scan over the normalised inputs.
+    stash_body = op.child()
+    inputs = _fresh_inputs(stash_body, body.inputs)
+    outputs, _ = stash_body.inline(body, inputs)
+    stash_graph = stash_body.graph(inputs, [*outputs[:n_state], *inputs[:n_state]], name="scan_stash")
+    stash = op.Scan(*states, *fronts, body=stash_graph, num_scan_inputs=n_in, _outputs=2 * n_state)
+    stash = stash if isinstance(stash, tuple) else (stash,)
+    stacked = stash[n_state:]
+    count = _scalar(op, op.Shape(fronts[0]), 0)
+
+    # 2. A reverse Loop over the steps.
+    floats_s = [k for k in range(n_state) if body.inputs[k].dtype in FLOAT_TYPES]
+    floats_x = [j for j in range(n_in) if body.inputs[n_state + j].dtype in FLOAT_TYPES]
+    d_outs = [None if dY is None else _to_front(op, dY, a, d, shapes.rank(node.outputs[n_state + m]))
+              for m, (dY, a, d) in enumerate(zip(dYs[n_state:], out_axes, out_dirs))]
+    reverse = op.child()
+    step = ir.Value(name=reverse.namer.fresh(), type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
+    keep_going = ir.Value(name=reverse.namer.fresh(), type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
+    ds_in = _fresh_inputs(reverse, [body.inputs[k] for k in floats_s])
+    acc_in = _fresh_inputs(reverse, wanted)
+    index = reverse.Sub(reverse.Sub(count, reverse.const(np.array(1, np.int64))), step)
+    step_states = [reverse.Gather(s, index) for s in stacked]
+    step_xs = [reverse.Gather(x, index) for x in fronts]
+    recomputed, nodes = reverse.inline(body, [*step_states, *step_xs])
+    seeds = [(recomputed[k], ds) for k, ds in zip(floats_s, ds_in)]
+    seeds += [(recomputed[n_state + m], reverse.Gather(d, index)) for m, d in enumerate(d_outs) if d is not None]
+    targets = [step_states[k] for k in floats_s] + [step_xs[j] for j in floats_x] + wanted
+    grads = reverse.differentiate(nodes, seeds, targets)
+    grads = [g if g is not None else shapes.zeros_like(reverse, t) for g, t in zip(grads, targets)]
+    n_s, n_x = len(floats_s), len(floats_x)
+    acc_out = [reverse.Add(a, g) for a, g in zip(acc_in, grads[n_s + n_x:])]
+    reverse_graph = reverse.graph(
+        [step, keep_going, *ds_in, *acc_in],
+        [reverse.const(np.array(True)), *grads[:n_s], *acc_out, *grads[n_s:n_s + n_x]],
+        name="scan_grad",
+    )
+    ds_init = [dYs[k] if dYs[k] is not None else shapes.zeros_like(op, node.outputs[k]) for k in floats_s]
+    acc_init = [shapes.zeros_like(op, w) for w in wanted]
+    results = op.Loop(count, None, *ds_init, *acc_init, body=reverse_graph, _outputs=n_s + len(wanted) + n_x)
+    results = results if isinstance(results, tuple) else (results,)
+    gradients: dict = {w: g for w, g in zip(wanted, results[n_s:n_s + len(wanted)])}
+    per_input = [None] * len(node.inputs)
+    for k, g in zip(floats_s, results[:n_s]):
+        per_input[k] = g
+    for j, g in zip(floats_x, results[n_s + len(wanted):]):
+        # The reverse loop stacked the steps last-to-first.
+        per_input[n_state + j] = _from_front(op, _reverse0(op, g), in_axes[j], in_dirs[j], shapes.rank(xs[j]))
+    gradients["initial_state_and_scan_inputs"] = per_input
+    return gradients

@@ -113,3 +113,31 @@ def test_loop_stopped_by_condition_with_integer_carried_value():
     )
     feeds = {"h0": np.array([0.4, -0.9], np.float32), "W": np.array([1.3, 0.7], np.float32)}
     assert_gradients(model, feeds, ["h0", "W"])
+
+
+def scan_model(in_axis=0, in_dir=0, out_axis=0, out_dir=0):
+    """state' = tanh(state * W + x_t); y_t = state' * x_t over a (T=4, 3) sequence (axes permuted)."""
+    f = TensorProto.FLOAT
+    body = helper.make_graph(
+        [helper.make_node("Mul", ["s", "W"], ["sw"]), helper.make_node("Add", ["sw", "x_t"], ["pre"]),
+         helper.make_node("Tanh", ["pre"], ["s_next"]), helper.make_node("Mul", ["s_next", "x_t"], ["y_t"])],
+        "body",
+        [helper.make_tensor_value_info("s", f, [3]), helper.make_tensor_value_info("x_t", f, [3])],
+        [helper.make_tensor_value_info("s_next", f, [3]), helper.make_tensor_value_info("y_t", f, [3])],
+    )
+    node = helper.make_node("Scan", ["s0", "xs"], ["s_final", "ys"], body=body, num_scan_inputs=1,
+                            scan_input_axes=[in_axis], scan_input_directions=[in_dir],
+                            scan_output_axes=[out_axis], scan_output_directions=[out_dir])
+    xs_shape = [4, 3] if in_axis == 0 else [3, 4]
+    ys_shape = [4, 3] if out_axis == 0 else [3, 4]
+    return make_model([node], {"s0": np.zeros(3, np.float32), "xs": np.zeros(xs_shape, np.float32),
+                               "W": np.zeros(3, np.float32)}, ["s_final", "ys"],
+                      output_shapes={"s_final": [3], "ys": ys_shape}), xs_shape
+
+
+@pytest.mark.parametrize("in_axis,in_dir,out_axis,out_dir", [(0, 0, 0, 0), (1, 1, 0, 0), (0, 0, 1, 1), (-1, 0, -1, 0)])
+def test_scan_states_inputs_and_captured(in_axis, in_dir, out_axis, out_dir):
+    model, xs_shape = scan_model(in_axis, in_dir, out_axis, out_dir)
+    feeds = {"s0": R.standard_normal(3).astype(np.float32), "xs": R.standard_normal(xs_shape).astype(np.float32),
+             "W": R.standard_normal(3).astype(np.float32)}
+    assert_gradients(model, feeds, ["s0", "xs", "W"])
