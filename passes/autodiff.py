@@ -145,7 +145,7 @@ class Backward:
 
         def total(value: ir.Value) -> ir.Value | None:
             if value not in totals and value in contributions:
-                totals[value] = shapes.accumulate(self.op, contributions[value])
+                totals[value] = shapes.accumulate(self.op, contributions[value], like=value)
             return totals.get(value)
 
         for node in reversed(active):

@@ -269,8 +269,11 @@ def _like(inputs) -> ir.Value | None:
 
 
 _SAME_AS_INPUT = {"Where": 1, "OneHot": 2}
-_UNTYPED = frozenset({"Constant", "EyeLike", "If", "Loop", "Scan", "SequenceMap", "RandomNormal",
-                      "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial"})
+_UNTYPED = frozenset({
+    "Constant", "EyeLike", "If", "Loop", "Scan", "RandomNormal", "RandomUniform", "RandomNormalLike",
+    "RandomUniformLike", "Multinomial", "SequenceMap", "SplitToSequence", "SequenceConstruct",
+    "SequenceEmpty", "SequenceInsert", "SequenceErase", "SequenceAt", "Optional", "OptionalGetElement",
+})
 
 
 def _result_dtype(op_type: str, inputs: Sequence[ir.Value | None], attrs: dict):

@@ -107,13 +107,24 @@ def ones_like(op: OpBuilder, x: ir.Value) -> ir.Value:
     return fill_like(op, x, 1.0)
 
 
-def accumulate(op: OpBuilder, contributions: Sequence[ir.Value]) -> ir.Value:
-    """One value for the sum: itself, an Add of two, a Sum of more."""
+def accumulate(op: OpBuilder, contributions: Sequence[ir.Value], like: ir.Value | None = None) -> ir.Value:
+    """One value for the sum: itself, an Add of two, a Sum of more; sequences add elementwise."""
     if len(contributions) == 1:
         return contributions[0]
+    if like is not None and isinstance(like.type, ir.SequenceType):
+        total = contributions[0]
+        for other in contributions[1:]:
+            total = op.SequenceMap(total, other, body=_pairwise_add(op))
+        return total
     if len(contributions) == 2:
         return op.Add(*contributions)
     return op.Sum(*contributions)
+
+
+def _pairwise_add(op: OpBuilder) -> ir.Graph:
+    body = op.child()
+    a, b = (ir.Value(name=op.namer.fresh()) for _ in range(2))
+    return body.graph([a, b], [body.Add(a, b)], name="add")
 
 
 def alias(op: OpBuilder, value: ir.Value) -> ir.Value:
