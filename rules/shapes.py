@@ -73,19 +73,71 @@ def swap_last2(op: OpBuilder, x: ir.Value, rank_: int) -> ir.Value:
 
 
 def constant_input(value: ir.Value | None) -> np.ndarray | None:
-    """The numpy value of an initializer or Constant-produced input, else None."""
+    """The numpy value of an input known before run time, else None.
+
+    Initializers and Constant outputs, Shape of a statically shaped value, and small computations
+    over those (unoptimised exports compute axes, pads and shapes with Reshape/Concat/Gather of
+    constants): evaluated here, never folded into the graph.
+    """
+    return _constant(value, depth=0)
+
+
+_MAX_FOLDED_ELEMENTS = 4096
+_NEVER_FOLDED = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
+                           "Multinomial", "Bernoulli", "Dropout"})
+
+
+def _constant(value: ir.Value | None, depth: int) -> np.ndarray | None:
     if value is None:
         return None
     if value.const_value is not None:
         return value.const_value.numpy()
     producer = value.producer()
-    if producer is not None and producer.op_type == "Constant" and producer.domain == "":
+    if producer is None or producer.domain not in ("", "ai.onnx") or depth > 12:
+        return None
+    if producer.op_type == "Constant":
         for key in ("value", "value_float", "value_floats", "value_int", "value_ints"):
             attribute = producer.attributes.get(key)
             if attribute is not None:
                 raw = attribute.value
                 return raw.numpy() if hasattr(raw, "numpy") else np.asarray(raw)
-    return None
+        return None
+    if producer.op_type == "Shape":
+        shape = static_shape(producer.inputs[0])
+        if shape is None:
+            return None
+        start, end = attr(producer, "start", 0), attr(producer, "end", None)
+        return np.asarray(shape[start:end], np.int64)
+    if producer.op_type in _NEVER_FOLDED or any(
+        a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in producer.attributes.values()
+    ):
+        return None
+    arrays = []
+    for given in producer.inputs:
+        array = None if given is None else _constant(given, depth + 1)
+        if given is not None and (array is None or array.size > _MAX_FOLDED_ELEMENTS):
+            return None
+        arrays.append(array)
+    return _evaluate(producer, arrays, value)
+
+
+def _evaluate(node: ir.Node, arrays: list, wanted: ir.Value) -> np.ndarray | None:
+    from onnx.reference import ReferenceEvaluator
+
+    names = [f"in{i}" if a is not None else "" for i, a in enumerate(arrays)]
+    outputs = [f"out{i}" for i in range(len(node.outputs))]
+    proto = ir.serde.serialize_node(node)
+    del proto.input[:], proto.output[:]
+    proto.input.extend(names)
+    proto.output.extend(outputs)
+    version = node.graph.opset_imports.get("", None) if node.graph is not None else None
+    try:
+        evaluator = ReferenceEvaluator(proto, opsets={"": version} if version else None)
+        results = evaluator.run(None, {n: a for n, a in zip(names, arrays) if n})
+    except Exception:  # noqa: BLE001 - not evaluable here: the rule takes its run-time path
+        return None
+    result = np.asarray(results[list(node.outputs).index(wanted)])
+    return result if result.size <= _MAX_FOLDED_ELEMENTS else None
 
 
 def fill_like(op: OpBuilder, x: ir.Value, fill: float) -> ir.Value:
