@@ -16,7 +16,25 @@ from onnx_autodiff.passes import (
     gradient_of_function,
     gradient_of_nodes,
 )
+from onnx_autodiff.passes.transforms import (
+    HvpPass,
+    JacobianPass,
+    JvpPass,
+    hvp,
+    jacobian,
+    jvp,
+    vjp,
+)
 from onnx_autodiff.rules import GradRegistry, GradRule, default_registry, register_gradient
+
+
+def check_grads(*args, **kwargs):
+    """Check a model's first (and second) derivatives against finite differences; see
+    :func:`onnx_autodiff.conformance.gradcheck.check_grads`."""
+    from onnx_autodiff.conformance.gradcheck import check_grads as check
+
+    return check(*args, **kwargs)
+
 
 __version__ = "0.1.0"
 
@@ -25,6 +43,9 @@ __all__ = [
     "AutodiffPass",
     "GradRegistry",
     "GradientOpLoweringPass",
+    "HvpPass",
+    "JacobianPass",
+    "JvpPass",
     "GradRule",
     "MissingRuleError",
     "NotDifferentiableError",
@@ -32,9 +53,14 @@ __all__ = [
     "UnknownValueError",
     "UnsupportedModelError",
     "autodiff_pass",
+    "check_grads",
     "cleanup_passes",
     "default_registry",
     "gradient_of_function",
     "gradient_of_nodes",
+    "hvp",
+    "jacobian",
+    "jvp",
     "register_gradient",
+    "vjp",
 ]

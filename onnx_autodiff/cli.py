@@ -1,4 +1,4 @@
-"""The ``onnx-autodiff`` command line: grad, demo and conformance."""
+"""The ``onnx-autodiff`` command line: grad, jvp, hvp, jacobian, check, ops, demo, conformance."""
 
 from __future__ import annotations
 
@@ -75,11 +75,7 @@ def cmd_grad(args) -> int:
     result = ir.passes.PassManager(passes)(model)
     proto = ir.to_proto(result.model)
     seconds = time.perf_counter() - start
-    try:
-        onnx.checker.check_model(proto, full_check=True)
-    except onnx.checker.ValidationError as error:
-        first = str(error).strip().splitlines()[0]
-        raise AutodiffError(f"the generated model fails the ONNX checker (a bug, please report): {first}")
+    _check_generated(proto)
     save_atomically(proto, args.output)
     seed = f"; seed input '{autodiff.seed_name}'" if autodiff.seed_name else ""
     print(
@@ -87,6 +83,51 @@ def cmd_grad(args) -> int:
         f"backward nodes in {seconds:.2f} s; outputs {', '.join(autodiff.gradient_names.values())}{seed}"
     )
     return EXIT_OK
+
+
+def cmd_transform(args) -> int:
+    from onnx_autodiff.passes import transforms
+
+    passes = {"jvp": transforms.JvpPass, "hvp": transforms.HvpPass, "jacobian": transforms.JacobianPass}
+    model = load_model(args.model)
+    of = args.of or _single_output(model)
+    options = {"chunk": args.chunk} if args.command == "jacobian" else {}
+    transform = passes[args.command](of, args.wrt or None, **options)
+    start = time.perf_counter()
+    result = transform(model)
+    proto = ir.to_proto(result.model)
+    seconds = time.perf_counter() - start
+    _check_generated(proto)
+    save_atomically(proto, args.output)
+    inputs = f"; inputs {', '.join(transform.input_names.values())}" if transform.input_names else ""
+    print(f"wrote {args.output} in {seconds:.2f} s: outputs {', '.join(transform.output_names.values())}{inputs}")
+    return EXIT_OK
+
+
+def cmd_check(args) -> int:
+    import numpy as np
+
+    from onnx_autodiff.conformance.gradcheck import check_grads
+
+    proto = ir.to_proto(load_model(args.model))
+    feeds = None
+    if args.inputs:
+        try:
+            with np.load(args.inputs) as data:
+                feeds = {k: data[k] for k in data.files}
+        except (OSError, ValueError) as error:
+            raise UsageError(f"cannot read inputs from {args.inputs}: {error}") from error
+    report = check_grads(proto, of=args.of, wrt=args.wrt, order=args.order, feeds=feeds, seed=args.seed)
+    print(report)
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def _check_generated(proto: onnx.ModelProto) -> None:
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+        first = str(error).strip().splitlines()[0]
+        raise AutodiffError(f"the generated model fails the ONNX checker (a bug, please report): {first}")
 
 
 def cmd_demo(args) -> int:
@@ -150,6 +191,27 @@ def build_parser() -> argparse.ArgumentParser:
     grad.add_argument("--wrt", nargs="+", help="variables (default: every floating-point initializer)")
     grad.add_argument("--no-cleanup", action="store_true", help="skip the cleanup passes")
     grad.set_defaults(run=cmd_grad)
+    for name, meaning in (
+        ("jvp", "add tangent inputs t_<x> and the output jvp_<of> (forward mode)"),
+        ("hvp", "add direction inputs v_<x> and outputs hvp_<x> (Hessian-vector products)"),
+        ("jacobian", "add outputs jac_<x> holding the full Jacobian of --of"),
+    ):
+        transform = commands.add_parser(name, help=meaning)
+        transform.add_argument("model", help="input .onnx file")
+        transform.add_argument("-o", "--output", required=True, help="where to write the result")
+        transform.add_argument("--of", help="the value to differentiate (default: the single output)")
+        transform.add_argument("--wrt", nargs="+", help="variables (default: every float initializer)")
+        if name == "jacobian":
+            transform.add_argument("--chunk", type=int, default=1, help="VJPs per loop iteration")
+        transform.set_defaults(run=cmd_transform)
+    check = commands.add_parser("check", help="check a model's derivatives against finite differences")
+    check.add_argument("model", help="input .onnx file")
+    check.add_argument("--of", help="the value to differentiate (default: the single output)")
+    check.add_argument("--wrt", nargs="+", help="variables (default: float initializers, else float inputs)")
+    check.add_argument("--order", type=int, choices=(1, 2), default=1, help="1: gradients; 2: also their derivatives")
+    check.add_argument("--inputs", metavar="NPZ", help="input values (default: random floats)")
+    check.add_argument("--seed", type=int, default=0)
+    check.set_defaults(run=cmd_check)
     ops = commands.add_parser("ops", help="list the operators that have gradient rules (Markdown)")
     ops.add_argument("--update", metavar="FILE", help="rewrite the operator section of FILE (README.md)")
     ops.set_defaults(run=cmd_ops)

@@ -6,6 +6,7 @@ import functools
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 FLOAT_TYPES = frozenset(
@@ -77,7 +78,8 @@ class OpBuilder:
     def emit(self, op_type: str, *inputs, _outputs: int = 1, _domain: str = "", **attributes):
         like = _like(inputs)
         values = [self._as_value(v, like) for v in inputs]
-        while values and values[-1] is None:
+        keep = _min_inputs(op_type, self.opsets.get(_domain, self.opset), _domain)
+        while len(values) > keep and values[-1] is None:
             values.pop()
         attrs = {k: v for k, v in attributes.items() if v is not None}
         node = ir.Node(
@@ -227,6 +229,15 @@ class OpBuilder:
     @staticmethod
     def _tuple(result):
         return result if isinstance(result, tuple) else (result,)
+
+
+@functools.lru_cache(maxsize=None)
+def _min_inputs(op_type: str, opset: int, domain: str) -> int:
+    """How many inputs the schema requires positionally (omitted optional ones stay as "")."""
+    try:
+        return onnx.defs.get_schema(op_type, opset, domain).min_input
+    except onnx.defs.SchemaError:
+        return 0
 
 
 def _attribute(name: str, value) -> ir.Attr:

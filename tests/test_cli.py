@@ -157,3 +157,40 @@ def test_demo_trains_and_checks(capsys):
     assert main(["demo", "--steps", "30"]) == 0
     report = capsys.readouterr().out
     assert "gradient check" in report and "result         ok" in report
+
+
+@pytest.fixture
+def tanh_model(tmp_path):
+    W = numpy_helper.from_array(np.array([[0.5, -1.0], [0.3, 0.8]], np.float32), "W")
+    return write_model(
+        tmp_path / "t.onnx",
+        [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Tanh", ["h"], ["t"]),
+         helper.make_node("ReduceSum", ["t"], ["y"], keepdims=0)],
+        [("x", TensorProto.FLOAT, [3, 2])],
+        [("y", TensorProto.FLOAT, [])],
+        [W],
+    )
+
+
+@pytest.mark.parametrize(
+    "command,inputs,outputs",
+    [("jvp", ["x", "t_W"], ["y", "jvp_y"]), ("hvp", ["x", "v_W"], ["y", "hvp_W"]), ("jacobian", ["x"], ["y", "jac_W"])],
+)
+def test_transform_commands(tanh_model, tmp_path, capsys, command, inputs, outputs):
+    out = tmp_path / f"{command}.onnx"
+    assert main([command, tanh_model, "-o", str(out)]) == 0
+    assert outputs[-1] in capsys.readouterr().out
+    model = onnx.load(str(out))
+    assert [i.name for i in model.graph.input] == inputs
+    assert [o.name for o in model.graph.output] == outputs
+    ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_check_command_orders_and_inputs(tanh_model, tmp_path, capsys):
+    assert main(["check", tanh_model, "--order", "2"]) == 0
+    report = capsys.readouterr().out
+    assert "order 2" in report and report.strip().endswith("ok")
+    np.savez(tmp_path / "in.npz", x=np.ones((3, 2), np.float32))
+    assert main(["check", tanh_model, "--inputs", str(tmp_path / "in.npz"), "--wrt", "x"]) == 0
+    assert main(["check", tanh_model, "--inputs", str(tmp_path / "missing.npz")]) == 2
+    assert "cannot read inputs" in one_line(capsys.readouterr().err)

@@ -1,0 +1,210 @@
+"""Function transforms built from the one reverse-mode engine: vjp, jvp, hvp and jacobian.
+
+Forward mode needs no second rule set: the VJP u ↦ uᵀJ is linear in its seed u, so the JVP is the
+gradient with respect to u of ⟨VJP(u), t⟩ (reverse over reverse, with u a zero placeholder).
+Hessian-vector products are reverse over reverse as well: ∇_x ⟨∇_x f, v⟩, one extra backward sweep
+over the first one. Forward over reverse would cost a JVP of the gradient, which here is itself two
+reverse sweeps, so reverse over reverse is the cheaper choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx_ir.passes.common import ShapeInferencePass
+
+from onnx_autodiff.errors import NotDifferentiableError
+from onnx_autodiff.passes.autodiff import (
+    AutodiffPass,
+    Backward,
+    _check_differentiable,
+    find_value,
+    is_scalar,
+)
+from onnx_autodiff.rules import GradRegistry, default_registry, shapes
+from onnx_autodiff.rules.builder import FLOAT_TYPES, Namer, OpBuilder
+
+
+class _TransformPass(ir.passes.InPlacePass):
+    """Shared set-up: find ``of`` and ``wrt``, build on the engine, add inputs and outputs."""
+
+    def __init__(self, of: str, wrt: Sequence[str] | str | None = None, registry: GradRegistry | None = None):
+        super().__init__()
+        self.of = of
+        self.wrt = [wrt] if isinstance(wrt, str) else (None if wrt is None else list(wrt))
+        self.registry = registry if registry is not None else default_registry()
+        self.input_names: dict[str, str] = {}
+        self.output_names: dict[str, str] = {}
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        ShapeInferencePass(strict_mode=False)(model)
+        graph = model.graph
+        y = find_value(graph, self.of, "of")
+        _check_differentiable(y, "of")
+        xs = AutodiffPass(self.of, self.wrt)._variables(graph)
+        namer = Namer.for_graph(graph)
+        backward = Backward(graph, self.registry, model.opset_imports, namer)
+        self.model = model
+        inputs, outputs = self.build(backward, graph, y, xs, namer)
+        graph.inputs.extend(inputs)
+        graph.extend(backward.op.nodes)
+        graph.outputs.extend(outputs)
+        for domain, version in backward.op.opsets.items():
+            model.opset_imports.setdefault(domain, version)
+        return ir.passes.PassResult(model, modified=True)
+
+    def build(self, backward, graph, y, xs, namer) -> tuple[list[ir.Value], list[ir.Value]]:
+        raise NotImplementedError
+
+    def _input_like(self, namer: Namer, prefix: str, x: ir.Value) -> ir.Value:
+        value = ir.Value(name=namer.fresh(f"{prefix}_{x.name}"), type=x.type, shape=x.shape)
+        self.input_names[x.name] = value.name
+        return value
+
+    def _output(self, op: OpBuilder, namer: Namer, key: str, name: str, value: ir.Value, like: ir.Value):
+        value = shapes.alias(op, value)
+        value.name = namer.fresh(name)
+        value.type, value.shape = like.type, like.shape
+        self.output_names[key] = value.name
+        return value
+
+
+def _inner_product(op: OpBuilder, pairs) -> ir.Value | None:
+    terms = [op.ReduceSum(op.Mul(a, b), keepdims=0) for a, b in pairs if a is not None]
+    return shapes.accumulate(op, terms) if terms else None
+
+
+def _second_sweep(model: ir.Model, backward: Backward, s, wrt, extra_inputs) -> list[ir.Value | None]:
+    """∂s/∂w for each w, differentiating through the forward and the first backward nodes.
+
+    The first sweep's nodes join the graph and shape inference types them, since rules read
+    ranks and shapes.
+    """
+    if s is None:
+        return [None] * len(wrt)
+    op, graph = backward.op, model.graph
+    graph.extend(op.nodes)
+    op.nodes.clear()
+    graph.inputs.extend(extra_inputs)
+    ShapeInferencePass(strict_mode=False)(model)
+    for value in extra_inputs:
+        graph.inputs.remove(value)
+    second = Backward(graph, backward.registry, backward.opsets, op.namer, op)
+    return second.gradients(s, wrt, shapes.ones_like(op, s))
+
+
+class JvpPass(_TransformPass):
+    """Adds a tangent input ``t_<x>`` per x and the output ``jvp_<of>`` = Σ_x (∂of/∂x)·t_x."""
+
+    def build(self, backward, graph, y, xs, namer):
+        op = backward.op
+        placeholder = shapes.zeros_like(op, y)  # the VJP is linear in its seed: any value will do
+        grads = backward.gradients(y, xs, placeholder)
+        tangents = [self._input_like(namer, "t", x) for x in xs]
+        s = _inner_product(op, zip(grads, tangents))
+        (jvp,) = _second_sweep(self.model, backward, s, [placeholder], tangents)
+        jvp = shapes.zeros_like(op, y) if jvp is None else jvp
+        return tangents, [self._output(op, namer, y.name, f"jvp_{y.name}", jvp, y)]
+
+
+class HvpPass(_TransformPass):
+    """Adds a direction input ``v_<x>`` per x and outputs ``hvp_<x>`` = Σ_z (∂²of/∂x∂z)·v_z.
+
+    ``of`` must have one element (a loss).
+    """
+
+    def build(self, backward, graph, y, xs, namer):
+        if not is_scalar(y):
+            raise NotDifferentiableError(f"hvp needs a one-element 'of'; '{y.name}' is {shapes.dims(y)}")
+        op = backward.op
+        grads = backward.gradients(y, xs, shapes.ones_like(op, y))
+        directions = [self._input_like(namer, "v", x) for x in xs]
+        s = _inner_product(op, zip(grads, directions))
+        hvps = _second_sweep(self.model, backward, s, xs, directions)
+        outputs = []
+        for x, h in zip(xs, hvps):
+            h = shapes.zeros_like(op, x) if h is None else h
+            outputs.append(self._output(op, namer, x.name, f"hvp_{x.name}", h, x))
+        return directions, outputs
+
+
+class JacobianPass(_TransformPass):
+    """Outputs ``jac_<x>`` of shape (*of.shape, *x.shape): one VJP per element of ``of``.
+
+    The VJPs run in a Loop, ``chunk`` seeds per iteration, so memory stays bounded; the number
+    of elements of ``of`` may be known only at run time (a symbolic batch).
+    """
+
+    def __init__(self, of, wrt=None, registry=None, chunk: int = 1):
+        super().__init__(of, wrt, registry)
+        if chunk < 1:
+            raise ValueError(f"chunk must be at least 1, not {chunk}")
+        self.chunk = chunk
+
+    def build(self, backward, graph, y, xs, namer):
+        op = backward.op
+        size = op.Size(y)
+        chunk = op.const(np.array(self.chunk, np.int64))
+        trips = op.Div(op.Sub(op.Add(size, chunk), op.const(np.array(1, np.int64))), chunk)
+        body = op.child()
+        step = ir.Value(name=namer.fresh(), type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
+        go = ir.Value(name=namer.fresh(), type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
+        rows: list[list[ir.Value]] = [[] for _ in xs]
+        for k in range(self.chunk):
+            index = body.Add(body.Mul(step, chunk), body.const(np.array(k, np.int64)))
+            hot = body.OneHot(body.unsqueeze(index, [0]), size, body.const(np.array([0.0, 1.0]), like=y), axis=-1)
+            seed = body.Reshape(hot, body.Shape(y))
+            inner = Backward(list(graph), backward.registry, backward.opsets, namer, body)
+            for row, x, g in zip(rows, xs, inner.gradients(y, xs, seed)):
+                g = shapes.zeros_like(body, x) if g is None else g
+                row.append(body.unsqueeze(g, [0]))
+        stacked = [r[0] if len(r) == 1 else body.Concat(*r, axis=0) for r in rows]
+        loop_body = body.graph([step, go], [body.const(np.array(True)), *stacked], name="jacobian_rows")
+        results = op.Loop(trips, None, body=loop_body, _outputs=len(xs))
+        results = results if isinstance(results, tuple) else (results,)
+        outputs = []
+        for x, r in zip(xs, results):
+            shape = op.Concat(op.Shape(y), op.Shape(x), axis=0)
+            # Each iteration stacked `chunk` rows: flatten them, keep the first size(y), reshape.
+            flat = op.Reshape(r, op.Concat(op.const(np.array([-1], np.int64)), op.Shape(x), axis=0))
+            rows_kept = op.Slice(flat, op.const(np.array([0], np.int64)), op.unsqueeze(size, [0]),
+                                 op.const(np.array([0], np.int64)))
+            jac = op.Reshape(rows_kept, shape)
+            out = self._output(op, namer, x.name, f"jac_{x.name}", jac, x)
+            y_dims, x_dims = shapes.dims(y), shapes.dims(x)
+            out.shape = None if y_dims is None or x_dims is None else ir.Shape(
+                [d if d is not None else None for d in (*y_dims, *x_dims)]
+            )
+            outputs.append(out)
+        return [], outputs
+
+
+def _functional(transform: ir.passes.InPlacePass, model):
+    """Apply ``transform`` to a copy of ``model`` (ir.Model or ModelProto); return the same kind."""
+    if isinstance(model, onnx.ModelProto):
+        result = transform(ir.from_proto(model)).model
+        return ir.to_proto(result)
+    return transform(model.clone()).model
+
+
+def vjp(model, of: str, wrt=None, registry=None, **options):
+    """The model with gradient outputs ``grad_<x>`` (seed input per :class:`AutodiffPass`); input untouched."""
+    return _functional(AutodiffPass(of, wrt, registry, **options), model)
+
+
+def jvp(model, of: str, wrt=None, registry=None):
+    """The model with tangent inputs ``t_<x>`` and the output ``jvp_<of>``; input untouched."""
+    return _functional(JvpPass(of, wrt, registry), model)
+
+
+def hvp(model, of: str, wrt=None, registry=None):
+    """The model with direction inputs ``v_<x>`` and outputs ``hvp_<x>``; input untouched."""
+    return _functional(HvpPass(of, wrt, registry), model)
+
+
+def jacobian(model, of: str, wrt=None, registry=None, chunk: int = 1):
+    """The model with outputs ``jac_<x>`` of shape (*of.shape, *x.shape); input untouched."""
+    return _functional(JacobianPass(of, wrt, registry, chunk), model)
