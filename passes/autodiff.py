@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 
 import numpy as np
@@ -74,12 +75,8 @@ def topological_order(nodes: ir.Graph | ir.Function | Sequence[ir.Node]) -> list
             if producer is not None and producer in position:
                 pending[node] += 1
                 consumers[producer].append(node)
-    if all(
-        position[p] < position[n] for p, users in consumers.items() for n in users
-    ):
+    if all(position[p] < position[n] for p, users in consumers.items() for n in users):
         return nodes
-    import heapq
-
     ready = [position[n] for n in nodes if pending[n] == 0]
     heapq.heapify(ready)
     order: list[ir.Node] = []
