@@ -6,8 +6,8 @@ import heapq
 from collections.abc import Sequence
 
 import numpy as np
+import onnx
 import onnx_ir as ir
-from onnx_ir.passes.common import ShapeInferencePass
 
 from onnx_autodiff.errors import (
     AutodiffError,
@@ -246,6 +246,29 @@ class Backward:
         )
 
 
+def infer_shapes(model: ir.Model) -> None:
+    """Fill in the types and shapes onnx's inference finds; on failure leave the model as it is.
+
+    Unlike onnx-ir's ShapeInferencePass, a value without a type takes the inferred type whole,
+    so sequence values stay sequences (that pass turns them into tensors of the element type).
+    """
+    try:
+        proto = onnx.shape_inference.infer_shapes(ir.to_proto(model), strict_mode=False, data_prop=True)
+    except Exception:  # noqa: BLE001 - inference is a help, not a requirement
+        return
+    inferred = ir.serde.deserialize_model(proto)
+    for graph, inferred_graph in zip(model.graphs(), inferred.graphs()):
+        known = ir.convenience.create_value_mapping(inferred_graph)
+        for name, value in ir.convenience.create_value_mapping(graph).items():
+            found = known.get(name)
+            if found is None or found.type is None:
+                continue
+            if value.type is None:
+                value.type = found.type
+            if found.shape is not None and value.shape != found.shape:
+                value.shape = found.shape
+
+
 def find_value(graph: ir.Graph | ir.Function, name: str, role: str) -> ir.Value:
     """The graph value named ``name`` (input, initializer or node output)."""
     for value in graph.inputs:
@@ -310,7 +333,7 @@ class AutodiffPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         if self.infer_shapes:
-            ShapeInferencePass(strict_mode=False)(model)
+            infer_shapes(model)
         y = find_value(graph, self.of, "of")
         _check_differentiable(y, "of")
         xs = self._variables(graph)

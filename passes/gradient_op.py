@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import onnx_ir as ir
-from onnx_ir.passes.common import ShapeInferencePass
 
 from onnx_autodiff.errors import UnsupportedModelError
-from onnx_autodiff.passes.autodiff import Backward, find_value
+from onnx_autodiff.passes.autodiff import Backward, find_value, infer_shapes
 from onnx_autodiff.rules import GradRegistry, default_registry, shapes
 from onnx_autodiff.rules.builder import Namer
 
@@ -28,7 +27,7 @@ class GradientOpLoweringPass(ir.passes.InPlacePass):
         graph = model.graph
         modified = False
         if _first_gradient_node(graph) is not None:
-            ShapeInferencePass(strict_mode=False)(model)
+            infer_shapes(model)
         while (node := _first_gradient_node(graph)) is not None:
             self._lower(model, graph, node)
             modified = True

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx_ir.passes.common import ShapeInferencePass
 
 from onnx_autodiff.errors import NotDifferentiableError
 from onnx_autodiff.passes.autodiff import (
@@ -22,6 +21,7 @@ from onnx_autodiff.passes.autodiff import (
     Backward,
     _check_differentiable,
     find_value,
+    infer_shapes,
     is_scalar,
 )
 from onnx_autodiff.rules import GradRegistry, default_registry, shapes
@@ -40,7 +40,7 @@ class _TransformPass(ir.passes.InPlacePass):
         self.output_names: dict[str, str] = {}
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        ShapeInferencePass(strict_mode=False)(model)
+        infer_shapes(model)
         graph = model.graph
         y = find_value(graph, self.of, "of")
         _check_differentiable(y, "of")
@@ -89,7 +89,7 @@ def _second_sweep(model: ir.Model, backward: Backward, s, wrt, extra_inputs) -> 
     graph.extend(op.nodes)
     op.nodes.clear()
     graph.inputs.extend(extra_inputs)
-    ShapeInferencePass(strict_mode=False)(model)
+    infer_shapes(model)
     for value in extra_inputs:
         graph.inputs.remove(value)
     second = Backward(graph, backward.registry, backward.opsets, op.namer, op)

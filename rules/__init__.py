@@ -21,8 +21,8 @@ __all__ = [
 ]
 
 _FAMILIES = (
-    "math", "activation", "nn", "spatial", "tensor", "indexing", "reduction", "normalization",
-    "losses", "linalg", "attention", "signal", "ml", "control_flow", "nondiff",
+    "math", "activation", "nn", "spatial", "tensor", "sequence", "indexing", "reduction", "normalization",
+    "losses", "linalg", "attention", "signal", "ml", "recurrent", "control_flow", "nondiff",
 )
 
 

@@ -13,7 +13,7 @@ FLOAT_TYPES = frozenset(
     {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
 )
 
-_INT64_RESULT = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin"})
+_INT64_RESULT = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin", "SequenceLength"})
 _BOOL_RESULT = frozenset(
     {"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "Xor",
      "IsNaN", "IsInf"}

@@ -81,7 +81,7 @@ def loop(op, node, *dYs):
     dv_in = _fresh_inputs(reverse, [body.inputs[2 + k] for k in floats])
     acc_in = _fresh_inputs(reverse, wanted)
     index = reverse.Sub(reverse.Sub(count, reverse.const(np.array(1, np.int64))), step)
-    values = [reverse.Gather(s, index) for s in (stacked_cond, *stacked_v)]
+    values = _typed_like([reverse.Gather(s, index) for s in (stacked_cond, *stacked_v)], body.inputs[1:])
     recomputed, nodes = reverse.inline(body, [index, *values])
     seeds = [(recomputed[1 + k], dv) for k, dv in zip(floats, dv_in)]
     seeds += [(recomputed[1 + carried + j], reverse.Gather(dY, index))
@@ -99,6 +99,7 @@ def loop(op, node, *dYs):
     acc_init = [shapes.zeros_like(op, w) for w in wanted]
     results = op.Loop(count, None, *dv_init, *acc_init, body=reverse_graph, _outputs=len(floats) + len(wanted))
     results = results if isinstance(results, tuple) else (results,)
+    _typed_like(results, [*(node.inputs[2 + k] for k in floats), *wanted])
     grads = {w: g for w, g in zip(wanted, results[len(floats):])}
     grads["v_initial"] = [None] * carried
     for k, g in zip(floats, results):
@@ -170,8 +171,8 @@ def scan(op, node, *dYs):
     ds_in = _fresh_inputs(reverse, [body.inputs[k] for k in floats_s])
     acc_in = _fresh_inputs(reverse, wanted)
     index = reverse.Sub(reverse.Sub(count, reverse.const(np.array(1, np.int64))), step)
-    step_states = [reverse.Gather(s, index) for s in stacked]
-    step_xs = [reverse.Gather(x, index) for x in fronts]
+    step_states = _typed_like([reverse.Gather(s, index) for s in stacked], body.inputs[:n_state])
+    step_xs = _typed_like([reverse.Gather(x, index) for x in fronts], body.inputs[n_state:])
     recomputed, nodes = reverse.inline(body, [*step_states, *step_xs])
     seeds = [(recomputed[k], ds) for k, ds in zip(floats_s, ds_in)]
     seeds += [(recomputed[n_state + m], reverse.Gather(d, index)) for m, d in enumerate(d_outs) if d is not None]
@@ -189,6 +190,9 @@ def scan(op, node, *dYs):
     acc_init = [shapes.zeros_like(op, w) for w in wanted]
     results = op.Loop(count, None, *ds_init, *acc_init, body=reverse_graph, _outputs=n_s + len(wanted) + n_x)
     results = results if isinstance(results, tuple) else (results,)
+    _typed_like(results[: n_s + len(wanted)], [*(states[k] for k in floats_s), *wanted])
+    for g, j in zip(results[n_s + len(wanted):], floats_x):
+        g.dtype = xs[j].dtype
     gradients: dict = {w: g for w, g in zip(wanted, results[n_s:n_s + len(wanted)])}
     per_input = [None] * len(node.inputs)
     for k, g in zip(floats_s, results[:n_s]):

@@ -165,17 +165,18 @@ def accumulate(op: OpBuilder, contributions: Sequence[ir.Value], like: ir.Value 
         return contributions[0]
     if like is not None and isinstance(like.type, ir.SequenceType):
         total = contributions[0]
+        element = like.type.elem_type
         for other in contributions[1:]:
-            total = op.SequenceMap(total, other, body=_pairwise_add(op))
+            total = op.SequenceMap(total, other, body=_pairwise_add(op, element))
         return total
     if len(contributions) == 2:
         return op.Add(*contributions)
     return op.Sum(*contributions)
 
 
-def _pairwise_add(op: OpBuilder) -> ir.Graph:
+def _pairwise_add(op: OpBuilder, element: ir.TypeProtocol) -> ir.Graph:
     body = op.child()
-    a, b = (ir.Value(name=op.namer.fresh()) for _ in range(2))
+    a, b = (ir.Value(name=op.namer.fresh(), type=element) for _ in range(2))
     return body.graph([a, b], [body.Add(a, b)], name="add")
 
 
