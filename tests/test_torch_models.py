@@ -160,3 +160,21 @@ def test_gpt_decoder_block_matches_torch_autograd(tmp_path):
     module = DecoderBlock().eval()
     args = (torch.randint(0, 11, (3, 5)), torch.randint(0, 11, (3, 5)))
     assert torch_gradients_match(module, args, tmp_path) >= 10
+
+
+class LSTMRegressor(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = torch.nn.LSTM(3, 4, batch_first=True)
+        self.out = torch.nn.Linear(4, 1)
+
+    def forward(self, x, target):
+        h, _ = self.lstm(x)
+        return torch.nn.functional.mse_loss(self.out(h[:, -1]), target)
+
+
+def test_lstm_model_matches_torch_autograd(tmp_path):
+    torch.manual_seed(3)
+    module = LSTMRegressor().eval()
+    args = (torch.randn(2, 5, 3), torch.randn(2, 1))
+    assert torch_gradients_match(module, args, tmp_path) >= 4
