@@ -1,5 +1,212 @@
-"""attention rules."""
+"""Attention (opset 23+) and RotaryEmbedding (opset 23+).
+
+Attention: the probabilities P are recomputed by a second Attention node with
+qk_matmul_output_mode=3 (so every masking rule of the runtime, causal offset, boolean and float
+masks, fully-masked rows giving P = 0, applies unchanged), then the usual backward:
+S0 = scale·QKᵀ, T = softcap(S0), S = T + bias, P = softmax(S), Y = PV;
+dV = Pᵀ dY, dP = dY Vᵀ, dS = P ⊙ (dP − Σ_k dP ⊙ P), dmask = dS (summed to the mask's shape),
+dS0 = dS ⊙ (1 − tanh²(S0/c)), dQ = scale·dS0 K, dK = scale·dS0ᵀ Q; K and V are the present
+(past ⊕ new) tensors, split back into past_key/past_value and K/V. Grouped-query attention is
+handled by viewing Q as [B, kv_heads, group·Sq, D], which makes the sum over the query heads
+sharing one kv head a plain MatMul. Gradients flowing into present_key/present_value and into
+qk_matmul_output (modes 0-3, as onnxruntime defines them: 0 = scale·QKᵀ before softcap,
+1 = after softcap, 2 = after adding the bias, 3 = P) are added at the matching point.
+A boolean mask and nonpad_kv_seqlen get no gradient; opset 24's nonpad_kv_seqlen and opset 25's
+sliding window only mask more positions, which the recomputed P already reflects.
+
+RotaryEmbedding: a rotation of pairs by +θ; dX is the rotation by −θ (the same op with −sin).
+dcos = Σ_heads (dY₁x₁ + dY₂x₂), dsin = Σ_heads (dY₂x₁ − dY₁x₂), scatter-added into the cache rows
+picked by position_ids.
+"""
 
 from __future__ import annotations
 
-from onnx_autodiff.rules.registry import rule  # noqa: F401
+import numpy as np
+import onnx_ir as ir
+
+from onnx_autodiff.errors import RuleError
+from onnx_autodiff.rules import shapes
+from onnx_autodiff.rules.builder import FLOAT_TYPES
+from onnx_autodiff.rules.registry import rule
+
+def _padded(values, n):
+    return list(values) + [None] * (n - len(values))
+
+
+def _is_float(value) -> bool:
+    return value is not None and (value.dtype is None or value.dtype in FLOAT_TYPES)
+
+
+def _heads_first(op, x, heads):
+    """[B, S, H·D] -> [B, H, S, D]."""
+    return op.Transpose(op.Reshape(x, [0, 0, heads, -1]), perm=[0, 2, 1, 3])
+
+
+def _heads_last(op, x):
+    """[B, H, S, D] -> [B, S, H·D]."""
+    return op.Reshape(op.Transpose(x, perm=[0, 2, 1, 3]), [0, 0, -1])
+
+
+def _extent(op, x, axis):
+    """x's extent along axis as an int when static, else a 1-element int64 value."""
+    d = shapes.dims(x)
+    if d is not None and isinstance(d[axis], int):
+        return d[axis]
+    return op.Slice(op.Shape(x), [axis], [axis + 1])
+
+
+def _shape4(op, *parts):
+    if all(isinstance(p, int) for p in parts):
+        return list(parts)
+    return op.Concat(*(op.const(np.array([p], np.int64)) if isinstance(p, int) else p for p in parts), axis=0)
+
+
+@rule("Attention", differentiable=("Q", "K", "V", "attn_mask", "past_key", "past_value"), since=23)
+def attention(op, node, *dys):
+    """Y = softmax(softcap(scale·QKᵀ) + mask + causal)·V, with a kv cache and grouped heads."""
+    Q, K, V, mask, past_k, past_v = _padded(node.inputs, 7)[:6]
+    dY, dpk, dpv, dqk = _padded(dys, 4)
+    mode = shapes.attr(node, "qk_matmul_output_mode", 0)
+    softcap = shapes.attr(node, "softcap", 0.0)
+    r = shapes.rank(Q)
+    if r not in (3, 4):
+        raise RuleError(f"Attention needs Q of known rank 3 or 4 (got {r}); run shape inference")
+    if r == 3:
+        hq, hkv = shapes.attr(node, "q_num_heads"), shapes.attr(node, "kv_num_heads")
+        if not hq or not hkv:
+            raise RuleError("3-D Attention needs q_num_heads and kv_num_heads")
+        Q4, K4, V4 = (_heads_first(op, x, h) for x, h in ((Q, hq), (K, hkv), (V, hkv)))
+    else:
+        Q4, K4, V4 = Q, K, V
+        hq, hkv = _extent(op, Q, 1), _extent(op, K, 1)
+    Kp = K4 if past_k is None else op.Concat(past_k, K4, axis=2)
+    Vp = V4 if past_v is None else op.Concat(past_v, V4, axis=2)
+
+    if mode == 3 and len(node.outputs) == 4:
+        P = node.outputs[3]
+    else:
+        # Every attribute but the mode, window sizes (opset 25) included: the same masking.
+        attrs = {a: shapes.attr(node, a) for a in node.attributes if a != "qk_matmul_output_mode"}
+        P = op.Attention(*node.inputs, qk_matmul_output_mode=3, _outputs=4, **attrs)[3]
+
+    scale = shapes.attr(node, "scale")
+    if scale is None:
+        d = shapes.dims(Q4) if r == 4 else None
+        head = d[3] if d is not None else None
+        if r == 3 and shapes.dims(Q) is not None and isinstance(shapes.dims(Q)[2], int):
+            head = shapes.dims(Q)[2] // hq
+        if isinstance(head, int):
+            scale = 1.0 / float(np.sqrt(head))
+        else:
+            size = op.Cast(op.Slice(op.Shape(Q4), [3], [4]), to=int(Q.dtype))
+            scale = op.Reciprocal(op.Sqrt(size))
+
+    # Grouped view: query head h uses kv head h // group, so [B, Hq, Sq, *] -> [B, Hkv, group·Sq, *].
+    grouped = not (isinstance(hq, int) and isinstance(hkv, int) and hq == hkv)
+    to_groups = (lambda x: op.Reshape(x, _shape4(op, 0, hkv, -1, 0))) if grouped else (lambda x: x)
+    Qg, Pg = to_groups(Q4), to_groups(P)
+    if dY is not None and r == 3:
+        dY = _heads_first(op, dY, hq)
+    dYg = to_groups(dY) if dY is not None else None
+    dqkg = to_groups(dqk) if dqk is not None else None
+
+    def add(a, b):
+        return b if a is None else a if b is None else op.Add(a, b)
+
+    dVp = op.MatMul(op.Transpose(Pg, perm=[0, 1, 3, 2]), dYg) if dYg is not None else None
+    dP = op.MatMul(dYg, op.Transpose(Vp, perm=[0, 1, 3, 2])) if dYg is not None else None
+    if mode == 3:
+        dP = add(dP, dqkg)
+    dS = None
+    if dP is not None:
+        dS = op.Mul(Pg, op.Sub(dP, op.ReduceSum(op.Mul(dP, Pg), [-1], keepdims=1)))
+    if mode == 2:
+        dS = add(dS, dqkg)
+    dT = add(dS, dqkg) if mode == 1 else dS
+    if dT is not None and softcap:
+        S0 = op.Mul(op.MatMul(Qg, op.Transpose(Kp, perm=[0, 1, 3, 2])), scale)
+        th = op.Tanh(op.Div(S0, float(softcap)))
+        dT = op.Mul(dT, op.Sub(1.0, op.Mul(th, th)))
+    dS0 = add(dT, dqkg) if mode == 0 else dT
+
+    grads = {}
+    if dS0 is not None:
+        dQ = op.Reshape(op.Mul(op.MatMul(dS0, Kp), scale), op.Shape(Q4))
+        dKp = op.Mul(op.MatMul(op.Transpose(dS0, perm=[0, 1, 3, 2]), Qg), scale)
+        grads["Q"] = _heads_last(op, dQ) if r == 3 else dQ
+    else:
+        dKp = None
+    dKp, dVp = add(dKp, dpk), add(dVp, dpv)
+    for name, past, grad in (("K", past_k, dKp), ("V", past_v, dVp)):
+        if grad is None:
+            continue
+        if past is not None:
+            split = _extent(op, past, 2)
+            split = [split] if isinstance(split, int) else split
+            grads[f"past_{'key' if name == 'K' else 'value'}"] = op.Slice(grad, [0], split, [2])
+            grad = op.Slice(grad, split, [2**62], [2])
+        grads[name] = _heads_last(op, grad) if r == 3 else grad
+    if dS is not None and _is_float(mask) and mask.dtype == Q.dtype:
+        grads["attn_mask"] = _mask_gradient(op, dS, mask, P, Q4, Kp, past_k, K4)
+    return grads
+
+
+def _mask_gradient(op, dS, mask, P, Q4, Kp, past_k, K4):
+    """dS in P's layout, cut to the mask's key length and summed to the mask's shape."""
+    dS = op.Reshape(dS, op.Shape(P))
+    q, k = shapes.dims(Q4), shapes.dims(K4)
+    past = shapes.dims(past_k) if past_k is not None else (None, None, 0)
+    total = None
+    if k is not None and past is not None and isinstance(k[2], int) and isinstance(past[2], int):
+        total = k[2] + past[2]
+    m = shapes.dims(mask)
+    if m is None or m[-1] != total or total is None:
+        dS = op.Slice(dS, [0], op.Slice(op.Shape(mask), [-1], [2**62]), [-1])
+    like = None
+    if q is not None:
+        like = ir.Value(name=None, shape=ir.Shape([q[0], q[1], q[2], total]))
+    return shapes.unbroadcast(op, dS, mask, like if like is not None else dS)
+
+
+def _pairs(op, x, interleaved):
+    """The two halves rotated against each other: [..., d] -> ([..., d/2], [..., d/2])."""
+    if interleaved:
+        a, b = op.Split(op.Reshape(x, [0, 0, 0, -1, 2]), axis=-1, num_outputs=2, _outputs=2)
+        return op.squeeze(a, [-1]), op.squeeze(b, [-1])
+    return op.Split(x, axis=-1, num_outputs=2, _outputs=2)
+
+
+@rule("RotaryEmbedding", differentiable=("X", "cos_cache", "sin_cache"), since=23)
+def rotary_embedding(op, node, dY):
+    """Y = (x₁cos − x₂sin, x₁sin + x₂cos) on the rotated part; dX = the same rotation by −θ."""
+    X, cos, sin, pos = _padded(node.inputs, 4)
+    attrs = {a: shapes.attr(node, a) for a in ("interleaved", "num_heads", "rotary_embedding_dim")}
+    grads = {"X": op.RotaryEmbedding(dY, cos, op.Neg(sin), pos, **attrs)}
+    r = shapes.rank(X)
+    if r not in (3, 4):
+        raise RuleError(f"RotaryEmbedding needs X of known rank 3 or 4 (got {r}); run shape inference")
+    # Both to [B, S, H, D], the layout the caches broadcast in.
+    if r == 4:
+        x, g = (op.Transpose(v, perm=[0, 2, 1, 3]) for v in (X, dY))
+    else:
+        heads = attrs["num_heads"]
+        if not heads:
+            raise RuleError("3-D RotaryEmbedding needs num_heads")
+        x, g = (op.Reshape(v, [0, 0, heads, -1]) for v in (X, dY))
+    rd = attrs["rotary_embedding_dim"]
+    if rd:
+        x, g = (op.Slice(v, [0], [rd], [-1]) for v in (x, g))
+    x1, x2 = _pairs(op, x, attrs["interleaved"])
+    g1, g2 = _pairs(op, g, attrs["interleaved"])
+    dcos = op.ReduceSum(op.Add(op.Mul(g1, x1), op.Mul(g2, x2)), [2], keepdims=0)
+    dsin = op.ReduceSum(op.Sub(op.Mul(g2, x1), op.Mul(g1, x2)), [2], keepdims=0)
+    for name, cache, grad in (("cos_cache", cos, dcos), ("sin_cache", sin, dsin)):
+        if pos is not None:  # rows of the cache gathered by position: scatter-add back
+            grads[name] = op.ScatterND(shapes.zeros_like(op, cache), op.unsqueeze(pos, [-1]), grad,
+                                       reduction="add")
+        else:
+            d = shapes.dims(X)
+            like = None if d is None else [d[0], d[2] if r == 4 else d[1], (shapes.dims(cache) or [None])[-1]]
+            like = ir.Value(name=None, shape=ir.Shape(like)) if like is not None else grad
+            grads[name] = shapes.unbroadcast(op, grad, cache, like)
+    return grads
