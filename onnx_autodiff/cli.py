@@ -1,4 +1,4 @@
-"""The ``onnx-autodiff`` command line: grad, jvp, hvp, jacobian, check, ops, demo, conformance."""
+"""The ``onnx-autodiff`` command line: grad, jvp, hvp, jacobian, check, artifacts, ops, demo, conformance."""
 
 from __future__ import annotations
 
@@ -132,8 +132,11 @@ def _check_generated(proto: onnx.ModelProto) -> None:
 
 def cmd_demo(args) -> int:
     from onnx_autodiff.demo import run_demo
+    from onnx_autodiff.training import run_training_demo
 
-    return run_demo(steps=args.steps)
+    gradients = run_demo(steps=args.steps)
+    print()
+    return gradients or run_training_demo()
 
 
 def operator_table() -> str:
@@ -218,6 +221,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="differentiate, check and train an embedded classifier")
     demo.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
     demo.set_defaults(run=cmd_demo)
+    from onnx_autodiff import training
+
+    artifacts = commands.add_parser("artifacts", help="write train-step, eval and checkpoint files for plain onnxruntime")
+    training.add_arguments(artifacts)
+    artifacts.set_defaults(run=training.run)
     try:
         from onnx_autodiff.conformance import runner
     except ImportError:

@@ -194,3 +194,20 @@ def test_check_command_orders_and_inputs(tanh_model, tmp_path, capsys):
     assert main(["check", tanh_model, "--inputs", str(tmp_path / "in.npz"), "--wrt", "x"]) == 0
     assert main(["check", tanh_model, "--inputs", str(tmp_path / "missing.npz")]) == 2
     assert "cannot read inputs" in one_line(capsys.readouterr().err)
+
+
+def test_artifacts_command_writes_training_files(tmp_path, capsys):
+    from onnx_autodiff.demo import classifier_model
+
+    forward = classifier_model()
+    del forward.graph.node[-1]  # keep the logits; the artifacts add the loss
+    forward.graph.output.remove(forward.graph.output[0])
+    forward.graph.input.remove(forward.graph.input[1])
+    path = tmp_path / "classifier.onnx"
+    onnx.save(forward, str(path))
+    out = tmp_path / "artifacts"
+    assert main(["artifacts", str(path), "-o", str(out), "--loss", "cross_entropy", "--optimizer", "adam"]) == 0
+    assert "4 parameters" in capsys.readouterr().out
+    assert {"checkpoint.npz", "artifacts.json"} <= set(os.listdir(out))
+    assert main(["artifacts", str(path), "-o", str(out), "--loss", "nope"]) == 2
+    one_line(capsys.readouterr().err)
