@@ -1,0 +1,774 @@
+"""Conformance runner: every gradient rule against the ONNX backend test data and the float64 oracle.
+
+For each backend test case (``onnx.backend.test.case.node``, single-node and expanded function
+bodies) and each float differentiable input of the op under test, the runner builds the backward
+graph with the rules of a registry, runs it on onnxruntime with seed ``dy = r`` (r ~ N(0, 1),
+fixed seed) and compares the VJP with :func:`onnx_autodiff.conformance.oracle.fd_vjp`. The
+weight-carrying models of ``pytorch-converted`` and ``pytorch-operator`` are checked with respect
+to their float initializers.
+
+Statuses, per case and input:
+
+``pass``                within tolerance (``error`` is the worst scaled element error, ≤ 1)
+``fail``                outside tolerance (``error`` > 1; the message names the worst element)
+``no-rule``             the op (or an op of an expanded body) has no rule
+``not-differentiable``  the rule declares the op, or every float input, non-differentiable
+``refused``             a rule refused the node with a RuleError (unsupported attribute, ...)
+``oracle-skip``         no trustworthy reference value (random op, no element checkable, ...)
+``error``               the pass crashed, produced an invalid graph, or onnxruntime cannot run it
+
+Command line: ``onnx-autodiff conformance [--op OP ...] [--case NAME ...] [--jobs N]
+[--report PATH] [--limit N]`` (also ``python -m onnx_autodiff.conformance.runner``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import glob
+import json
+import math
+import os
+import pickle
+import re
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, numpy_helper
+
+from onnx_autodiff.conformance.check import LOSS, WEAK_TOLERANCE, backward_model, compare_elements, scalarize
+from onnx_autodiff.conformance.oracle import Evaluator, cotangents_for, fd_vjp
+
+STATUSES = ("pass", "fail", "no-rule", "not-differentiable", "refused", "oracle-skip", "error")
+"""Every status a check can get, in report-column order."""
+
+_CASE_PRECEDENCE = ("error", "fail", "no-rule", "refused", "pass", "oracle-skip", "not-differentiable")
+"""A case's status is the first of these among its inputs' statuses."""
+
+TOLERANCES = {
+    np.dtype(np.float64): (1e-6, 1e-5),
+    np.dtype(np.float32): (1e-4, 1e-3),
+    np.dtype(np.float16): (1e-2, 1e-2),
+}
+"""(atol, rtol) per dtype of the backward computation: |ad − fd| ≤ atol·max(1, ‖fd‖∞) + rtol·|fd|."""
+
+_FLOAT_ELEM = {TensorProto.FLOAT16, TensorProto.FLOAT, TensorProto.DOUBLE}
+MODEL_SUITES = ("pytorch-converted", "pytorch-operator")
+DEFAULT_BUDGET = 3.0
+MAX_COORDS = 2000
+
+
+# --------------------------------------------------------------------------- cases
+
+
+@dataclasses.dataclass
+class Case:
+    """One model with inputs. ``op`` is the op under test (the suite name for whole models);
+    ``kind`` is "node", "expanded" or "model"; ``base`` holds the single-node model whose rule
+    decides the differentiable inputs of an expanded case."""
+
+    name: str
+    op: str
+    kind: str
+    model: bytes
+    inputs: dict
+    base: bytes | None = None
+
+    def proto(self) -> onnx.ModelProto:
+        return onnx.load_from_string(self.model)
+
+
+def cache_dir() -> Path:
+    """Where collected cases are cached: $ONNX_AUTODIFF_CACHE or ~/.cache/onnx-autodiff."""
+    return Path(os.environ.get("ONNX_AUTODIFF_CACHE") or Path.home() / ".cache" / "onnx-autodiff")
+
+
+def _as_input(value):
+    if isinstance(value, TensorProto):
+        return numpy_helper.to_array(value)
+    if isinstance(value, np.generic):
+        return np.asarray(value)
+    return value
+
+
+def _collect_node_cases() -> list[Case]:
+    from onnx.backend.test.case.node import collect_testcases
+
+    state = np.random.get_state()
+    try:
+        np.random.seed(0)
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            collected = collect_testcases(None)
+    finally:
+        np.random.set_state(state)
+    singles = {c.name: c for c in collected if "_expanded" not in c.name}
+    cases = []
+    for test in collected:
+        base_name = re.sub(r"_expanded(_ver\d+)?$", "", test.name)
+        base = singles.get(base_name)
+        if base is None or len(base.model.graph.node) != 1:
+            continue
+        model = test.model
+        inputs = [_as_input(v) for v in test.data_sets[0][0]]
+        names = [i.name for i in model.graph.input]
+        cases.append(
+            Case(
+                name=test.name,
+                op=base.model.graph.node[0].op_type,
+                kind="node" if test is base else "expanded",
+                model=model.SerializeToString(),
+                inputs=dict(zip(names, inputs)),
+                base=None if test is base else base.model.SerializeToString(),
+            )
+        )
+    return cases
+
+
+def load_node_cases(refresh: bool = False) -> list[Case]:
+    """The backend node test cases (seeded with ``np.random.seed(0)``), cached per onnx version."""
+    path = cache_dir() / f"backend-node-cases-onnx{onnx.__version__}-numpy{np.__version__}.pkl"
+    if path.exists() and not refresh:
+        try:
+            with open(path, "rb") as f:
+                return [Case(**fields) for fields in pickle.load(f)]
+        except Exception:  # noqa: BLE001 - a corrupt or outdated cache is rebuilt
+            pass
+    cases = _collect_node_cases()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".tmp") as f:
+            # plain dicts: the cache must not depend on the module's import name (__main__)
+            pickle.dump([dataclasses.asdict(c) for c in cases], f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(f.name, path)
+    except OSError:
+        pass  # no writable cache: collect again next time
+    return cases
+
+
+def _runs_on_onnxruntime(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> bool:
+    try:
+        Evaluator(model, backends=("onnxruntime",))(feeds)
+        return True
+    except Exception:  # noqa: BLE001 - load or run failure alike
+        return False
+
+
+def load_model_cases(suites: Sequence[str] = MODEL_SUITES) -> list[Case]:
+    """Models of the onnx wheel's pytorch-converted/pytorch-operator data with float initializers.
+
+    A model onnxruntime cannot run is converted to opset 13 first.
+    """
+    root = Path(onnx.__file__).parent / "backend" / "test" / "data"
+    cases = []
+    for suite in suites:
+        for path in sorted(glob.glob(str(root / suite / "*" / "model.onnx"))):
+            model = onnx.load(path)
+            if not any(t.data_type in _FLOAT_ELEM for t in model.graph.initializer):
+                continue
+            initializers = {t.name for t in model.graph.initializer}
+            names = [i.name for i in model.graph.input if i.name not in initializers]
+            files = sorted(
+                glob.glob(os.path.join(os.path.dirname(path), "test_data_set_0", "input_*.pb")),
+                key=lambda p: int(re.findall(r"\d+", os.path.basename(p))[0]),
+            )
+            inputs = {n: numpy_helper.to_array(onnx.load_tensor(f)) for n, f in zip(names, files)}
+            if not _runs_on_onnxruntime(model, inputs):
+                try:
+                    model = onnx.version_converter.convert_version(model, 13)
+                except Exception:  # noqa: BLE001 - keep the original; the case reports the failure
+                    pass
+            name = f"{suite}/{os.path.basename(os.path.dirname(path))}"
+            cases.append(Case(name, suite, "model", model.SerializeToString(), inputs))
+    return cases
+
+
+# --------------------------------------------------------------------------- one case
+
+
+@dataclasses.dataclass
+class Result:
+    """The outcome of checking one input of one case."""
+
+    case: str
+    op: str
+    kind: str
+    input: str
+    status: str
+    error: float | None = None
+    message: str = ""
+    oracle: str = ""
+    weak: bool = False
+    counts: dict = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def _elem_type(value_info) -> int:
+    return value_info.type.tensor_type.elem_type if value_info.type.HasField("tensor_type") else 0
+
+
+def _differentiable_inputs(case: Case, model: onnx.ModelProto, registry) -> tuple[str, list[str], str]:
+    """(status or "", candidate graph inputs, message) for the op under test."""
+    import onnx_ir as ir
+
+    floats = [i.name for i in model.graph.input if _elem_type(i) in _FLOAT_ELEM]
+    if case.kind == "model":
+        return "", [t.name for t in model.graph.initializer if t.data_type in _FLOAT_ELEM], ""
+    base = onnx.load_from_string(case.base) if case.base is not None else model
+    graph = ir.from_proto(base).graph
+    opsets = {("" if k == "ai.onnx" else k): v for k, v in ir.from_proto(base).opset_imports.items()}
+    node = next(iter(graph))
+    opset = opsets.get(node.domain if node.domain != "ai.onnx" else "", 1)
+    rule = registry.lookup(node, opset)
+    if rule is None:
+        if case.kind == "expanded":  # the body's ops may all have rules: let the pass decide
+            return "", floats, ""
+        return "no-rule", [], f"no rule for {node.op_type} at opset {opset}"
+    if rule.backward is None:
+        return "not-differentiable", [], f"{node.op_type} is declared non-differentiable"
+    names = rule.input_names(node, opset)
+    wanted = []
+    for name, value in zip(names, node.inputs):
+        if name in rule.differentiable and value is not None and value.name in floats:
+            if value.name not in wanted:
+                wanted.append(value.name)
+    if not wanted:
+        return "not-differentiable", [], "no float input is differentiable"
+    return "", wanted, ""
+
+
+def _training_dropout(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> bool:
+    """Whether a Dropout node runs in training mode (its mask is random: no finite differences)."""
+    constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    constants.update(feeds)
+    for node in model.graph.node:
+        if node.op_type == "Dropout" and len(node.input) > 2 and node.input[2]:
+            mode = constants.get(node.input[2])
+            if mode is None or bool(np.asarray(mode)):
+                return True
+    return False
+
+
+def _classify(error: BaseException) -> str:
+    from onnx_autodiff.errors import AutodiffError, MissingRuleError, NotDifferentiableError, RuleError
+
+    if isinstance(error, MissingRuleError):
+        return "no-rule"
+    if isinstance(error, NotDifferentiableError):
+        return "not-differentiable"
+    if isinstance(error, RuleError) and isinstance(error.__cause__, AutodiffError):
+        return "refused"
+    return "error"
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:500]}"
+
+
+def _ad(model, feeds, x, cotangents, registry, backends) -> tuple[np.ndarray, str]:
+    """The backward graph's VJP for ``x``, and the backend that ran it."""
+    floats = [i for i, r in enumerate(cotangents) if r is not None]
+    if len(floats) == 1:
+        of = model.graph.output[floats[0]].name
+        proto, autodiff = backward_model(model, of, [x], registry, seed="input")
+        extra = {autodiff.seed_name: cotangents[floats[0]]}
+    else:
+        proto, autodiff = backward_model(scalarize(model, cotangents), LOSS, [x], registry)
+        extra = {}
+    try:
+        evaluate = Evaluator(proto, backends=backends)
+    except RuntimeError as error:
+        raise RuntimeError(f"the backward graph does not run on {backends[0]}: {error}") from None
+    try:
+        outputs = evaluate({**feeds, **extra})
+    except Exception as error:  # noqa: BLE001 - say which runtime failed
+        raise RuntimeError(f"running the backward graph on {evaluate.backend}: {_one_line(error)}") from None
+    named = dict(zip((o.name for o in proto.graph.output), outputs))
+    return named[autodiff.gradient_names[x]], evaluate.backend
+
+
+def _describe_worst(errors: np.ndarray, ad: np.ndarray, detail) -> str:
+    if np.all(np.isnan(errors)):
+        return ""
+    index = np.unravel_index(int(np.nanargmax(errors)), errors.shape)
+    where = list(int(i) for i in index)
+    fd = f"{detail.value[index]:.6g}"
+    if detail.kink[index]:
+        fd = f"[{detail.lower[index]:.6g}, {detail.upper[index]:.6g}] (kink)"
+    return f"worst element {where}: AD {float(ad[index]):.6g}, FD {fd}"
+
+
+def run_case(case: Case, registry=None, budget: float = DEFAULT_BUDGET, seed: int = 0) -> list[Result]:
+    """Check every float differentiable input of one case; one Result per input (or one per case
+    when the case is not checked at all). Cases without a float input and a float output give []."""
+    from onnx_autodiff.rules import default_registry
+
+    registry = registry if registry is not None else default_registry()
+    started = time.perf_counter()
+
+    def result(x: str, status: str, **kw) -> Result:
+        return Result(case.name, case.op, case.kind, x, status, seconds=time.perf_counter() - started, **kw)
+
+    model = case.proto()
+    if any(not isinstance(v, np.ndarray) for v in case.inputs.values()):
+        return []  # sequences, optionals: not tensors
+    feeds = dict(case.inputs)
+    float_outputs = [o for o in model.graph.output if _elem_type(o) in _FLOAT_ELEM]
+    float_inputs = [i for i in model.graph.input if _elem_type(i) in _FLOAT_ELEM]
+    if not float_outputs or not (float_inputs or case.kind == "model"):
+        return []
+    try:
+        status, wrt, message = _differentiable_inputs(case, model, registry)
+    except Exception as error:  # noqa: BLE001 - a broken rule lookup is reported, not raised
+        return [result("*", "error", message=_one_line(error))]
+    if status:
+        return [result("*", status, message=message)]
+    if not wrt:
+        return []
+
+    try:
+        onnx.checker.check_model(model, full_check=True)
+    except Exception as error:  # noqa: BLE001 - the pass's output could not pass the checker either
+        return [result("*", "oracle-skip", message=f"the forward model fails onnx.checker: {_one_line(error)}")]
+    if _training_dropout(model, feeds):
+        return [result("*", "oracle-skip", message="training-mode Dropout is random")]
+    forward_backend, failures = None, []
+    for backend in ("onnxruntime", "reference"):
+        try:
+            forward = Evaluator(model, backends=(backend,))
+            first, second = forward(feeds), forward(feeds)
+            forward_backend = backend
+            break
+        except Exception as error:  # noqa: BLE001 - try the next runtime
+            failures.append(f"{backend}: {_one_line(error)}")
+    if forward_backend is None:
+        return [result("*", "oracle-skip", message="the forward model does not run: " + "; ".join(failures))]
+    if not all(np.array_equal(a, b, equal_nan=a.dtype.kind == "f") for a, b in zip(first, second)):
+        return [result("*", "oracle-skip", message="the model is not deterministic (random op)")]
+    cotangents = cotangents_for(model, first, seed)
+    # r is 0 on non-finite outputs, but 0·NaN is NaN: there AD cannot be finite, nor wrong
+    nonfinite_forward = any(
+        r is not None and not np.all(np.isfinite(out)) for out, r in zip(first, cotangents)
+    )
+    if all(r is None for r in cotangents):
+        return []
+    # a backward graph must run on onnxruntime unless the forward model itself does not
+    backends = ("onnxruntime",) if forward_backend == "onnxruntime" else ("onnxruntime", "reference")
+
+    results: dict[str, Result] = {}
+    ads: dict[str, tuple[np.ndarray, str]] = {}
+    for x in wrt:
+        try:
+            ads[x] = _ad(model, feeds, x, cotangents, registry, backends)
+        except Exception as error:  # noqa: BLE001 - every failure of the pass is a reported status
+            results[x] = result(x, _classify(error), message=_one_line(error))
+    if ads:
+        try:
+            oracle = fd_vjp(
+                model, feeds, list(ads), cotangents,
+                max_coords=MAX_COORDS, time_budget=budget, seed=seed,
+            )
+        except Exception as error:  # noqa: BLE001
+            oracle = None
+            reason = _one_line(error)
+        for x, (ad, ad_backend) in ads.items():
+            if oracle is None:
+                results[x] = result(x, "oracle-skip", message=reason)
+                continue
+            detail = oracle.details[x]
+            counts = detail.counts()
+            atol, rtol = TOLERANCES.get(np.asarray(ad).dtype, TOLERANCES[np.dtype(np.float32)])
+            if oracle.weak:
+                atol, rtol = max(atol, WEAK_TOLERANCE), max(rtol, WEAK_TOLERANCE)
+            common = dict(oracle=oracle.backend, weak=oracle.weak, counts=counts)
+            if ad_backend != "onnxruntime":
+                common["oracle"] += f"; AD on {ad_backend}"
+            try:
+                errors = compare_elements(ad, detail, atol, rtol)
+            except ValueError as error:
+                results[x] = result(x, "error", message=str(error), **common)
+                continue
+            if nonfinite_forward:
+                masked = ~np.isfinite(np.asarray(ad, np.float64)) & ~np.isnan(errors)
+                errors = np.where(masked, np.nan, errors)
+                counts["checked"] -= int(masked.sum())
+                counts["nonfinite_ad"] = int(masked.sum())
+            if counts["checked"] == 0 and counts["size"] > 0:
+                skipped = ", ".join(f"{k} {v}" for k, v in counts.items() if v and k not in ("size", "evaluated"))
+                results[x] = result(x, "oracle-skip", message=f"no element could be checked ({skipped})", **common)
+                continue
+            worst = float(np.nanmax(errors)) if counts["checked"] else 0.0
+            status = "pass" if worst <= 1.0 else "fail"
+            note = _describe_worst(errors, ad, detail) if status == "fail" else ""
+            results[x] = result(x, status, error=worst, message=note, **common)
+    return [results[x] for x in wrt]
+
+
+# --------------------------------------------------------------------------- many cases
+
+_WORKER: dict = {}
+
+
+def _work(index: int) -> list[Result]:
+    state = _WORKER
+    case = state["cases"][index]
+    try:
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            return run_case(case, state["registry"], state["budget"])
+    except Exception as error:  # noqa: BLE001 - one broken case must not stop the sweep
+        return [Result(case.name, case.op, case.kind, "*", "error", message=_one_line(error))]
+
+
+def _quiet_onnxruntime() -> None:
+    """Keep the progress line readable: no runtime or serializer chatter on stderr."""
+    import logging
+
+    logging.getLogger("onnx_ir").setLevel(logging.ERROR)
+    try:
+        import onnxruntime
+
+        onnxruntime.set_default_logger_severity(4)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def run_cases(
+    cases: Sequence[Case],
+    registry=None,
+    *,
+    jobs: int = 1,
+    budget: float = DEFAULT_BUDGET,
+    progress: Callable[[int, int, list[Result]], None] | None = None,
+) -> list[Result]:
+    """Run :func:`run_case` over ``cases`` (in ``jobs`` processes); results in case order.
+
+    ``progress(done, total, results_of_that_case)`` is called after each case.
+    """
+    from onnx_autodiff.rules import default_registry
+
+    _quiet_onnxruntime()
+    _WORKER.update(cases=list(cases), registry=registry if registry is not None else default_registry(), budget=budget)
+    by_index: dict[int, list[Result]] = {}
+    try:
+        if jobs <= 1 or len(cases) <= 1:
+            for i in range(len(cases)):
+                by_index[i] = _work(i)
+                if progress:
+                    progress(len(by_index), len(cases), by_index[i])
+        else:
+            import multiprocessing
+
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
+            context = multiprocessing.get_context("fork")  # workers inherit cases and registry
+            with context.Pool(jobs, initializer=_quiet_onnxruntime) as pool:
+                order = sorted(range(len(cases)), key=lambda i: -len(cases[i].model))
+                for i, results in zip(order, pool.imap(_work, order, chunksize=1)):
+                    by_index[i] = results
+                    if progress:
+                        progress(len(by_index), len(cases), results)
+    finally:
+        _WORKER.clear()
+    return [r for i in range(len(cases)) for r in by_index[i]]
+
+
+def case_status(results: Sequence[Result]) -> str:
+    """The status of a case from its inputs' statuses (see _CASE_PRECEDENCE)."""
+    statuses = {r.status for r in results}
+    return next(s for s in _CASE_PRECEDENCE if s in statuses)
+
+
+def summarize(results: Sequence[Result]) -> list[dict]:
+    """One row per op type: cases per status (each case counted once) and the worst error."""
+    by_case: dict[str, list[Result]] = {}
+    for r in results:
+        by_case.setdefault(r.case, []).append(r)
+    rows: dict[str, dict] = {}
+    for case_results in by_case.values():
+        op = case_results[0].op
+        row = rows.setdefault(op, {"op": op, "cases": 0, **{s: 0 for s in STATUSES}, "worst_error": None})
+        row["cases"] += 1
+        row[case_status(case_results)] += 1
+        for r in case_results:
+            if r.error is not None and math.isfinite(r.error):
+                row["worst_error"] = max(row["worst_error"] or 0.0, r.error)
+            elif r.error is not None:
+                row["worst_error"] = float("inf")
+    return [rows[op] for op in sorted(rows)]
+
+
+def totals(results: Sequence[Result]) -> dict:
+    by_case: dict[str, list[Result]] = {}
+    for r in results:
+        by_case.setdefault(r.case, []).append(r)
+    cases = {s: 0 for s in STATUSES}
+    checks = {s: 0 for s in STATUSES}
+    for case_results in by_case.values():
+        cases[case_status(case_results)] += 1
+    for r in results:
+        checks[r.status] += 1
+    return {"cases": cases, "checks": checks, "case_count": len(by_case), "check_count": len(results)}
+
+
+# --------------------------------------------------------------------------- reports
+
+_COLUMNS = ("pass", "fail", "no-rule", "not-differentiable", "refused", "oracle-skip", "error")
+_SHORT = {"not-differentiable": "not-diff", "oracle-skip": "skip"}
+_PROBLEMS = ("fail", "error", "refused")
+
+
+def _fmt_error(value) -> str:
+    if value is None:
+        return "-"
+    return "inf" if not math.isfinite(value) else f"{value:.3g}"
+
+
+def format_table(rows: Sequence[dict], markdown: bool = False) -> str:
+    """The per-op summary as aligned text, or as a Markdown table."""
+    header = ["op", "cases", *(_SHORT.get(c, c) for c in _COLUMNS), "worst error"]
+    body = [[r["op"], str(r["cases"]), *(str(r[c]) for c in _COLUMNS), _fmt_error(r["worst_error"])] for r in rows]
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in body]
+        return "\n".join(lines)
+    widths = [max(len(x) for x in column) for column in zip(header, *body)]
+    fmt = lambda row: "  ".join(x.ljust(w) if i == 0 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths)))  # noqa: E731
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *map(fmt, body)])
+
+
+def _versions() -> dict:
+    import onnx_ir
+    import onnxruntime
+
+    import onnx_autodiff
+
+    return {
+        "onnx": onnx.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "onnx_ir": onnx_ir.__version__,
+        "numpy": np.__version__,
+        "onnx_autodiff": getattr(onnx_autodiff, "__version__", "?"),
+    }
+
+
+def _jsonable(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return "inf" if value > 0 else ("-inf" if value < 0 else "nan")
+    return value
+
+
+def write_reports(path: str | Path, results: Sequence[Result], meta: Mapping) -> tuple[Path, Path]:
+    """Write PATH.md and PATH.json (atomically); returns both paths."""
+    base = _report_base(path)
+    rows = summarize(results)
+    summary = totals(results)
+    document = {
+        **meta,
+        "versions": _versions(),
+        "statuses": list(STATUSES),
+        "totals": summary,
+        "ops": [{k: _jsonable(v) for k, v in row.items()} for row in rows],
+        "results": [{k: _jsonable(v) for k, v in dataclasses.asdict(r).items()} for r in results],
+    }
+    md = [
+        "# onnx-autodiff conformance report",
+        "",
+        "Gradients of the backward graphs (onnxruntime) against float64 finite differences on the "
+        "ONNX backend test data. Tolerance: |ad − fd| ≤ atol·max(1, ‖fd‖∞) + rtol·|fd| "
+        "(float32: 1e-4, 1e-3; float64: 1e-6, 1e-5; float16: 1e-2, 1e-2; weak oracle: 3e-2); "
+        "worst error is that ratio (≤ 1 passes). Cases are counted once, by their worst input.",
+        "",
+        ", ".join(f"{k} {v}" for k, v in document["versions"].items()),
+        f"wall time {meta.get('wall_seconds', 0):.1f} s with {meta.get('jobs', 1)} job(s)",
+        "",
+        f"**{summary['case_count']} cases**: "
+        + ", ".join(f"{s} {n}" for s, n in summary["cases"].items() if n),
+        "",
+        f"**{summary['check_count']} checks** (case × input): "
+        + ", ".join(f"{s} {n}" for s, n in summary["checks"].items() if n),
+        "",
+        format_table(rows, markdown=True),
+        "",
+    ]
+    problems = [r for r in results if r.status in _PROBLEMS]
+    if problems:
+        md += ["## Failures, errors and refusals", ""]
+        for r in problems:
+            error = f" (error {_fmt_error(r.error)})" if r.error is not None else ""
+            md.append(f"- **{r.status}** `{r.case}` input `{r.input}`{error}: {r.message}".rstrip(": "))
+        md.append("")
+    skips = [r for r in results if r.status == "oracle-skip"]
+    if skips:
+        md += ["## Oracle skips", ""] + [f"- `{r.case}` input `{r.input}`: {r.message}" for r in skips] + [""]
+    md_path, json_path = base.with_name(base.name + ".md"), base.with_name(base.name + ".json")
+    _atomic_write(md_path, "\n".join(md))
+    _atomic_write(json_path, json.dumps(document, indent=1, default=str) + "\n")
+    return md_path, json_path
+
+
+def _report_base(path: str | Path) -> Path:
+    path = Path(path)
+    return path.with_suffix("") if path.suffix in (".md", ".json") else path
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(f.name, path)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported on one line, exit status 2."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``onnx-autodiff conformance`` to ``parser``."""
+    parser.add_argument("--op", nargs="+", action="extend", default=[], metavar="OP",
+                        help="only cases of these op types (or model suites: pytorch-converted, pytorch-operator)")
+    parser.add_argument("--case", nargs="+", action="extend", default=[], metavar="NAME",
+                        help="only these cases (e.g. test_add_bcast, pytorch-converted/test_Linear)")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N", help="worker processes (default 1)")
+    parser.add_argument("--report", metavar="PATH", help="write PATH.md and PATH.json")
+    parser.add_argument("--limit", type=int, metavar="N", help="at most N cases (after filtering)")
+    parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET, metavar="SECONDS",
+                        help=f"finite-difference time budget per case (default {DEFAULT_BUDGET:g})")
+    parser.add_argument("--no-models", action="store_true",
+                        help="skip the pytorch-converted/pytorch-operator models")
+    parser.add_argument("--refresh-cache", action="store_true", help="collect the backend test cases again")
+
+
+def select_cases(cases: Sequence[Case], ops: Sequence[str] = (), names: Sequence[str] = (), limit: int | None = None) -> list[Case]:
+    """Filter by op type and case name (UsageError on unknown ones), then keep the first ``limit``."""
+    known_ops = sorted({c.op for c in cases})
+    for op in ops:
+        if op not in known_ops:
+            close = difflib.get_close_matches(op, known_ops, n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise UsageError(f"unknown op '{op}': no backend test case exercises it{hint}")
+    by_name = {c.name: c for c in cases}
+    short = {c.name.split("/", 1)[1]: c.name for c in cases if c.kind == "model"}
+    wanted = []
+    for name in names:
+        full = name if name in by_name else short.get(name)
+        if full is None:
+            close = difflib.get_close_matches(name, list(by_name), n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise UsageError(f"unknown case '{name}'{hint}")
+        wanted.append(full)
+    selected = [c for c in cases if (not ops or c.op in ops) and (not names or c.name in wanted)]
+    return selected[:limit] if limit is not None else selected
+
+
+def _check_report_path(path: str) -> None:
+    base = _report_base(path)
+    directory = base.parent if str(base.parent) else Path(".")
+    if not directory.is_dir():
+        raise UsageError(f"cannot write the report: directory '{directory}' does not exist")
+    if not os.access(directory, os.W_OK):
+        raise UsageError(f"cannot write the report: directory '{directory}' is not writable")
+    for suffix in (".md", ".json"):
+        target = base.with_name(base.name + suffix)
+        if target.is_dir() or (target.exists() and not os.access(target, os.W_OK)):
+            raise UsageError(f"cannot write the report: '{target}' is not a writable file")
+
+
+class _Progress:
+    def __init__(self, stream=sys.stderr) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.started = time.perf_counter()
+        self.counts = {s: 0 for s in STATUSES}
+        self.last = 0.0
+
+    def __call__(self, done: int, total: int, results: list[Result]) -> None:
+        if results:
+            self.counts[case_status(results)] += 1
+        now = time.perf_counter()
+        if not (self.tty and now - self.last > 0.2) and not (done == total or done % 50 == 0):
+            return
+        self.last = now
+        counts = " ".join(f"{_SHORT.get(s, s)} {n}" for s, n in self.counts.items() if n)
+        name = results[0].case if results else ""
+        line = f"[{done}/{total}] {now - self.started:.0f}s {counts} {name}"
+        if self.tty:
+            self.stream.write("\r\033[K" + line[:160])
+            if done == total:
+                self.stream.write("\n")
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def run(args: argparse.Namespace, registry=None) -> int:
+    """Run ``onnx-autodiff conformance``: 0 all registered rules pass, 1 a rule fails, 2 bad usage.
+
+    ``args`` comes from a parser set up by :func:`add_arguments`; ``registry`` defaults to the
+    shipped one.
+    """
+    prog = "onnx-autodiff conformance"
+    try:
+        if args.jobs < 1:
+            raise UsageError(f"--jobs must be at least 1, not {args.jobs}")
+        if args.limit is not None and args.limit < 1:
+            raise UsageError(f"--limit must be at least 1, not {args.limit}")
+        if getattr(args, "budget", DEFAULT_BUDGET) <= 0:
+            raise UsageError(f"--budget must be positive, not {args.budget}")
+        if args.report:
+            _check_report_path(args.report)
+        started = time.perf_counter()
+        cases = load_node_cases(refresh=getattr(args, "refresh_cache", False))
+        node_names = {c.name for c in cases}
+        if (
+            not getattr(args, "no_models", False)
+            and (not args.op or any(op in MODEL_SUITES for op in args.op))
+            and (not args.case or any(name not in node_names for name in args.case))
+        ):
+            cases += load_model_cases()
+        selected = select_cases(cases, args.op, args.case, args.limit)
+    except UsageError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return 2
+    budget = getattr(args, "budget", DEFAULT_BUDGET)
+    results = run_cases(selected, registry, jobs=args.jobs, budget=budget, progress=_Progress())
+    wall = time.perf_counter() - started
+    rows = summarize(results)
+    summary = totals(results)
+    print(format_table(rows))
+    print()
+    print(f"{summary['case_count']} cases: " + ", ".join(f"{s} {n}" for s, n in summary["cases"].items() if n))
+    print(f"{summary['check_count']} checks: " + ", ".join(f"{s} {n}" for s, n in summary["checks"].items() if n))
+    for r in results:
+        if r.status in ("fail", "error"):
+            print(f"{r.status}: {r.case} [{r.input}] {_fmt_error(r.error) if r.error is not None else ''} {r.message}".rstrip())
+    print(f"wall time {wall:.1f} s ({args.jobs} job(s), {len(selected)} selected cases)")
+    if args.report:
+        meta = {"wall_seconds": wall, "jobs": args.jobs, "budget": budget, "selected_cases": len(selected),
+                "filters": {"op": list(args.op), "case": list(args.case), "limit": args.limit}}
+        try:
+            md_path, json_path = write_reports(args.report, results, meta)
+        except OSError as error:
+            print(f"{prog}: error: cannot write the report: {error}", file=sys.stderr)
+            return 2
+        print(f"report: {md_path}, {json_path}")
+    return 1 if any(r.status in ("fail", "error") for r in results) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="onnx-autodiff conformance", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
