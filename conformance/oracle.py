@@ -372,11 +372,12 @@ class OracleResult(dict):
 
     ``backend`` is the backend that computed it (see :data:`BACKENDS`), ``weak`` is True when the
     oracle had to fall back to the model's own precision (compare with loose tolerances), and
-    ``notes`` lists why earlier backends were rejected.
+    ``notes`` lists why earlier backends were rejected; ``f0`` is f at the base point.
     """
 
-    def __init__(self, values=(), *, details=None, backend="", weak=False, notes=()):
+    def __init__(self, values=(), *, details=None, backend="", weak=False, notes=(), f0=float("nan")):
         super().__init__(values)
+        self.f0: float = f0  # f at the base point, on that backend
         self.details: dict[str, FDGradient] = dict(details or {})
         self.backend: str = backend
         self.weak: bool = weak
@@ -685,4 +686,5 @@ def fd_vjp(
         )
         details[name] = detail
         plain[name] = detail.value
-    return OracleResult(plain, details=details, backend=backend, weak=backend == "float32", notes=notes)
+    return OracleResult(plain, details=details, backend=backend, weak=backend == "float32", notes=notes,
+                        f0=objective.f0)

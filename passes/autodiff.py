@@ -22,6 +22,9 @@ from onnx_autodiff.rules import GradRegistry, GradRule, default_registry, shapes
 from onnx_autodiff.rules.builder import FLOAT_TYPES, Namer, OpBuilder
 
 
+DEFAULT_OPSET = 18  # the default-domain version backward nodes use when the model imports none
+
+
 def _can_carry_gradient(value: ir.Value) -> bool:
     return value.dtype is None or value.dtype in FLOAT_TYPES
 
@@ -113,8 +116,8 @@ class Backward:
     ) -> None:
         self.registry = registry
         self.opsets = {("" if k == "ai.onnx" else k): v for k, v in opsets.items()}
-        if "" not in self.opsets:
-            raise UnsupportedModelError("the model imports no version of the default ONNX domain")
+        # A model of ai.onnx.ml ops only still gets standard-op backward nodes.
+        self.opsets.setdefault("", DEFAULT_OPSET)
         self.op = op if op is not None else OpBuilder(self.opsets[""], namer, self.opsets)
         self.op.vjp_hook = self._differentiate
         self.order = topological_order(nodes)

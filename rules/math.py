@@ -105,7 +105,7 @@ def div(op, node, dY):
 
 @rule("Pow", differentiable=("X", "Y"), broadcast=True, since=7)
 def pow_(op, node, dY):
-    """Z = X ** E; dX = dY·E·X^(E-1), dE = dY·Z·log(X)"""
+    """Z = X ** E; dX = dY·E·X^(E-1), dE = dY·Z·log(X) (0 where Z = 0)"""
     X, E = node.inputs
     Z = node.outputs[0]
     same = E.dtype == X.dtype
@@ -116,6 +116,8 @@ def pow_(op, node, dY):
     grads = {"X": gate(op, nonzero, op.Mul(dY, slope))}
     if E.dtype is None or E.dtype in FLOAT_TYPES:
         dE = op.Mul(dY, op.Mul(Z, op.Log(X)))
+        if op.opset >= 11:  # float Equal; Z·log(X) is 0·(-inf) at X = 0 where Z = 0: dE = 0 there
+            dE = gate(op, op.Not(op.Equal(Z, 0.0)), dE)
         grads["Y"] = dE if same else op.Cast(dE, to=int(E.dtype))
     return grads
 

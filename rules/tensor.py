@@ -184,8 +184,10 @@ def depth_to_space(op, node, dY):
 
 @rule("SpaceToDepth", differentiable=("input",))
 def space_to_depth(op, node, dY):
-    """Y = b×b spatial blocks moved into channels; dX = DepthToSpace(dY) in DCR order"""
-    return {"input": op.DepthToSpace(dY, blocksize=shapes.attr(node, "blocksize"))}
+    """Y = b×b spatial blocks moved into channels; dX = DepthToSpace(dY) in the same order (DCR or,
+    from opset 28, CRD): the two ops invert each other."""
+    mode = shapes.attr(node, "mode", "DCR")
+    return {"input": op.DepthToSpace(dY, blocksize=shapes.attr(node, "blocksize"), mode=None if mode == "DCR" else mode)}
 
 
 @rule("ReverseSequence", differentiable=("input",))

@@ -288,3 +288,11 @@ def test_legacy_broadcast_refused():
     model = op_model("Abs", {"X": x}, opset=6)
     with pytest.raises(RuleError, match="version_converter"):
         assert_gradients(model, {"X": x}, ["X"])
+
+
+def test_pow_exponent_gradient_is_zero_where_the_base_is_zero():
+    X = np.array([0.0, 0.5, 2.0], np.float32)
+    E = np.array([2.0, 1.5, 3.0], np.float32)
+    model = op_model("Pow", {"X": X, "Y": E})
+    result = assert_gradients(model, {"X": X, "Y": E}, ["X", "Y"])
+    assert np.all(np.isfinite(result.ad["Y"])) and result.ad["Y"][0] == 0

@@ -64,3 +64,17 @@ def test_binarizer_and_tree_ensemble_have_zero_gradient():
     model = make_model(nodes, {"X": X}, ["Y"], extra_opsets=ML)
     result = assert_gradients(model, {"X": X}, ["X"])
     assert np.any(result.ad["X"] != 0)
+
+
+def test_model_importing_only_the_ml_domain():
+    """No default-domain import: the backward nodes still come out as standard ops."""
+    X = R.standard_normal((2, 3)).astype(np.float32)
+    node = helper.make_node("Scaler", ["X"], ["Y"], domain="ai.onnx.ml", scale=[2.0, 3.0, 4.0], offset=[0.0] * 3)
+    graph = helper.make_graph([node], "ml", [helper.make_tensor_value_info("X", 1, [2, 3])],
+                              [helper.make_tensor_value_info("Y", 1, [2, 3])])
+    import onnx
+
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("ai.onnx.ml", 3)])
+    onnx.checker.check_model(model, full_check=True)
+    result = assert_gradients(model, {"X": X}, ["X"])
+    assert result.ok

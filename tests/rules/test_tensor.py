@@ -456,3 +456,10 @@ def test_compress_short_condition_symbolic_batch():
           batches=[4, 6])
     check("Compress", {"X": randn(2, 3), "c": np.array([False, True, True, False, True])}, ["X"],
           batches=[2, 3])
+
+
+@pytest.mark.parametrize("mode", ["DCR", "CRD"])
+def test_space_to_depth_modes_opset_28(mode):
+    x = rng(5).standard_normal((1, 2, 4, 4)).astype(np.float32)
+    model = op_model("SpaceToDepth", {"input": x}, blocksize=2, mode=mode, opset=28)
+    assert_gradients(model, {"input": x}, ["input"])
