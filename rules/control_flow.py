@@ -108,7 +108,20 @@ def loop(op, node, *dYs):
 
 
 def _reverse0(op, x):
-    return op.Slice(x, [-1], [np.iinfo(np.int64).min], [0], [-1])
+    """x reversed along axis 0."""
+    if op.opset >= 10:
+        return op.Slice(x, [-1], [np.iinfo(np.int64).min], [0], [-1])
+    # Slice has no steps before opset 10: gather at T-1, ..., 0, counted by a Loop.
+    count = _scalar(op, op.Shape(x), 0)
+    body = op.child()
+    step, carried = (ir.Value(name=op.namer.fresh(), type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
+                     for _ in range(2))
+    go = ir.Value(name=op.namer.fresh(), type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
+    index = body.Sub(body.Sub(count, body.const(np.array(1, np.int64))), step)
+    # Loop needs a carried value before opset 11: carry the count along unchanged.
+    counter = body.graph([step, go, carried], [body.const(np.array(True)), carried, index], name="reversed_indices")
+    _, indices = op.Loop(count, op.const(np.array(True)), count, body=counter, _outputs=2)
+    return op.Gather(x, indices, axis=0)
 
 
 def _to_front(op, x, axis: int, reverse: bool, rank: int | None):

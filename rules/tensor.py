@@ -113,7 +113,11 @@ def _flat_index(op, indices, d):
         flat = known.reshape(-1).astype(np.int64)
         return op.const(np.where(flat < 0, flat + (d if isinstance(d, int) else 0), flat))
     flat = op.Reshape(op.Cast(indices, to=ir.DataType.INT64), [-1])
-    return op.Where(op.Less(flat, 0), op.Add(flat, d), flat)
+    if op.opset >= 9:
+        return op.Where(op.Less(flat, 0), op.Add(flat, d), flat)
+    # No Where, and Less takes floats only, before opset 9: add d times the negativity mask.
+    negative = op.Cast(op.Less(op.Cast(flat, to=ir.DataType.FLOAT), 0.0), to=ir.DataType.INT64)
+    return op.Add(flat, op.Mul(negative, d))
 
 
 def _axes_of(op, node, index: int = 1):
