@@ -11,7 +11,10 @@ handled by viewing Q as [B, kv_heads, group·Sq, D], which makes the sum over th
 sharing one kv head a plain MatMul. Gradients flowing into present_key/present_value and into
 qk_matmul_output (modes 0-3, as onnxruntime defines them: 0 = scale·QKᵀ before softcap,
 1 = after softcap, 2 = after adding the bias, 3 = P) are added at the matching point.
-A boolean mask and nonpad_kv_seqlen get no gradient; opset 24's nonpad_kv_seqlen and opset 25's
+Mode 2's scores are constant where a key is masked (-inf, onnxruntime writes the dtype's lowest),
+so no gradient comes from there. A mask shorter than the keys is padded with -inf/False for the
+recomputing node (the spec's rule; onnxruntime refuses short masks). A boolean mask and
+nonpad_kv_seqlen get no gradient; opset 24's nonpad_kv_seqlen and opset 25's
 sliding window only mask more positions, which the recomputed P already reflects.
 
 RotaryEmbedding: a rotation of pairs by +θ; dX is the rotation by −θ (the same op with −sin).
@@ -27,6 +30,7 @@ import onnx_ir as ir
 from onnx_autodiff.errors import RuleError
 from onnx_autodiff.rules import shapes
 from onnx_autodiff.rules.builder import FLOAT_TYPES
+from onnx_autodiff.rules.math import gate
 from onnx_autodiff.rules.registry import rule
 
 def _padded(values, n):
@@ -81,13 +85,21 @@ def attention(op, node, *dys):
         hq, hkv = _extent(op, Q, 1), _extent(op, K, 1)
     Kp = K4 if past_k is None else op.Concat(past_k, K4, axis=2)
     Vp = V4 if past_v is None else op.Concat(past_v, V4, axis=2)
+    total = _total(op, K4, past_k, Kp) if mask is not None else None
 
     if mode == 3 and len(node.outputs) == 4:
         P = node.outputs[3]
     else:
         # Every attribute but the mode, window sizes (opset 25) included: the same masking.
         attrs = {a: shapes.attr(node, a) for a in node.attributes if a != "qk_matmul_output_mode"}
-        P = op.Attention(*node.inputs, qk_matmul_output_mode=3, _outputs=4, **attrs)[3]
+        inputs = _padded(node.inputs, 7)
+        if mask is not None:
+            inputs[3] = _pad_mask(op, mask, total)
+        outs = op.Attention(*inputs, qk_matmul_output_mode=3, _outputs=4, **attrs)
+        if inputs[6] is not None:  # present_* may not be combined with nonpad_kv_seqlen
+            for unused in outs[1:3]:
+                unused.name = ""
+        P = outs[3]
 
     scale = shapes.attr(node, "scale")
     if scale is None:
@@ -120,8 +132,12 @@ def attention(op, node, *dys):
     dS = None
     if dP is not None:
         dS = op.Mul(Pg, op.Sub(dP, op.ReduceSum(op.Mul(dP, Pg), [-1], keepdims=1)))
-    if mode == 2:
-        dS = add(dS, dqkg)
+    if mode == 2 and dqkg is not None:
+        # Masked scores come out as a constant (-inf, or the dtype's lowest in onnxruntime).
+        if Q.dtype is None:
+            raise RuleError("Attention with qk_matmul_output_mode=2 needs Q's element type; run shape inference")
+        lowest = op.const(np.finfo(Q.dtype.numpy()).min, dtype=Q.dtype)
+        dS = add(dS, gate(op, op.Greater(to_groups(node.outputs[3]), lowest), dqkg))
     dT = add(dS, dqkg) if mode == 1 else dS
     if dT is not None and softcap:
         S0 = op.Mul(op.MatMul(Qg, op.Transpose(Kp, perm=[0, 1, 3, 2])), scale)
@@ -147,25 +163,48 @@ def attention(op, node, *dys):
             grad = op.Slice(grad, split, [2**62], [2])
         grads[name] = _heads_last(op, grad) if r == 3 else grad
     if dS is not None and _is_float(mask) and mask.dtype == Q.dtype:
-        grads["attn_mask"] = _mask_gradient(op, dS, mask, P, Q4, Kp, past_k, K4)
+        grads["attn_mask"] = _mask_gradient(op, dS, mask, P, Q4, total)
     return grads
 
 
-def _mask_gradient(op, dS, mask, P, Q4, Kp, past_k, K4):
-    """dS in P's layout, cut to the mask's key length and summed to the mask's shape."""
-    dS = op.Reshape(dS, op.Shape(P))
-    q, k = shapes.dims(Q4), shapes.dims(K4)
-    past = shapes.dims(past_k) if past_k is not None else (None, None, 0)
-    total = None
+def _total(op, K4, past_k, Kp):
+    """The number of keys, past included: an int when static."""
+    k, past = shapes.dims(K4), shapes.dims(past_k) if past_k is not None else (0, 0, 0)
     if k is not None and past is not None and isinstance(k[2], int) and isinstance(past[2], int):
-        total = k[2] + past[2]
+        return k[2] + past[2]
+    return _extent(op, Kp, 2)
+
+
+def _pad_mask(op, mask, total):
+    """A mask shorter than the keys, padded with -inf / False (onnxruntime refuses short masks)."""
     m = shapes.dims(mask)
-    if m is None or m[-1] != total or total is None:
+    if mask.dtype is None:
+        return mask
+    if m is not None and isinstance(m[-1], int) and isinstance(total, int):
+        if m[-1] >= total:
+            return mask
+        pads = [0] * (2 * len(m) - 1) + [total - m[-1]]
+    else:
+        r = shapes.rank(mask)
+        if r is None:
+            return mask
+        total = op.const(np.array([total], np.int64)) if isinstance(total, int) else total
+        width = op.Max(op.Sub(total, op.Slice(op.Shape(mask), [-1], [2**62])), [0])
+        pads = op.Concat(op.const(np.zeros(2 * r - 1, np.int64)), width, axis=0)
+    fill = False if mask.dtype == ir.DataType.BOOL else -np.inf
+    return op.Pad(mask, pads, op.const(np.array(fill, mask.dtype.numpy())), mode="constant")
+
+
+def _mask_gradient(op, dS, mask, P, Q4, total):
+    """dS in P's layout, cut to the mask's key length (a short mask was padded) and summed to its shape."""
+    dS = op.Reshape(dS, op.Shape(P))
+    m, q = shapes.dims(mask), shapes.dims(Q4)
+    if m is None or m[-1] != total:
         dS = op.Slice(dS, [0], op.Slice(op.Shape(mask), [-1], [2**62]), [-1])
-    like = None
+    like = dS
     if q is not None:
-        like = ir.Value(name=None, shape=ir.Shape([q[0], q[1], q[2], total]))
-    return shapes.unbroadcast(op, dS, mask, like if like is not None else dS)
+        like = ir.Value(name=None, shape=ir.Shape([q[0], q[1], q[2], m[-1] if m is not None else None]))
+    return shapes.unbroadcast(op, dS, mask, like)
 
 
 def _pairs(op, x, interleaved):

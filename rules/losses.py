@@ -34,15 +34,23 @@ def _sum_over_softmax_axes(op, node, t, legacy: bool):
     return op.Reshape(op.Expand(op.reduce_sum(flat, [1]), op.Shape(flat)), op.Shape(t))
 
 
+def _finite(op, Y):
+    """Y with NaN read as 0: a row of -inf logits (a fully masked attention row) gives NaN, and
+    0·NaN would turn the zero gradient that masking sends there into NaN."""
+    if op.opset < 9:
+        return Y
+    return op.Where(op.IsNaN(Y), op.const(0.0, like=Y), Y)
+
+
 def _softmax(op, node, dY, legacy):
-    Y = node.outputs[0]
+    Y = _finite(op, node.outputs[0])
     dYY = op.Mul(dY, Y)
     return {"input": op.Sub(dYY, op.Mul(Y, _sum_over_softmax_axes(op, node, dYY, legacy)))}
 
 
 def _log_softmax(op, node, dY, legacy):
-    Y = node.outputs[0]
-    return {"input": op.Sub(dY, op.Mul(op.Exp(Y), _sum_over_softmax_axes(op, node, dY, legacy)))}
+    probabilities = _finite(op, op.Exp(node.outputs[0]))
+    return {"input": op.Sub(dY, op.Mul(probabilities, _sum_over_softmax_axes(op, node, dY, legacy)))}
 
 
 @rule("Softmax", differentiable=("input",), since=13)

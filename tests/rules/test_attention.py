@@ -232,3 +232,73 @@ def test_rotary_embedding_symbolic_batch():
               "position_ids": np.array([[0, 1, 2], [1, 2, 3]], np.int64)}
     shapes = {"X": ["N", "S", 8], "position_ids": ["N", "S"]}
     check("RotaryEmbedding", inputs, ["X", "cos_cache", "sin_cache"], shapes=shapes, num_heads=2)
+
+
+# Regressions found by the conformance runner on the ONNX backend cases.
+
+def test_attention_qk_output_mode2_masked_scores_are_constant():
+    """Mode 2 returns the biased scores; where the causal mask hides a key onnxruntime writes the
+    dtype's lowest value (-inf in the spec), a constant: no gradient flows back from there."""
+    inputs = {**qkv(skv=2), "attn_mask": f32(2, 1, 3, 5), "past_key": f32(2, 2, 3, 4),
+              "past_value": f32(2, 2, 3, 4)}
+    _, _, result = check("Attention", inputs, list(inputs), n_outputs=4, is_causal=1,
+                         qk_matmul_output_mode=2)
+    assert np.all(result.ad["attn_mask"][..., 0, 4] == 0)  # query 0 sees keys j <= 0 + 3 (past)
+
+
+def _forward_free_backward(model, wrt):
+    """The backward graph without the forward node, for a forward onnxruntime refuses."""
+    proto, autodiff = backward_model(model, "out0", wrt, seed="input")
+    graph = proto.graph
+    forward = [n for n in graph.node if "out0" in n.output]
+    assert not any("out0" in n.input for n in graph.node), "the backward graph reads Y"
+    graph.node.remove(forward[0])
+    keep = [o for o in graph.output if o.name != "out0"]
+    del graph.output[:]
+    graph.output.extend(keep)
+    return proto, autodiff
+
+
+def test_attention_short_mask_is_padded():
+    """A mask shorter than the keys counts as padded with -inf (onnx reference); onnxruntime
+    refuses such a mask (in the forward node too), so the recomputed probabilities get a padded
+    one. Checked against PyTorch without the forward node."""
+    torch = pytest.importorskip("torch")
+    from onnx import helper
+
+    from helpers import make_model
+
+    inputs = {**qkv(skv=6), "attn_mask": f32(2, 2, 3, 4)}
+    nonpad = np.array([3, 5], np.int64)
+    node = helper.make_node("Attention", ["Q", "K", "V", "attn_mask", "", "", "nonpad"], ["out0"])
+    model = make_model([node], {**inputs, "nonpad": nonpad}, ["out0"], opset=24)
+    proto, autodiff = _forward_free_backward(model, list(inputs))
+    seed = f32(2, 2, 3, 4)
+    got = _session(proto).run([autodiff.gradient_names[x] for x in inputs],
+                              {**inputs, "nonpad": nonpad, autodiff.seed_name: seed})
+    t = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in inputs.items()}
+    bias = torch.cat([t["attn_mask"], torch.full((2, 2, 3, 2), float("-inf"), dtype=torch.float64)], -1)
+    bias = bias.masked_fill(torch.arange(6) >= torch.tensor(nonpad)[:, None, None, None], float("-inf"))
+    y = torch.nn.functional.scaled_dot_product_attention(t["Q"], t["K"], t["V"], attn_mask=bias)
+    y.backward(torch.tensor(seed, dtype=torch.float64))
+    for g, k in zip(got, inputs):
+        np.testing.assert_allclose(g, t[k].grad.numpy(), rtol=1e-4, atol=1e-5)
+    assert np.all(got[1][:, :, 4:] == 0) and np.any(got[1][:, :, :4] != 0)  # keys 4, 5: padded away
+
+
+@pytest.mark.parametrize("mask_shape", [(1, 6), (2, 1, 3, 6)])
+def test_attention_opset25_nonpad_with_window(mask_shape):
+    """nonpad_kv_seqlen forbids present_* outputs: the recomputing node must leave them out."""
+    from onnx import helper
+
+    from helpers import make_model
+
+    inputs = {**qkv(skv=6), "attn_mask": f32(*mask_shape), "nonpad": np.array([4, 6], np.int64)}
+    node = helper.make_node("Attention", ["Q", "K", "V", "attn_mask", "", "", "nonpad"], ["out0"],
+                            is_causal=1, left_window_size=2)
+    model = make_model([node], inputs, ["out0"], opset=25)
+    wrt = ["Q", "K", "V", "attn_mask"]
+    result = check_vjp(model, inputs, wrt)
+    assert result.ok, str(result)
+    proto, autodiff = backward_model(model, "out0", wrt, seed="input")
+    _session(proto).run(None, {**inputs, autodiff.seed_name: np.ones((2, 2, 3, 4), np.float32)})

@@ -233,3 +233,25 @@ def test_negative_log_likelihood_out_of_range_ignore(reduction, ignore_index):
     model = op_model("NegativeLogLikelihoodLoss", inputs, reduction=reduction,
                      ignore_index=ignore_index)
     assert_gradients(model, inputs, ["input"])
+
+
+@pytest.mark.parametrize("op_type", ["Softmax", "LogSoftmax"])
+def test_fully_masked_row_gives_zero_gradient_not_nan(op_type):
+    """A row of -inf (a fully masked attention row) is NaN forward; Where then sends it no
+    gradient, and the backward must keep that zero instead of making 0·NaN."""
+    import onnxruntime as ort
+    from onnx import helper
+
+    from helpers import make_model
+    from onnx_autodiff.conformance.check import backward_model
+
+    x = np.array([[0.5, -1.0, 2.0], [-np.inf, -np.inf, -np.inf]], np.float32)
+    nodes = [helper.make_node(op_type, ["x"], ["p"], axis=-1),
+             helper.make_node("IsNaN", ["p"], ["bad"]),
+             helper.make_node("Where", ["bad", "zero", "p"], ["y"])]
+    model = make_model(nodes, {"x": x}, ["y"], initializers={"zero": np.array(0.0, np.float32)})
+    proto, autodiff = backward_model(model, "y", ["x"], seed="input")
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    dy = np.ones_like(x)
+    grad = dict(zip([o.name for o in proto.graph.output], session.run(None, {"x": x, autodiff.seed_name: dy})))["grad_x"]
+    assert np.all(np.isfinite(grad)) and np.all(grad[1] == 0)
