@@ -44,7 +44,8 @@ def classifier_model(seed: int = 0) -> onnx.ModelProto:
             init("b2", CLASSES, scale=0.0),
         ],
     )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    opsets = [helper.make_opsetid("", 18)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=helper.find_min_ir_version_for(opsets))
 
 
 def blobs(seed: int = 1, samples: int = SAMPLES) -> tuple[np.ndarray, np.ndarray]:

@@ -55,7 +55,8 @@ def make_model(
     )
     opsets = [helper.make_opsetid("", opset)]
     opsets += [helper.make_opsetid(d, v) for d, v in (extra_opsets or {}).items()]
-    model = helper.make_model(graph, opset_imports=opsets)
+    # The lowest IR version the opsets allow, so older onnxruntime releases load the models too.
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=helper.find_min_ir_version_for(opsets))
     model = onnx.shape_inference.infer_shapes(model, strict_mode=False)
     return model
 
