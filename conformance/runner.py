@@ -18,7 +18,22 @@ Statuses, per case and input:
 ``error``               the pass crashed, produced an invalid graph, or onnxruntime cannot run it
 
 Command line: ``onnx-autodiff conformance [--op OP ...] [--case NAME ...] [--jobs N]
-[--report PATH] [--limit N]`` (also ``python -m onnx_autodiff.conformance.runner``).
+[--report PATH] [--limit N] [--references [FILE] | --save-references FILE]`` (also
+``python -m onnx_autodiff.conformance.runner``).
+
+Stored references. The oracle's answers depend only on the case, the seed and the onnx version
+(and the time budget, which caps the sampled coordinates), so a sweep can store them
+(``--save-references FILE``: per case and input the finite-difference estimates, kink intervals
+and flags of the sampled coordinates, the oracle backend and weak flag; see :class:`References`)
+and later sweeps compare the backward graphs with them instead of running finite differences
+(``--references [FILE]``, by default the packaged ``conformance/references/oracle.npz``). Cases
+missing from the file, or whose model, inputs or cotangents changed (fingerprint), run the live
+oracle and are listed. tests/conformance/test_conformance_references.py checks every eligible
+case this way. Regenerate the packaged file after an onnx upgrade or a change to the oracle or
+the case collection (from the repository root; about 15 minutes on 2 cores)::
+
+    rm -f conformance/references/oracle.npz
+    python -m onnx_autodiff conformance --jobs 2 --save-references conformance/references/oracle.npz
 """
 
 from __future__ import annotations
@@ -27,6 +42,7 @@ import argparse
 import dataclasses
 import difflib
 import glob
+import hashlib
 import json
 import math
 import os
@@ -44,7 +60,7 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from onnx_autodiff.conformance.check import LOSS, WEAK_TOLERANCE, backward_model, compare_elements, scalarize
-from onnx_autodiff.conformance.oracle import Evaluator, cotangents_for, fd_vjp
+from onnx_autodiff.conformance.oracle import Evaluator, FDGradient, OracleResult, cotangents_for, fd_vjp
 
 STATUSES = ("pass", "fail", "no-rule", "not-differentiable", "refused", "oracle-skip", "error")
 """Every status a check can get, in report-column order."""
@@ -81,6 +97,7 @@ class Case:
     model: bytes
     inputs: dict
     base: bytes | None = None
+    wrt: list | None = None  # the inputs to check, when given explicitly (second-order cases)
 
     def proto(self) -> onnx.ModelProto:
         return onnx.load_from_string(self.model)
@@ -209,6 +226,7 @@ class Result:
     weak: bool = False
     counts: dict = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
+    source: str = ""  # "stored": compared with stored references; "live": live oracle (reference missing)
 
 
 def _elem_type(value_info) -> int:
@@ -220,6 +238,8 @@ def _differentiable_inputs(case: Case, model: onnx.ModelProto, registry) -> tupl
     import onnx_ir as ir
 
     floats = [i.name for i in model.graph.input if _elem_type(i) in _FLOAT_ELEM]
+    if case.wrt is not None:
+        return "", [x for x in case.wrt if x in floats], ""
     if case.kind == "model":
         return "", [t.name for t in model.graph.initializer if t.data_type in _FLOAT_ELEM], ""
     base = onnx.load_from_string(case.base) if case.base is not None else model
@@ -307,9 +327,23 @@ def _describe_worst(errors: np.ndarray, ad: np.ndarray, detail) -> str:
     return f"worst element {where}: AD {float(ad[index]):.6g}, FD {fd}"
 
 
-def run_case(case: Case, registry=None, budget: float = DEFAULT_BUDGET, seed: int = 0) -> list[Result]:
+def run_case(
+    case: Case,
+    registry=None,
+    budget: float = DEFAULT_BUDGET,
+    seed: int = 0,
+    *,
+    references: References | None = None,
+    record: dict | None = None,
+) -> list[Result]:
     """Check every float differentiable input of one case; one Result per input (or one per case
-    when the case is not checked at all). Cases without a float input and a float output give []."""
+    when the case is not checked at all). Cases without a float input and a float output give [].
+
+    With ``references``, the oracle's stored answers replace the finite differences when they
+    exist for this case, seed and onnx version and their fingerprint (model, inputs, cotangents)
+    matches; otherwise the live oracle runs (``Result.source`` says which). With ``record`` (a
+    dict), the live oracle runs on every candidate input and ``record[case.name]`` receives its
+    :class:`StoredOracle`."""
     from onnx_autodiff.rules import default_registry
 
     registry = registry if registry is not None else default_registry()
@@ -376,15 +410,27 @@ def run_case(case: Case, registry=None, budget: float = DEFAULT_BUDGET, seed: in
                 # reference evaluator failed on it: no runtime to judge the rule with.
                 status = "oracle-skip"
             results[x] = result(x, status, message=_one_line(error))
-    if ads:
-        try:
-            oracle = fd_vjp(
-                model, feeds, list(ads), cotangents,
-                max_coords=MAX_COORDS, time_budget=budget, seed=seed,
-            )
-        except Exception as error:  # noqa: BLE001
-            oracle = None
-            reason = _one_line(error)
+    oracle, reason, source = None, "", ""
+    if ads or record is not None:
+        fingerprint = _fingerprint(case.model, feeds, cotangents)
+        stored = references.get(case.name, seed) if references is not None and record is None else None
+        if stored is not None and stored.fingerprint == fingerprint and stored.covers(ads):
+            oracle, reason, source = stored.oracle(), stored.error or "", "stored"
+        else:
+            if references is not None and record is None:
+                source = "live (stale reference)" if stored is not None and stored.fingerprint != fingerprint else "live"
+            # when recording, every candidate input gets references, so a rule fixed later needs none
+            need = list(wrt) if record is not None else list(ads)
+            try:
+                oracle = fd_vjp(
+                    model, feeds, need, cotangents,
+                    max_coords=MAX_COORDS, time_budget=budget, seed=seed,
+                )
+            except Exception as error:  # noqa: BLE001
+                reason = _one_line(error)
+            if record is not None:
+                dtypes = {x: np.asarray(ad).dtype for x, (ad, _) in ads.items()}
+                record[case.name] = StoredOracle.from_oracle(fingerprint, oracle, reason, dtypes)
         if oracle is not None:
             f32 = float(sum(np.sum(np.asarray(o, np.float64) * r) for o, r in zip(first, cotangents)
                             if r is not None and np.all(np.isfinite(o))))
@@ -394,14 +440,14 @@ def run_case(case: Case, registry=None, budget: float = DEFAULT_BUDGET, seed: in
                 oracle = None
         for x, (ad, ad_backend) in ads.items():
             if oracle is None:
-                results[x] = result(x, "oracle-skip", message=reason)
+                results[x] = result(x, "oracle-skip", message=reason, source=source)
                 continue
             detail = oracle.details[x]
             counts = detail.counts()
             atol, rtol = TOLERANCES.get(np.asarray(ad).dtype, TOLERANCES[np.dtype(np.float32)])
             if oracle.weak:
                 atol, rtol = max(atol, WEAK_TOLERANCE), max(rtol, WEAK_TOLERANCE)
-            common = dict(oracle=oracle.backend, weak=oracle.weak, counts=counts)
+            common = dict(oracle=oracle.backend, weak=oracle.weak, counts=counts, source=source)
             if ad_backend != "onnxruntime":
                 common["oracle"] += f"; AD on {ad_backend}"
             try:
@@ -425,20 +471,304 @@ def run_case(case: Case, registry=None, budget: float = DEFAULT_BUDGET, seed: in
     return [results[x] for x in wrt]
 
 
+# --------------------------------------------------------------------------- second order
+
+ORDER2_PREFIX = "order2:"
+
+
+def first_order_case(case: Case, x: str, registry=None, seed: int = 0) -> Case:
+    """The case whose model computes the VJP for ``x`` (its only output) and whose check is with
+    respect to ``x``: a second-order check of the rules. The seed ``dy`` is a graph input fed with
+    the first-order cotangent r (or, for several float outputs, Σ⟨out_k, r_k⟩ is differentiated).
+    Raises what the pass raises when the first-order graph cannot be built."""
+    model = case.proto()
+    feeds = dict(case.inputs)
+    try:
+        outputs = Evaluator(model, backends=("onnxruntime",))(feeds)
+    except Exception:  # noqa: BLE001 - as in run_case: the reference evaluator runs what onnxruntime cannot
+        outputs = Evaluator(model, backends=("reference",))(feeds)
+    cotangents = cotangents_for(model, outputs, seed)
+    floats = [i for i, r in enumerate(cotangents) if r is not None]
+    if len(floats) == 1:
+        proto, autodiff = backward_model(model, model.graph.output[floats[0]].name, [x], registry, seed="input")
+        feeds[autodiff.seed_name] = cotangents[floats[0]]
+    else:
+        proto, autodiff = backward_model(scalarize(model, cotangents), LOSS, [x], registry)
+    grad = next(o for o in proto.graph.output if o.name == autodiff.gradient_names[x])
+    kept = onnx.ValueInfoProto()
+    kept.CopyFrom(grad)
+    del proto.graph.output[:]
+    proto.graph.output.append(kept)
+    return Case(f"{ORDER2_PREFIX}{case.name}[{x}]", case.op, case.kind, proto.SerializeToString(), feeds, wrt=[x])
+
+
+def run_case_order2(case: Case, registry=None, budget: float = DEFAULT_BUDGET, seed: int = 0, **options) -> list[Result]:
+    """Second-order check of one case: for each input x checked at first order, the derivative of
+    the first-order graph's VJP with respect to x (rules applied to the backward templates),
+    against finite differences of that first-order graph. Results carry the original case name;
+    a first-order graph that cannot be built gives that status with a "first order:" message."""
+    from onnx_autodiff.rules import default_registry
+
+    registry = registry if registry is not None else default_registry()
+    started = time.perf_counter()
+    model = case.proto()
+    if any(not isinstance(v, np.ndarray) for v in case.inputs.values()):
+        return []
+    if not any(_elem_type(o) in _FLOAT_ELEM for o in model.graph.output):
+        return []
+    if not any(_elem_type(i) in _FLOAT_ELEM for i in model.graph.input) and case.kind != "model":
+        return []
+    status, wrt, message = _differentiable_inputs(case, model, registry)
+    if status:
+        return [Result(case.name, case.op, case.kind, "*", status, message=f"first order: {message}")]
+    try:  # as in run_case: no oracle for a model that fails the checker or is random
+        onnx.checker.check_model(model, full_check=True)
+        if _training_dropout(model, case.inputs):
+            raise ValueError("training-mode Dropout is random")
+    except Exception as error:  # noqa: BLE001
+        return [Result(case.name, case.op, case.kind, "*", "oracle-skip", message=f"first order: {_one_line(error)}")]
+    results = []
+    for x in wrt:
+        try:
+            second = first_order_case(case, x, registry, seed)
+        except Exception as error:  # noqa: BLE001 - the first-order graph is a prerequisite
+            results.append(Result(case.name, case.op, case.kind, x, _classify(error),
+                                  message=f"first order: {_one_line(error)}",
+                                  seconds=time.perf_counter() - started))
+            continue
+        for r in run_case(second, registry, budget, seed, **options):
+            results.append(dataclasses.replace(r, case=case.name, input=x if r.input in ("*", x) else r.input))
+    return results
+
+
+def order2_verdicts(results: Sequence[Result]) -> list[dict]:
+    """Per op type: whether its rule is twice differentiable on the backend cases (every check
+    passes or has no trustworthy reference, at least one passes) and, if not, why."""
+    by_op: dict[str, list[Result]] = {}
+    for r in results:
+        by_op.setdefault(r.op, []).append(r)
+    verdicts = []
+    for op, rs in sorted(by_op.items()):
+        statuses = {r.status for r in rs}
+        first = [r for r in rs if r.message.startswith("first order:") and r.status != "oracle-skip"]
+        bad = [r for r in rs if r.status in ("fail", "error", "no-rule", "refused") and r not in first]
+        if statuses <= {"not-differentiable"}:
+            verdict = "not differentiable"
+        elif first and len(first) == len(rs):
+            verdict = "no first order"
+        elif bad:
+            verdict = "no"
+        elif "pass" in statuses:
+            verdict = "yes"
+        else:
+            verdict = "unchecked"
+        reasons: dict[str, int] = {}
+        for r in bad or (first if verdict == "no first order" else []) or ([r for r in rs if r.status == "oracle-skip"] if verdict == "unchecked" else []):
+            reason = f"{r.status}: {_reason(r.message)}"
+            reasons[reason] = reasons.get(reason, 0) + 1
+        verdicts.append({"op": op, "verdict": verdict, "checks": len(rs),
+                         **{s: sum(r.status == s for r in rs) for s in STATUSES},
+                         "reasons": [f"{text} (×{n})" if n > 1 else text for text, n in reasons.items()]})
+    return verdicts
+
+
+def _reason(message: str) -> str:
+    """A message without the run-specific parts (element indices, values, node numbers)."""
+    def value(match: re.Match) -> str:
+        ad = match.group(1).rstrip(",")
+        return f"wrong value (AD {ad})" if ad in ("nan", "inf", "-inf") else "wrong value"
+
+    text = re.sub(r"worst element \[[^\]]*\]: AD (\S+), FD .*", value, message)
+    text = re.sub(r"(bwd_\w+?)_\d+", r"\1", text)
+    return text[:240]
+
+
+# --------------------------------------------------------------------------- stored references
+
+REFERENCES_DIR = Path(__file__).with_name("references")
+DEFAULT_REFERENCES = REFERENCES_DIR / "oracle.npz"
+"""The stored oracle answers shipped with the package (regenerate: see the module docstring)."""
+
+_FLAGS = ("kink", "unstable", "discontinuous", "nonfinite", "shape_changed")
+_REFERENCE_FORMAT = 1
+
+
+def _fingerprint(model: bytes, feeds: Mapping[str, np.ndarray], cotangents) -> str:
+    """A short hash of what the oracle's answer depends on besides the seed: model, point, r."""
+    digest = hashlib.sha256(model)
+    for name in sorted(feeds):
+        value = np.asarray(feeds[name])
+        digest.update(f"{name}:{value.dtype}:{value.shape}".encode())
+        digest.update(repr(value.tolist()).encode() if value.dtype.kind == "O" else np.ascontiguousarray(value).tobytes())
+    for r in cotangents:
+        digest.update(b"-" if r is None else f"{r.dtype}:{r.shape}".encode() + np.ascontiguousarray(r).tobytes())
+    return digest.hexdigest()[:16]
+
+
+@dataclasses.dataclass
+class StoredOracle:
+    """The oracle's answer for one case: per input its :class:`FDGradient` (evaluated coordinates
+    only), or ``error`` when the oracle could not evaluate the model."""
+
+    fingerprint: str
+    backend: str = ""
+    weak: bool = False
+    f0: float = float("nan")
+    error: str | None = None
+    details: dict = dataclasses.field(default_factory=dict)
+    float32: dict = dataclasses.field(default_factory=dict)  # input → values storable in float32
+
+    @classmethod
+    def from_oracle(cls, fingerprint: str, oracle: OracleResult | None, error: str, dtypes: Mapping) -> StoredOracle:
+        if oracle is None:
+            return cls(fingerprint, error=error or "the oracle failed")
+        # float32 keeps 7 digits: enough below the float32 tolerances (1e-4, 1e-3), not below float64's
+        single = {x: np.dtype(dtypes.get(x, np.float64)) != np.float64 for x in oracle.details}
+        return cls(fingerprint, oracle.backend, oracle.weak, oracle.f0, None, dict(oracle.details), single)
+
+    def covers(self, inputs: Iterable[str]) -> bool:
+        return self.error is not None or all(x in self.details for x in inputs)
+
+    def oracle(self) -> OracleResult | None:
+        if self.error is not None:
+            return None
+        return OracleResult({x: d.value for x, d in self.details.items()}, details=self.details,
+                            backend=self.backend, weak=self.weak, f0=self.f0)
+
+
+class References:
+    """Stored oracle answers keyed by (case, onnx version, seed), in one compressed ``.npz``.
+
+    The file holds a JSON index (``index.json``, as bytes) and six flat arrays shared by all
+    entries: ``index`` (evaluated flat coordinates, delta-encoded uint32; absent when every
+    coordinate was evaluated), ``flags`` (uint8 bits: kink, unstable, discontinuous, nonfinite,
+    shape_changed), ``value32``/``value64`` (the central estimates of evaluated coordinates,
+    float32 where the checked gradient is float32 or float16) and ``lower``/``upper`` (the
+    one-sided slopes at kinks, float64). Loading needs no pickle.
+    """
+
+    def __init__(self, entries: Mapping[tuple[str, str, int], StoredOracle] | None = None, meta=None) -> None:
+        self.entries: dict[tuple[str, str, int], StoredOracle] = dict(entries or {})
+        self.meta: dict = dict(meta or {})
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def get(self, case: str, seed: int = 0, onnx_version: str | None = None) -> StoredOracle | None:
+        return self.entries.get((case, onnx_version or onnx.__version__, seed))
+
+    def put(self, case: str, entry: StoredOracle, seed: int = 0, onnx_version: str | None = None) -> None:
+        self.entries[(case, onnx_version or onnx.__version__, seed)] = entry
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        arrays = {k: [] for k in ("index", "flags", "value32", "value64", "lower", "upper")}
+        sizes = dict.fromkeys(arrays, 0)
+
+        def add(kind: str, values: np.ndarray) -> list[int]:
+            arrays[kind].append(values)
+            sizes[kind] += len(values)
+            return [sizes[kind] - len(values), len(values)]
+
+        entries = []
+        for (case, version, seed), entry in sorted(self.entries.items()):
+            item = {"case": case, "onnx": version, "seed": seed, "fingerprint": entry.fingerprint}
+            if entry.error is not None:
+                item["error"] = entry.error
+            else:
+                item.update(backend=entry.backend, weak=entry.weak, f0=entry.f0, inputs={})
+                for x, detail in entry.details.items():
+                    evaluated = np.flatnonzero(detail.evaluated.reshape(-1))
+                    value = detail.value.reshape(-1)[evaluated]
+                    flags = np.zeros(len(evaluated), np.uint8)
+                    for bit, name in enumerate(_FLAGS):
+                        flag = getattr(detail, name)
+                        if flag is not None:
+                            flags |= flag.reshape(-1)[evaluated].astype(np.uint8) << bit
+                    kinks = evaluated[detail.kink.reshape(-1)[evaluated]]
+                    finite = value[np.isfinite(value)]
+                    single = entry.float32.get(x, False) and (finite.size == 0 or np.abs(finite).max() < 1e37)
+                    stored = {"shape": list(detail.value.shape), "flags": add("flags", flags)}
+                    if len(evaluated) != detail.value.size:
+                        stored["index"] = add("index", np.diff(evaluated, prepend=0).astype(np.uint32))
+                    kind = "value32" if single else "value64"
+                    stored[kind] = add(kind, value.astype(np.float32 if single else np.float64))
+                    stored["lower"] = add("lower", detail.lower.reshape(-1)[kinks])
+                    add("upper", detail.upper.reshape(-1)[kinks])
+                    item["inputs"][x] = stored
+            entries.append(item)
+        dtypes = {"index": np.uint32, "flags": np.uint8, "value32": np.float32, "value64": np.float64,
+                  "lower": np.float64, "upper": np.float64}
+        flat = {k: np.concatenate(v).astype(dtypes[k]) if v else np.zeros(0, dtypes[k]) for k, v in arrays.items()}
+        index = {"format": _REFERENCE_FORMAT, **self.meta, "entries": entries}
+        flat["index.json"] = np.frombuffer(json.dumps(index, separators=(",", ":")).encode(), np.uint8)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".npz") as f:
+            np.savez_compressed(f, **flat)
+        os.chmod(f.name, 0o644)  # package data, not a private temporary file
+        os.replace(f.name, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> References:
+        with np.load(path, allow_pickle=False) as data:
+            flat = {k: data[k] for k in data.files}
+        index = json.loads(flat.pop("index.json").tobytes().decode())
+        if index.get("format") != _REFERENCE_FORMAT:
+            raise ValueError(f"{path}: unknown references format {index.get('format')!r}")
+        meta = {k: v for k, v in index.items() if k not in ("format", "entries")}
+        take = lambda kind, span: flat[kind][span[0]: span[0] + span[1]]  # noqa: E731
+        entries = {}
+        for item in index["entries"]:
+            key = (item["case"], item["onnx"], item["seed"])
+            if "error" in item:
+                entries[key] = StoredOracle(item["fingerprint"], error=item["error"])
+                continue
+            details = {}
+            for x, stored in item["inputs"].items():
+                shape = tuple(stored["shape"])
+                size = int(np.prod(shape, dtype=np.int64))
+                flags = take("flags", stored["flags"])
+                evaluated = (np.cumsum(take("index", stored["index"]), dtype=np.int64) if "index" in stored
+                             else np.arange(size))
+                kind = "value32" if "value32" in stored else "value64"
+                value = np.full(size, np.nan)
+                value[evaluated] = take(kind, stored[kind])
+                masks = {}
+                for bit, name in enumerate(_FLAGS):
+                    mask = np.zeros(size, bool)
+                    mask[evaluated] = (flags >> bit) & 1
+                    masks[name] = mask.reshape(shape)
+                lower, upper = value.copy(), value.copy()
+                kinks = evaluated[masks["kink"].reshape(-1)[evaluated]]
+                lower[kinks] = take("lower", stored["lower"])
+                upper[kinks] = take("upper", stored["lower"])
+                mask = np.zeros(size, bool)
+                mask[evaluated] = True
+                details[x] = FDGradient(value=value.reshape(shape), lower=lower.reshape(shape),
+                                        upper=upper.reshape(shape), evaluated=mask.reshape(shape), **masks)
+            entries[key] = StoredOracle(item["fingerprint"], item["backend"], item["weak"], item["f0"], None, details)
+        return cls(entries, meta)
+
+
 # --------------------------------------------------------------------------- many cases
 
 _WORKER: dict = {}
 
 
-def _work(index: int) -> list[Result]:
+def _work(index: int) -> tuple[list[Result], dict]:
     state = _WORKER
     case = state["cases"][index]
+    record = {} if state.get("record") else None
     try:
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
-            return run_case(case, state["registry"], state["budget"])
+            check = run_case_order2 if state.get("order", 1) == 2 else run_case
+            results = check(case, state["registry"], state["budget"], state.get("seed", 0),
+                            references=state.get("references"), record=record)
+            return results, record or {}
     except Exception as error:  # noqa: BLE001 - one broken case must not stop the sweep
-        return [Result(case.name, case.op, case.kind, "*", "error", message=_one_line(error))]
+        return [Result(case.name, case.op, case.kind, "*", "error", message=_one_line(error))], {}
 
 
 def _quiet_onnxruntime() -> None:
@@ -461,22 +791,36 @@ def run_cases(
     jobs: int = 1,
     budget: float = DEFAULT_BUDGET,
     progress: Callable[[int, int, list[Result]], None] | None = None,
+    references: References | None = None,
+    save: References | None = None,
+    seed: int = 0,
+    order: int = 1,
 ) -> list[Result]:
     """Run :func:`run_case` over ``cases`` (in ``jobs`` processes); results in case order.
 
-    ``progress(done, total, results_of_that_case)`` is called after each case.
+    ``progress(done, total, results_of_that_case)`` is called after each case. ``references``:
+    compare with stored oracle answers where they exist; ``save``: run the live oracle on every
+    candidate input and put its answers into that :class:`References`.
     """
     from onnx_autodiff.rules import default_registry
 
     _quiet_onnxruntime()
-    _WORKER.update(cases=list(cases), registry=registry if registry is not None else default_registry(), budget=budget)
+    _WORKER.update(cases=list(cases), registry=registry if registry is not None else default_registry(), budget=budget,
+                   references=references, record=save is not None, seed=seed, order=order)
     by_index: dict[int, list[Result]] = {}
+
+    def done(i: int, outcome: tuple[list[Result], dict]) -> None:
+        by_index[i], recorded = outcome
+        if save is not None:
+            for name, entry in recorded.items():
+                save.put(name, entry, seed)
+        if progress:
+            progress(len(by_index), len(cases), by_index[i])
+
     try:
         if jobs <= 1 or len(cases) <= 1:
             for i in range(len(cases)):
-                by_index[i] = _work(i)
-                if progress:
-                    progress(len(by_index), len(cases), by_index[i])
+                done(i, _work(i))
         else:
             import multiprocessing
 
@@ -484,10 +828,8 @@ def run_cases(
             context = multiprocessing.get_context("fork")  # workers inherit cases and registry
             with context.Pool(jobs, initializer=_quiet_onnxruntime) as pool:
                 order = sorted(range(len(cases)), key=lambda i: -len(cases[i].model))
-                for i, results in zip(order, pool.imap(_work, order, chunksize=1)):
-                    by_index[i] = results
-                    if progress:
-                        progress(len(by_index), len(cases), results)
+                for i, outcome in zip(order, pool.imap(_work, order, chunksize=1)):
+                    done(i, outcome)
     finally:
         _WORKER.clear()
     return [r for i in range(len(cases)) for r in by_index[i]]
@@ -578,8 +920,9 @@ def _jsonable(value):
     return value
 
 
-def write_reports(path: str | Path, results: Sequence[Result], meta: Mapping) -> tuple[Path, Path]:
-    """Write PATH.md and PATH.json (atomically); returns both paths."""
+def write_reports(path: str | Path, results: Sequence[Result], meta: Mapping, verdicts=None) -> tuple[Path, Path]:
+    """Write PATH.md and PATH.json (atomically); returns both paths. ``verdicts`` (from
+    :func:`order2_verdicts`) adds the second-order section."""
     base = _report_base(path)
     rows = summarize(results)
     summary = totals(results)
@@ -591,6 +934,8 @@ def write_reports(path: str | Path, results: Sequence[Result], meta: Mapping) ->
         "ops": [{k: _jsonable(v) for k, v in row.items()} for row in rows],
         "results": [{k: _jsonable(v) for k, v in dataclasses.asdict(r).items()} for r in results],
     }
+    if verdicts is not None:
+        document["second_order"] = verdicts
     md = [
         "# onnx-autodiff conformance report",
         "",
@@ -611,6 +956,24 @@ def write_reports(path: str | Path, results: Sequence[Result], meta: Mapping) ->
         format_table(rows, markdown=True),
         "",
     ]
+    if verdicts is not None:
+        md[0] = "# onnx-autodiff second-order conformance report"
+        md[2] = ("Per single-node case and input x: the first-order graph (VJP for x with seed dy = r) "
+                 "differentiated again with respect to x, against finite differences of that graph. "
+                 "Same tolerances as the first-order report. " + md[2].split(". ", 1)[1])
+        tally: dict[str, list[str]] = {}
+        for v in verdicts:
+            tally.setdefault(v["verdict"], []).append(v["op"])
+        md += ["## Twice differentiable?", "",
+               "yes: every check passes (or has no trustworthy reference) and one at least passes; "
+               "no: a check fails, errs, or a rule is missing or refuses inside the backward template; "
+               "no first order: the first-order graph itself cannot be built.", "",
+               ", ".join(f"**{k}** {len(ops)}" for k, ops in sorted(tally.items())), "",
+               f"Twice differentiable ({len(tally.get('yes', []))}): " + ", ".join(tally.get("yes", [])), "",
+               "| op | verdict | checks | pass | reasons |", "|---|---|---:|---:|---|"]
+        md += [f"| {v['op']} | {v['verdict']} | {v['checks']} | {v['pass']} | {'; '.join(v['reasons'][:4]).replace('|', '/')} |"
+               for v in verdicts if v["verdict"] != "yes"]
+        md.append("")
     problems = [r for r in results if r.status in _PROBLEMS]
     if problems:
         md += ["## Failures, errors and refusals", ""]
@@ -659,6 +1022,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-models", action="store_true",
                         help="skip the pytorch-converted/pytorch-operator models")
     parser.add_argument("--refresh-cache", action="store_true", help="collect the backend test cases again")
+    parser.add_argument("--order", type=int, choices=(1, 2), default=1,
+                        help="2: differentiate each single-node case's first-order graph again and check it "
+                             "against finite differences of that graph (per-op verdict: twice differentiable)")
+    parser.add_argument("--references", nargs="?", const=str(DEFAULT_REFERENCES), metavar="FILE",
+                        help="compare with the oracle answers stored in FILE (default: the packaged "
+                             "conformance/references/oracle.npz) instead of running finite differences; "
+                             "cases missing from FILE use the live oracle and are listed")
+    parser.add_argument("--save-references", metavar="FILE",
+                        help="run the live oracle on every candidate input and store its answers in FILE "
+                             "(.npz; entries of other cases, onnx versions or seeds already in FILE are kept)")
 
 
 def select_cases(cases: Sequence[Case], ops: Sequence[str] = (), names: Sequence[str] = (), limit: int | None = None) -> list[Case]:
@@ -723,6 +1096,33 @@ class _Progress:
         self.stream.flush()
 
 
+def _reference_options(args: argparse.Namespace) -> tuple[References | None, References | None]:
+    """(references to compare with, references to fill) from --references / --save-references."""
+    load, save = getattr(args, "references", None), getattr(args, "save_references", None)
+    if load and save:
+        raise UsageError("use either --references or --save-references, not both")
+    references = None
+    if load:
+        if not Path(load).is_file():
+            raise UsageError(f"cannot read the references: '{load}' does not exist")
+        try:
+            references = References.load(load)
+        except Exception as error:  # noqa: BLE001 - a corrupt file is a usage problem
+            raise UsageError(f"cannot read the references '{load}': {_one_line(error)}") from None
+    target = None
+    if save:
+        directory = Path(save).parent
+        if not directory.is_dir():
+            raise UsageError(f"cannot write the references: directory '{directory}' does not exist")
+        target = References()
+        if Path(save).is_file():
+            try:
+                target = References.load(save)
+            except Exception as error:  # noqa: BLE001
+                raise UsageError(f"cannot update the references '{save}': {_one_line(error)}") from None
+    return references, target
+
+
 def run(args: argparse.Namespace, registry=None) -> int:
     """Run ``onnx-autodiff conformance``: 0 all registered rules pass, 1 a rule fails, 2 bad usage.
 
@@ -739,6 +1139,7 @@ def run(args: argparse.Namespace, registry=None) -> int:
             raise UsageError(f"--budget must be positive, not {args.budget}")
         if args.report:
             _check_report_path(args.report)
+        references, save = _reference_options(args)
         started = time.perf_counter()
         cases = load_node_cases(refresh=getattr(args, "refresh_cache", False))
         node_names = {c.name for c in cases}
@@ -748,12 +1149,16 @@ def run(args: argparse.Namespace, registry=None) -> int:
             and (not args.case or any(name not in node_names for name in args.case))
         ):
             cases += load_model_cases()
+        order = getattr(args, "order", 1)
+        if order == 2:  # the op's own rule twice: single-node cases (expanded bodies and models are order-1 matters)
+            cases = [c for c in cases if c.kind == "node" or c.name in args.case]
         selected = select_cases(cases, args.op, args.case, args.limit)
     except UsageError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
     budget = getattr(args, "budget", DEFAULT_BUDGET)
-    results = run_cases(selected, registry, jobs=args.jobs, budget=budget, progress=_Progress())
+    results = run_cases(selected, registry, jobs=args.jobs, budget=budget, progress=_Progress(),
+                        references=references, save=save, order=order)
     wall = time.perf_counter() - started
     rows = summarize(results)
     summary = totals(results)
@@ -764,12 +1169,35 @@ def run(args: argparse.Namespace, registry=None) -> int:
     for r in results:
         if r.status in ("fail", "error"):
             print(f"{r.status}: {r.case} [{r.input}] {_fmt_error(r.error) if r.error is not None else ''} {r.message}".rstrip())
+    verdicts = order2_verdicts(results) if order == 2 else None
+    if verdicts is not None:
+        counts = {}
+        for v in verdicts:
+            counts[v["verdict"]] = counts.get(v["verdict"], 0) + 1
+        print("second order, op types: " + ", ".join(f"{k} {n}" for k, n in sorted(counts.items())))
+        for v in verdicts:
+            if v["verdict"] not in ("yes", "not differentiable"):
+                print(f"  {v['op']}: {v['verdict']}: " + "; ".join(v["reasons"][:2]))
     print(f"wall time {wall:.1f} s ({args.jobs} job(s), {len(selected)} selected cases)")
+    if references is not None:
+        live = [r for r in results if r.source.startswith("live")]
+        stored = sum(r.source == "stored" for r in results)
+        print(f"references {args.references}: {stored} checks from stored values, {len(live)} with the live oracle")
+        for r in live:
+            print(f"  {r.source}: {r.case} [{r.input}]")
+    if save is not None:
+        save.meta.update(versions=_versions(), budget=budget, max_coords=MAX_COORDS)
+        try:
+            path = save.save(args.save_references)
+        except OSError as error:
+            print(f"{prog}: error: cannot write the references: {error}", file=sys.stderr)
+            return 2
+        print(f"references: {len(save)} entries in {path} ({path.stat().st_size / 1e6:.2f} MB)")
     if args.report:
-        meta = {"wall_seconds": wall, "jobs": args.jobs, "budget": budget, "selected_cases": len(selected),
+        meta = {"wall_seconds": wall, "jobs": args.jobs, "budget": budget, "selected_cases": len(selected), "order": order,
                 "filters": {"op": list(args.op), "case": list(args.case), "limit": args.limit}}
         try:
-            md_path, json_path = write_reports(args.report, results, meta)
+            md_path, json_path = write_reports(args.report, results, meta, verdicts)
         except OSError as error:
             print(f"{prog}: error: cannot write the report: {error}", file=sys.stderr)
             return 2
