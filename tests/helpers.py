@@ -55,8 +55,10 @@ def make_model(
     )
     opsets = [helper.make_opsetid("", opset)]
     opsets += [helper.make_opsetid(d, v) for d, v in (extra_opsets or {}).items()]
-    # The lowest IR version the opsets allow, so older onnxruntime releases load the models too.
-    model = helper.make_model(graph, opset_imports=opsets, ir_version=helper.find_min_ir_version_for(opsets))
+    # The lowest IR version the opsets allow (at least 4, where initializers need not be inputs),
+    # so older onnxruntime releases load the models too.
+    ir_version = max(4, helper.find_min_ir_version_for(opsets, ignore_unknown=True))
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=ir_version)
     model = onnx.shape_inference.infer_shapes(model, strict_mode=False)
     return model
 
