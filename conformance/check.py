@@ -63,8 +63,10 @@ def ad_vjp(
     wrt: Sequence[str],
     cotangents: Sequence[np.ndarray | None],
     registry: GradRegistry | None = None,
+    backends: Sequence[str] = ("onnxruntime",),
 ) -> dict[str, np.ndarray]:
-    """The VJP Σ_k r_k·∂out_k/∂x computed by the generated backward graph on onnxruntime."""
+    """The VJP Σ_k r_k·∂out_k/∂x computed by the generated backward graph on onnxruntime
+    (``backends`` may add "reference" for models whose forward op onnxruntime lacks)."""
     floats = [i for i, r in enumerate(cotangents) if r is not None]
     if len(floats) == 1:
         of = model.graph.output[floats[0]].name
@@ -74,7 +76,7 @@ def ad_vjp(
         proto, autodiff = backward_model(scalarize(model, cotangents), LOSS, wrt, registry)
         extra = {}
     outputs = [o.name for o in proto.graph.output]
-    results = Evaluator(proto)({**feeds, **extra})
+    results = Evaluator(proto, backends=tuple(backends))({**feeds, **extra})
     named = dict(zip(outputs, results))
     return {x: named[autodiff.gradient_names[x]] for x in wrt}
 
