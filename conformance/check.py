@@ -166,15 +166,17 @@ def check_vjp(
     seed: int = 0,
     atol: float = 1e-4,
     rtol: float = 1e-3,
+    ad_backends: Sequence[str] = ("onnxruntime",),
     **oracle_options,
 ) -> GradCheck:
     """Build the backward graph, run it on onnxruntime, compare with float64 finite differences.
 
+    ``ad_backends`` may add "reference" for a model whose forward op onnxruntime cannot run.
     ``oracle_options`` go to :func:`fd_vjp` (``max_coords``, ``time_budget``, ...). ``ok`` needs
     every variable within tolerance and at least one checked element per non-empty variable.
     """
     cotangents = random_cotangents(model, feeds, seed)
-    ad = ad_vjp(model, feeds, wrt, cotangents, registry)
+    ad = ad_vjp(model, feeds, wrt, cotangents, registry, backends=ad_backends)
     fd = fd_vjp(model, feeds, wrt, cotangents, seed=seed, **oracle_options)
     if fd.weak:
         atol, rtol = max(atol, WEAK_TOLERANCE), max(rtol, WEAK_TOLERANCE)

@@ -14,6 +14,7 @@ import onnx_ir as ir
 
 from onnx_autodiff.errors import RuleError
 from onnx_autodiff.rules import shapes
+from onnx_autodiff.rules.math import needs_opset7
 from onnx_autodiff.rules.registry import rule
 
 _NARROW = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
@@ -176,7 +177,13 @@ def batch_normalization(op, node, dY, dRunningMean=None, dRunningVar=None, *dSav
     return grads
 
 
-@rule("InstanceNormalization", differentiable=("input", "scale", "B"), since=6)
+# Their backward graphs need Sub/Mul/ReduceMean kernels of opset 7 or later (onnxruntime has none
+# before): older models are refused with advice to convert them.
+rule("InstanceNormalization", differentiable=("input", "scale", "B"), until=6)(needs_opset7)
+rule("LpNormalization", differentiable=("input",), until=6)(needs_opset7)
+
+
+@rule("InstanceNormalization", differentiable=("input", "scale", "B"), since=7)
 def instance_normalization(op, node, dY):
     """Y = x̂ · scale + B per channel, x̂ standardised over the spatial axes of each (n, c)."""
     X, scale, _ = node.inputs
@@ -235,7 +242,7 @@ def group_normalization(op, node, dY):
     }
 
 
-@rule("LpNormalization", differentiable=("input",), since=1)
+@rule("LpNormalization", differentiable=("input",), since=7)
 def lp_normalization(op, node, dY):
     """Y = X / ‖X‖_p along axis (p = 1, 2).
 

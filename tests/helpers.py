@@ -85,9 +85,13 @@ def assert_gradients(
     rtol: float = 1e-3,
     registry=None,
     seed: int = 0,
+    ad_backends=("onnxruntime",),
 ):
-    """The backward graph's VJP (float32, onnxruntime) matches float64 central differences."""
-    result = check_vjp(model, feeds, wrt, registry=registry, seed=seed, atol=atol, rtol=rtol)
+    """The backward graph's VJP (float32, onnxruntime) matches float64 central differences.
+
+    ``ad_backends`` may add "reference" where onnxruntime lacks the forward op's kernel itself.
+    """
+    result = check_vjp(model, feeds, wrt, registry=registry, seed=seed, atol=atol, rtol=rtol, ad_backends=ad_backends)
     assert result.ok, f"gradient mismatch\n{result}\nAD: {result.ad}\nFD: {result.fd}"
     for name in wrt:
         assert np.any(result.fd[name] != 0) or np.all(result.ad[name] == 0)

@@ -87,7 +87,8 @@ def test_swiglu(alpha):
     a = R.standard_normal((3, 4)).astype(np.float32)
     b = R.standard_normal((3, 4)).astype(np.float32)
     model = op_model("SwiGLU", {"A": a, "B": b}, opset=28, alpha=alpha)
-    assert_gradients(model, {"A": a, "B": b}, ["A", "B"])
+    # onnxruntime 1.32 cannot load SwiGLU-28 (its function body needs Swish-24 kernels).
+    assert_gradients(model, {"A": a, "B": b}, ["A", "B"], ad_backends=("onnxruntime", "reference"))
 
 
 def test_chain_of_activations():

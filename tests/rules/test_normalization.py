@@ -238,7 +238,7 @@ def test_instance_normalization(shape):
 
 def test_instance_normalization_symbolic_batch():
     feeds = {"input": normal(3, 2, 4), "scale": normal(2), "B": normal(2)}
-    model = op_model("InstanceNormalization", feeds, shapes={"input": ["N", 2, "L"]}, opset=6)
+    model = op_model("InstanceNormalization", feeds, shapes={"input": ["N", 2, "L"]}, opset=7)
     assert_gradients(model, feeds, list(feeds))
 
 
