@@ -402,25 +402,33 @@ class AutodiffPass(ir.passes.InPlacePass):
         return dy
 
     def _gradient_outputs(self, op, graph, y, xs, grads, namer) -> list[ir.Value]:
-        produced_here = {out for node in op.nodes for out in node.outputs}
-        outputs: list[ir.Value] = []
-        for x, grad in zip(xs, grads):
-            if grad is None:
-                if self.unreachable == "raise":
+        if self.unreachable == "raise":
+            for x, grad in zip(xs, grads):
+                if grad is None:
                     raise NotDifferentiableError(
                         f"'{y.name}' does not depend on '{x.name}' through differentiable inputs"
                     )
-                grad = shapes.zeros_like(op, x)
-                produced_here.update(op.nodes[-1].outputs)
-            if grad not in produced_here or grad in outputs:
-                grad = shapes.alias(op, grad)
-            grad.name = None
-            grad.name = namer.fresh(f"grad_{x.name}")
-            grad.type = x.type
-            grad.shape = x.shape
-            self.gradient_names[x.name] = grad.name
-            outputs.append(grad)
+        outputs = gradient_outputs(op, namer, xs, grads)
+        self.gradient_names.update((x.name, grad.name) for x, grad in zip(xs, outputs))
         return outputs
+
+
+def gradient_outputs(op: OpBuilder, namer: Namer, xs, grads) -> list[ir.Value]:
+    """One distinct value per x, produced by a backward node, named ``grad_<x>`` and typed like x
+    (zeros where the gradient is None, an Identity where it is not a fresh value of its own)."""
+    produced = {out for node in op.nodes for out in node.outputs}
+    outputs: list[ir.Value] = []
+    for x, grad in zip(xs, grads):
+        if grad is None:
+            grad = shapes.zeros_like(op, x)
+            produced.update(op.nodes[-1].outputs)
+        if grad not in produced or grad in outputs:
+            grad = shapes.alias(op, grad)
+        grad.name = None
+        grad.name = namer.fresh(f"grad_{x.name}")
+        grad.type, grad.shape = x.type, x.shape
+        outputs.append(grad)
+    return outputs
 
 
 def autodiff_pass(

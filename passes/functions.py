@@ -8,8 +8,8 @@ import onnx
 import onnx_ir as ir
 
 from onnx_autodiff.errors import UnknownValueError, UnsupportedModelError
-from onnx_autodiff.passes.autodiff import Backward, _check_differentiable, find_value
-from onnx_autodiff.rules import GradRegistry, default_registry, shapes
+from onnx_autodiff.passes.autodiff import Backward, _check_differentiable, find_value, gradient_outputs
+from onnx_autodiff.rules import GradRegistry, default_registry
 from onnx_autodiff.rules.builder import Namer
 
 DOMAIN = "onnx_autodiff"
@@ -71,13 +71,7 @@ def gradient_of_function(
     op = backward.op
     dy = ir.Value(name=namer.fresh("dy"), type=output.type, shape=output.shape)
     grads = backward.gradients(output, variables, dy)
-    results = []
-    for x, grad in zip(variables, grads):
-        grad = shapes.zeros_like(op, x) if grad is None else grad
-        if grad is dy or grad in results or grad.producer() not in op.nodes:
-            grad = shapes.alias(op, grad)
-        grad.name = namer.fresh(f"grad_{x.name}")
-        results.append(grad)
+    results = gradient_outputs(op, namer, variables, grads)
     inputs = [*variables, *others, dy]
     nodes = _needed_nodes([*backward.order, *op.nodes], results, inputs)
     for value in (*variables, *others):
