@@ -25,7 +25,7 @@ from onnx_autodiff.passes.autodiff import (
     is_scalar,
 )
 from onnx_autodiff.rules import GradRegistry, default_registry, shapes
-from onnx_autodiff.rules.builder import FLOAT_TYPES, Namer, OpBuilder
+from onnx_autodiff.rules.builder import Namer, OpBuilder
 
 
 class _TransformPass(ir.passes.InPlacePass):

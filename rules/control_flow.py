@@ -62,7 +62,6 @@ def loop(op, node, *dYs):
     """
     body = shapes.attr(node, "body")
     carried = len(node.inputs) - 2
-    scans = len(node.outputs) - carried
     wanted = list(op.wanted_captures)
 
     # 1. The forward loop again, with each iteration's (i, cond, v) stacked as extra scan outputs.

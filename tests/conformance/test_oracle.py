@@ -3,7 +3,7 @@
 import numpy as np
 import onnx
 import pytest
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from helpers import make_model, op_model, rng
 from onnx_autodiff.conformance import check_vjp, compare, fd_vjp, random_cotangents
