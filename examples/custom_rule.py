@@ -29,7 +29,7 @@ def scaled_tanh_model() -> onnx.ModelProto:
     )
     return helper.make_model(
         graph, functions=[body],
-        opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("acme", 1)],
+        opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("acme", 1)], ir_version=8,
     )
 
 

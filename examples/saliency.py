@@ -38,7 +38,7 @@ def classifier(seed: int = 0, hidden: int = 64) -> onnx.ModelProto:
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])],
         [numpy_helper.from_array(v.astype(np.float32), k) for k, v in weights.items()],
     )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
 
 
 def with_loss(model: onnx.ModelProto) -> onnx.ModelProto:

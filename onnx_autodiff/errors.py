@@ -32,3 +32,11 @@ def describe_node(node, opset: int | None) -> str:
     name = node.name or "<unnamed>"
     domain = node.domain or "ai.onnx"
     return f"node '{name}' (op {node.op_type}, domain {domain}, opset {opset})"
+
+
+class TrainingError(AutodiffError):
+    """The training configuration cannot be built (unknown loss or optimiser, bad option, model)."""
+
+
+class BatchError(AutodiffError):
+    """A batch fed to a Trainer does not match the model (missing input, wrong shape or type)."""

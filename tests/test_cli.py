@@ -21,7 +21,9 @@ def write_model(path, nodes, inputs, outputs, initializers=(), opsets=(("", 18),
         [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs],
         list(initializers),
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets])
+    opset_imports = [helper.make_opsetid(d, v) for d, v in opsets]
+    ir_version = max(4, helper.find_min_ir_version_for(opset_imports, ignore_unknown=True))
+    model = helper.make_model(graph, opset_imports=opset_imports, ir_version=ir_version)
     onnx.save(model, str(path))
     return str(path)
 

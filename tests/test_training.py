@@ -48,7 +48,7 @@ def mlp(outputs=OUT, opset=18, extra_nodes=(), extra_inits=(), seed=0) -> onnx.M
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", outputs])],
         [numpy_helper.from_array(v.astype(np.float32), k) for k, v in inits.items()] + list(extra_inits),
     )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
 
 
 def batches(count=3, outputs=OUT, classes=True, seed=1):
@@ -184,7 +184,7 @@ def bn_dropout_model(opset=18):
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", OUT])],
         [numpy_helper.from_array(v.astype(np.float32), k) for k, v in inits.items()],
     )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
 
 
 def test_batchnorm_statistics_and_dropout_modes():

@@ -20,7 +20,7 @@ def call_function(function: onnx.FunctionProto, feeds: dict, n_out: int):
     )
     opsets = [helper.make_opsetid(o.domain, o.version) for o in function.opset_import]
     model = helper.make_model(graph, opset_imports=opsets + [helper.make_opsetid(function.domain, 1)],
-                              functions=[function])
+                              functions=[function], ir_version=8)
     onnx.checker.check_model(model, full_check=True)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(None, feeds)
@@ -57,7 +57,7 @@ def test_gradient_of_model_embeds_unnamed_initializers_and_leaves_input_unchange
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])],
         [numpy_helper.from_array(W, "W"), numpy_helper.from_array(bias, "bias")],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
     before = model.SerializeToString(deterministic=True)
     function = gradient_of_function(model, ["W"], "y", zs=["x"])
     assert model.SerializeToString(deterministic=True) == before

@@ -40,7 +40,8 @@ def test_second_order_through_two_gradient_nodes():
     float_scalar = lambda n: helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [])  # noqa: E731
     graph = helper.make_graph(nodes, "g", [float_scalar("x")], [float_scalar("dy_dx"), float_scalar("d2y_dx2")])
     model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ai.onnx.preview.training", 1)]
+        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("ai.onnx.preview.training", 1)],
+        ir_version=8,
     )
     lowered = ir.from_proto(model)
     GradientOpLoweringPass()(lowered)

@@ -39,7 +39,7 @@ def random_model(seed: int, unary: list[str], rows: int, cols: int):
              numpy_helper.from_array(np.array([0], np.int64), "zero"), numpy_helper.from_array(np.array([1], np.int64), "one")]
     graph = helper.make_graph(nodes, "random", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 3])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", cols])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
     X = (rng.standard_normal((rows, 3)) * 0.5).astype(np.float32)
     return model, X, W, rng
 
@@ -135,7 +135,7 @@ def test_hvp_mlp_cross_entropy_matches_torch():
         [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
         [numpy_helper.from_array(v.astype(np.float32), k) for k, v in params.items()],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
     vs = {k: rng.standard_normal(v.shape) for k, v in params.items()}
     exact = {k: v.astype(np.float32).astype(np.float64) for k, v in params.items()}
     ours64, ours32 = _hvp_float64(model, {"X": X.astype(np.float32), "labels": labels}, vs)
@@ -174,7 +174,7 @@ def test_hvp_conv_layernorm_gelu_softmax_matches_torch():
         [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
         [numpy_helper.from_array(v, k) for k, v in inits.items()],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=9)
     vs = {k: rng.standard_normal(v.shape) for k, v in params.items()}
     exact = {k: v.astype(np.float32).astype(np.float64) for k, v in params.items()}
     ours64, ours32 = _hvp_float64(model, {"X": X.astype(np.float32)}, vs)

@@ -1,0 +1,541 @@
+"""Training artifacts: the train-step, eval, accumulate and apply models built from a forward model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx import numpy_helper
+from onnx_ir.passes.common import ShapeInferencePass
+
+from onnx_autodiff.errors import (
+    AutodiffError,
+    NotDifferentiableError,
+    TrainingError,
+    UnknownValueError,
+)
+from onnx_autodiff.rules.builder import Namer, OpBuilder
+from onnx_autodiff.training.losses import LossSpec, attach_loss, model_opset
+from onnx_autodiff.training.optimizers import (
+    emit_update,
+    make_optimizer,
+    optimizer_from_json,
+    optimizer_to_json,
+)
+from onnx_autodiff.training.values import (
+    dim_value,
+    fresh_value,
+    npz_bytes,
+    write_atomically,
+)
+
+FORMAT_VERSION = 1
+
+
+
+
+@dataclasses.dataclass
+class TrainingArtifacts:
+    """The models and initial state of one training setup; ``layout`` names every input and output."""
+
+    train_model: onnx.ModelProto
+    eval_model: onnx.ModelProto
+    inference_model: onnx.ModelProto
+    checkpoint: dict[str, np.ndarray]
+    layout: dict
+    accumulate_model: onnx.ModelProto | None = None
+    apply_model: onnx.ModelProto | None = None
+
+    FILES = {
+        "train_model": "training_model.onnx",
+        "eval_model": "eval_model.onnx",
+        "inference_model": "inference_model.onnx",
+        "accumulate_model": "accumulate_model.onnx",
+        "apply_model": "apply_model.onnx",
+    }
+
+    @property
+    def optimizer(self):
+        return optimizer_from_json(self.layout["optimizer"])
+
+    @property
+    def params(self) -> list[str]:
+        return list(self.layout["params"])
+
+    def save(self, directory: str | os.PathLike) -> dict[str, str]:
+        """Writes the models, ``checkpoint.npz`` and ``artifacts.json`` (each file atomically)."""
+        directory = os.fspath(directory)
+        os.makedirs(directory, exist_ok=True)
+        written = {}
+        for attribute, filename in self.FILES.items():
+            proto = getattr(self, attribute)
+            if proto is not None:
+                path = os.path.join(directory, filename)
+                write_atomically(path, proto.SerializeToString(deterministic=True))
+                written[attribute] = path
+        path = os.path.join(directory, "checkpoint.npz")
+        write_atomically(path, npz_bytes(self.checkpoint))
+        written["checkpoint"] = path
+        path = os.path.join(directory, "artifacts.json")
+        write_atomically(path, json.dumps(self.layout, indent=1, sort_keys=True).encode())
+        written["layout"] = path
+        return written
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> TrainingArtifacts:
+        directory = os.fspath(directory)
+        path = os.path.join(directory, "artifacts.json")
+        if not os.path.isfile(path):
+            raise TrainingError(f"{directory} holds no training artifacts (no artifacts.json)")
+        with open(path, encoding="utf-8") as stream:
+            layout = json.load(stream)
+        if layout.get("format") != FORMAT_VERSION:
+            raise TrainingError(f"{path}: unsupported artifacts format {layout.get('format')!r}")
+        models = {}
+        for attribute, filename in cls.FILES.items():
+            file = os.path.join(directory, filename)
+            models[attribute] = onnx.load(file) if os.path.isfile(file) else None
+        with np.load(os.path.join(directory, "checkpoint.npz")) as data:
+            checkpoint = {k: data[k] for k in data.files}
+        return cls(checkpoint=checkpoint, layout=layout, **models)
+
+
+
+
+def _as_proto(model) -> onnx.ModelProto:
+    if isinstance(model, onnx.ModelProto):
+        proto = onnx.ModelProto()
+        proto.CopyFrom(model)
+        return proto
+    if isinstance(model, ir.Model):
+        return ir.to_proto(model)
+    if isinstance(model, (bytes, bytearray)):
+        return onnx.load_from_string(bytes(model))
+    if isinstance(model, (str, os.PathLike)):
+        if not os.path.isfile(model):
+            raise TrainingError(f"no such model file: {os.fspath(model)}")
+        return onnx.load(os.fspath(model))
+    raise TrainingError(f"cannot use a {type(model).__name__} as a model: give an onnx.ModelProto, an onnx_ir.Model or a path")
+
+
+def _default_opset(proto: onnx.ModelProto) -> int:
+    for entry in proto.opset_import:
+        if entry.domain in ("", "ai.onnx"):
+            return entry.version
+    raise TrainingError("the model imports no version of the default ONNX domain")
+
+
+@dataclasses.dataclass
+class _Roles:
+    params: list[str]
+    buffers: list[str]  # BatchNormalization running statistics updated in training mode
+    opset: int
+
+
+def _trainable_initializers(proto, opset: int, registry) -> set[str]:
+    """Initializers read in a differentiable input position of some node (or by a subgraph):
+    the default parameters, so Dropout ratios, Clip bounds and the like are not trained."""
+    from onnx_autodiff.passes.autodiff import captured_values
+    from onnx_autodiff.rules import default_registry
+
+    registry = registry if registry is not None else default_registry()
+    model = ir.from_proto(proto)
+    inits = set(model.graph.initializers.values())
+    found: set[str] = set()
+    for node in model.graph:
+        node_opset = model.opset_imports.get(node.domain or "", 1)
+        rule = registry.lookup(node, node_opset)
+        names = None
+        if rule is not None:
+            try:
+                names = rule.input_names(node, node_opset)
+            except AutodiffError:
+                names = None
+        for i, value in enumerate(node.inputs):
+            if value in inits and (names is None or (i < len(names) and names[i] in rule.differentiable)):
+                found.add(value.name)
+        found.update(v.name for v in captured_values(node) if v in inits)
+    return found
+
+
+def _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=None) -> _Roles:
+    graph = proto.graph
+    inits = {t.name: t for t in graph.initializer}
+    inputs = {v.name for v in graph.input}
+    float_types = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+    opset = _default_opset(proto)
+    stats: list[str] = []
+    for node in graph.node:
+        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
+            if opset < 14 and not freeze_batchnorm:
+                raise TrainingError(
+                    f"BatchNormalization node '{node.name}' is at opset {opset}: training mode with "
+                    "running statistics needs opset >= 14 (convert the model with "
+                    "onnx.version_converter.convert_version(model, 14)), or pass "
+                    "freeze_batchnorm=True to keep its statistics fixed"
+                )
+            for name in node.input[3:5]:
+                if name in inits and name not in stats:
+                    stats.append(name)
+        if node.op_type == "Dropout" and node.domain in ("", "ai.onnx") and 7 <= opset < 12:
+            raise TrainingError(
+                f"Dropout node '{node.name}' is at opset {opset}, which has no training mode: "
+                "convert the model to opset >= 12 (onnx.version_converter)"
+            )
+
+    def check(names, role):
+        names = [names] if isinstance(names, str) else list(names or [])
+        for name in names:
+            if name not in inits:
+                where = "a graph input" if name in inputs else "no initializer of the model"
+                raise UnknownValueError(f"{role} '{name}' is {where}; parameters must be initializers")
+        return names
+
+    frozen = set(check(frozen_params, "frozen parameter"))
+    if requires_grad is None:
+        used = _trainable_initializers(proto, opset, registry)
+        params = [n for n, t in inits.items()
+                  if t.data_type in float_types and n not in frozen and n not in stats and n in used]
+    else:
+        params = check(requires_grad, "parameter")
+        for name in params:
+            if inits[name].data_type not in float_types:
+                dtype = onnx.TensorProto.DataType.Name(inits[name].data_type)
+                raise NotDifferentiableError(f"parameter '{name}' is a {dtype} initializer; only floating-point initializers can be trained")
+            if name in frozen:
+                raise TrainingError(f"'{name}' is both a parameter to train and a frozen parameter")
+            if name in stats:
+                raise TrainingError(f"'{name}' is a BatchNormalization running statistic: it is updated by the forward pass, not trained")
+        if len(set(params)) != len(params):
+            raise TrainingError(f"requires_grad names a parameter twice: {params}")
+    if not params:
+        raise TrainingError("there is no parameter to train: the model has no floating-point initializer left after freezing")
+    buffers = [] if freeze_batchnorm else [s for s in stats if s not in frozen]
+    return _Roles(params=params, buffers=buffers, opset=opset)
+
+
+def _prepare(proto, roles: _Roles, training: bool):
+    """The forward model as onnx-ir with parameters and buffers as inputs and layers in the right mode.
+
+    Returns (model, namer, buffer_updates {buffer name: new-statistic value}).
+    """
+    model = ir.from_proto(proto)
+    graph = model.graph
+    namer = Namer.for_graph(graph, prefix="train")
+    updates: dict[str, ir.Value] = {}
+    buffers = set(roles.buffers)
+    for node in list(graph):
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type == "BatchNormalization" and roles.opset >= 14:
+            stat_inputs = [v.name if v is not None else None for v in node.inputs[3:5]]
+            if not any(name in buffers for name in stat_inputs):
+                continue  # frozen statistics: inference mode in both models
+            node.attributes["training_mode"] = ir.AttrInt64("training_mode", 1 if training else 0)
+            if training:
+                if len(node.outputs) < 3:
+                    node.resize_outputs(3)
+                for name, out in zip(stat_inputs, node.outputs[1:3]):
+                    if not out.name:
+                        out.name = namer.fresh(f"{node.name or 'batchnorm'}_running")
+                    if name in buffers:
+                        if name in updates:
+                            raise TrainingError(f"running statistic '{name}' is updated by two BatchNormalization nodes")
+                        updates[name] = out
+            elif len(node.outputs) > 1 and not any(out.uses() or out.is_graph_output() for out in node.outputs[1:]):
+                node.resize_outputs(1)
+        elif node.op_type == "Dropout" and roles.opset >= 12:
+            if len(node.inputs) < 3:
+                node.resize_inputs(3)
+            if node.inputs[1] is None:
+                node.replace_input_with(1, _constant(graph, namer, np.array(0.5, np.float32), "dropout_ratio"))
+            previous = node.inputs[2]
+            node.replace_input_with(2, _constant(graph, namer, np.array(training), "dropout_training"))
+            if previous is not None and previous in graph.inputs and not previous.uses():
+                graph.inputs.remove(previous)  # a training-mode flag input the artifacts now set
+            if training and len(node.outputs) < 2:
+                node.resize_outputs(2)
+                node.outputs[1].name = namer.fresh(f"{node.name or 'dropout'}_mask")
+    for name in [*roles.params, *roles.buffers]:
+        value = graph.initializers.pop(name)
+        value.const_value = None
+        if value not in graph.inputs:
+            graph.inputs.append(value)
+    return model, namer, updates
+
+
+def _constant(graph: ir.Graph, namer: Namer, array: np.ndarray, hint: str) -> ir.Value:
+    value = ir.Value(name=namer.fresh(hint), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+                     shape=ir.Shape(array.shape), const_value=ir.Tensor(array))
+    graph.register_initializer(value)
+    return value
+
+
+def _publish(op: OpBuilder, namer: Namer, value: ir.Value, hint: str, taken: set, like: ir.Value | None = None) -> ir.Value:
+    """``value`` as a graph output named after ``hint`` and typed like ``like`` (an Identity where it
+    cannot be renamed)."""
+    if value.producer() is None or value in taken or value.is_graph_output() or value.is_graph_input():
+        value = op.Identity(value)
+    taken.add(value)
+    value.name = None
+    value.name = namer.fresh(hint)
+    if like is not None:
+        value.type, value.shape = like.type, like.shape
+    return value
+
+
+def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], what: str) -> onnx.ModelProto:
+    from onnx_autodiff.passes import cleanup_passes
+
+    graph = model.graph
+    graph.inputs.clear()
+    graph.inputs.extend(inputs)
+    graph.outputs.clear()
+    graph.outputs.extend(outputs)
+    model = ir.passes.PassManager(cleanup_passes())(model).model
+    if any(v.shape is None or v.type is None for v in graph.outputs):
+        ShapeInferencePass(strict_mode=False)(model)
+    untyped = [v.name for v in graph.outputs if v.shape is None or v.type is None]
+    if untyped:
+        raise TrainingError(f"the shapes of {untyped} are unknown: declare them in the model's outputs or value_info")
+    proto = ir.to_proto(model)
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+    except onnx.checker.ValidationError as error:
+        first = str(error).strip().splitlines()[0]
+        raise TrainingError(f"the generated {what} fails the ONNX checker (a bug, please report): {first}") from error
+    return proto
+
+
+def generate_artifacts(
+    model,
+    requires_grad: Sequence[str] | None = None,
+    frozen_params: Sequence[str] | None = None,
+    loss: str | Callable | onnx.FunctionProto | None = "cross_entropy",
+    optimizer="adamw",
+    *,
+    optimizer_options: Mapping | None = None,
+    output: str | None = None,
+    labels=None,
+    max_grad_norm: float | None = None,
+    gradient_accumulation: bool = False,
+    freeze_batchnorm: bool = False,
+    registry=None,
+) -> TrainingArtifacts:
+    """The training artifacts of ``model`` (an onnx.ModelProto, onnx_ir.Model or path).
+
+    requires_grad: initializers to train (default: every floating-point initializer that is
+    neither in ``frozen_params`` nor a BatchNormalization running statistic).
+    loss: "cross_entropy" (logits [N, C, ...], int64 class labels, mean, ignore_index −100),
+    "mse", "l1", "bce_with_logits" (labels shaped like the output), None (the model's scalar
+    output ``output`` is the loss), or a custom loss: a callable ``f(op, output, *labels)`` returning
+    the scalar loss built with the :class:`~onnx_autodiff.rules.builder.OpBuilder` ``op``, or an
+    onnx.FunctionProto with inputs ``[output, *labels]`` and the loss as first output.
+    output: the model output the loss applies to (default: the first).
+    labels: the label input's name (a str) or, for a custom loss, a list of (name, numpy dtype,
+    shape) (default: one input "labels" shaped and typed like the output).
+    optimizer: "sgd", "adam", "adamw" with ``optimizer_options`` (torch names: lr, momentum,
+    dampening, nesterov, weight_decay, betas, eps, amsgrad), or an SGD/Adam/AdamW instance.
+    max_grad_norm: clip the gradients by their global L2 norm (torch.nn.utils.clip_grad_norm_).
+    gradient_accumulation: also build the accumulate and apply models.
+    freeze_batchnorm: keep BatchNormalization in inference mode with fixed statistics.
+    """
+    spec = make_optimizer(optimizer, **dict(optimizer_options or {}))
+    forward = _as_proto(model)
+    proto = onnx.ModelProto()
+    proto.CopyFrom(forward)
+    if proto.functions:
+        proto = onnx.inliner.inline_local_functions(proto)
+    try:
+        proto = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
+    except Exception:  # noqa: BLE001 - shapes are a help, not a requirement
+        pass
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise TrainingError(f"max_grad_norm must be > 0, not {max_grad_norm}")
+    roles = _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry)
+    loss_spec = LossSpec(loss, output, labels)
+    batch_inputs = [v.name for v in proto.graph.input if v.name not in {t.name for t in proto.graph.initializer}]
+
+    train = _build_train(proto, roles, loss_spec, spec, max_grad_norm, "train", registry)
+    eval_model, eval_layout = _build_eval(proto, roles, loss_spec)
+    layout = {
+        "format": FORMAT_VERSION,
+        "inputs": batch_inputs,
+        "labels": train["labels"],
+        "params": roles.params,
+        "buffers": roles.buffers,
+        "optimizer": optimizer_to_json(spec),
+        "max_grad_norm": max_grad_norm,
+        "train": train["layout"],
+        "eval": eval_layout,
+    }
+    checkpoint = {}
+    inits = {t.name: t for t in proto.graph.initializer}
+    for name in [*roles.params, *roles.buffers]:
+        checkpoint[name] = numpy_helper.to_array(inits[name]).copy()
+    for param, names in train["state"].items():
+        for state in names:
+            checkpoint[state] = np.zeros_like(checkpoint[param])
+    artifacts = TrainingArtifacts(train["model"], eval_model, forward, checkpoint, layout)
+    if gradient_accumulation:
+        accumulate = _build_train(proto, roles, loss_spec, spec, max_grad_norm, "accumulate", registry)
+        accumulators = [key for key, _, _ in accumulate["layout"]["carry"][: len(roles.params)]]
+        apply_model, apply_layout = _build_apply(proto, roles, spec, max_grad_norm, train["state"], accumulators)
+        artifacts.accumulate_model = accumulate["model"]
+        artifacts.apply_model = apply_model
+        layout["accumulate"] = accumulate["layout"]
+        layout["apply"] = apply_layout
+    return artifacts
+
+
+def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str, registry):
+    from onnx_autodiff.passes import AutodiffPass
+
+    model, namer, updates = _prepare(proto, roles, training=True)
+    graph = model.graph
+    batch = [v for v in graph.inputs if v.name not in set(roles.params) | set(roles.buffers)]
+    loss, labels, _ = attach_loss(model, namer, loss_spec)
+    graph.outputs.clear()
+    graph.outputs.append(loss)
+    graph.inputs.extend(labels)
+    autodiff = AutodiffPass(of=loss.name, wrt=roles.params, registry=registry, seed="ones", unreachable="raise")
+    try:
+        autodiff(model)
+    except (ir.passes.PassError, AutodiffError) as error:
+        cause = error
+        while isinstance(cause, ir.passes.PassError) and cause.__cause__ is not None:
+            cause = cause.__cause__
+        if isinstance(cause, NotDifferentiableError) and "does not depend" in str(cause):
+            raise TrainingError(f"{cause}: list it in frozen_params, or leave it out of requires_grad") from error
+        raise cause from error
+    grads = list(graph.outputs[1:])
+    namer = Namer.for_graph(graph, prefix="opt")
+    op = OpBuilder(model_opset(model), namer, dict(model.opset_imports))
+    params = [next(v for v in graph.inputs if v.name == p) for p in roles.params]
+    taken: set = set()
+    loss_out = _publish(op, namer, loss, "loss", taken) if loss.is_graph_input() else loss
+    taken.add(loss_out)
+    carry, state_layout = [], {}
+    extra_inputs: list[ir.Value] = []
+    outputs = [loss_out]
+    scalars = {}
+    if kind == "train":
+        lr = fresh_value(namer, "lr", ir.DataType.FLOAT, [])
+        step = fresh_value(namer, "step", ir.DataType.INT64, [])
+        states, new_params, new_states = emit_update(op, spec, params, grads, lr, step, namer, max_grad_norm)
+        for p, new_p in zip(params, new_params):
+            outputs.append(_publish(op, namer, new_p, f"{p.name}.new", taken, like=p))
+            carry.append([p.name, p.name, outputs[-1].name])
+        for p, inputs, news in zip(params, states, new_states):
+            state_layout[p.name] = [s.name for s in inputs]
+            for s, new_s in zip(inputs, news):
+                outputs.append(_publish(op, namer, new_s, f"{s.name}.new", taken, like=s))
+                carry.append([s.name, s.name, outputs[-1].name])
+                extra_inputs.append(s)
+        scalars = {"lr": lr.name, "step": step.name}
+        tail = [lr, step]
+    else:  # accumulate: acc + grad
+        tail = []
+        for p, g in zip(params, grads):
+            acc = fresh_value(namer, f"{p.name}.grad_acc", g.dtype or p.dtype, [dim_value(x) for x in p.shape])
+            extra_inputs.append(acc)
+            outputs.append(_publish(op, namer, op.Add(acc, g), f"{acc.name}.new", taken, like=acc))
+            carry.append([acc.name, acc.name, outputs[-1].name])
+    for name in roles.buffers:
+        value = updates.get(name)
+        if value is None:
+            continue
+        buffer = next(v for v in graph.inputs if v.name == name)
+        outputs.append(_publish(op, namer, value, f"{name}.new", taken, like=buffer))
+        carry.append([name, name, outputs[-1].name])
+    graph.extend(op.nodes)
+    for domain, version in op.opsets.items():
+        model.opset_imports.setdefault(domain, version)
+    buffer_inputs = [v for v in graph.inputs if v.name in set(roles.buffers)]
+    inputs = [*batch, *labels, *params, *extra_inputs, *buffer_inputs, *tail]
+    proto_out = _finish(model, inputs, outputs, f"{kind} model")
+    layout = {
+        "batch": [v.name for v in (*batch, *labels)],
+        "carry": carry,
+        "reads": [] if kind == "train" else [[p.name, p.name] for p in params],
+        "scalars": scalars,
+        "loss": loss_out.name,
+    }
+    return {"model": proto_out, "layout": layout, "labels": [v.name for v in labels], "state": state_layout}
+
+
+def _build_eval(proto, roles: _Roles, loss_spec):
+    model, namer, _ = _prepare(proto, roles, training=False)
+    graph = model.graph
+    batch = [v for v in graph.inputs if v.name not in set(roles.params) | set(roles.buffers)]
+    reads = [v for v in graph.inputs if v.name in set(roles.params) | set(roles.buffers)]
+    loss, labels, others = attach_loss(model, namer, loss_spec)
+    op = OpBuilder(model_opset(model), namer, dict(model.opset_imports))
+    taken: set = set()
+    loss_out = _publish(op, namer, loss, "loss", taken) if loss.is_graph_input() else loss
+    taken.add(loss_out)
+    outputs = [loss_out]
+    for value in others:
+        if value is not loss:
+            if value.is_graph_input() or value in taken:
+                name = value.name
+                value = op.Identity(value)
+                value.name = namer.fresh(name)
+            taken.add(value)
+            outputs.append(value)
+    graph.extend(op.nodes)
+    proto_out = _finish(model, [*batch, *labels, *reads], outputs, "eval model")
+    layout = {
+        "batch": [v.name for v in (*batch, *labels)],
+        "reads": [[v.name, v.name] for v in reads],
+        "loss": loss_out.name,
+        "outputs": [v.name for v in outputs[1:]],
+    }
+    return proto_out, layout
+
+
+def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumulators: list[str]):
+    inits = {t.name: t for t in proto.graph.initializer}
+    reserved = [n for names in state.values() for n in names] + accumulators
+    namer = Namer([v.name for v in proto.graph.input] + list(inits) + reserved, prefix="opt")
+    opset = max(_default_opset(proto), 13)
+    op = OpBuilder(opset, namer, {"": opset})
+    params, accs = [], []
+    for name, acc in zip(roles.params, accumulators):
+        t = inits[name]
+        dtype = ir.DataType(t.data_type)
+        params.append(ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(list(t.dims))))
+        accs.append(ir.Value(name=acc, type=ir.TensorType(dtype), shape=ir.Shape(list(t.dims))))
+    lr = fresh_value(namer, "lr", ir.DataType.FLOAT, [])
+    step = fresh_value(namer, "step", ir.DataType.INT64, [])
+    scale = fresh_value(namer, "grad_scale", ir.DataType.FLOAT, [])
+    grads = [op.Mul(a, op.CastLike(scale, a)) for a in accs]
+    states, new_params, new_states = emit_update(op, spec, params, grads, lr, step, namer, max_grad_norm,
+                                                  [state.get(p, []) for p in roles.params])
+    taken: set = set()
+    outputs, carry = [], []
+    for p, new_p in zip(params, new_params):
+        outputs.append(_publish(op, namer, new_p, f"{p.name}.new", taken, like=p))
+        carry.append([p.name, p.name, outputs[-1].name])
+    for inputs, news in zip(states, new_states):
+        for s, new_s in zip(inputs, news):
+            outputs.append(_publish(op, namer, new_s, f"{s.name}.new", taken, like=s))
+            carry.append([s.name, s.name, outputs[-1].name])
+    state_inputs = [s for inputs in states for s in inputs]
+    graph = ir.Graph([*params, *accs, *state_inputs, lr, step, scale], outputs, nodes=op.nodes,
+                     opset_imports={"": opset}, name="apply")
+    model = ir.Model(graph, ir_version=max(proto.ir_version, 8), producer_name="onnx-autodiff")
+    proto_out = _finish(model, list(graph.inputs), outputs, "apply model")
+    layout = {
+        "batch": [],
+        "carry": carry,
+        "reads": [[a.name, a.name] for a in accs],
+        "scalars": {"lr": lr.name, "step": step.name, "grad_scale": scale.name},
+        "loss": None,
+    }
+    return proto_out, layout

@@ -1,0 +1,323 @@
+"""The Trainer: runs training artifacts on onnxruntime with parameters and state kept as OrtValues."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from onnx_autodiff.errors import BatchError, TrainingError
+from onnx_autodiff.training.artifacts import TrainingArtifacts
+from onnx_autodiff.training.values import npz_bytes, shape_text, write_atomically
+
+
+_ORT_TYPES = {
+    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
+    "tensor(bool)": np.bool_, "tensor(int16)": np.int16, "tensor(uint16)": np.uint16,
+}
+
+
+def default_providers() -> list[str]:
+    """CUDA first when this onnxruntime has it, then CPU."""
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+
+
+class _Runner:
+    """One model's session, its input metadata and its IO bindings (one per buffer parity)."""
+
+    def __init__(self, trainer: Trainer, proto: onnx.ModelProto, layout: dict, kind: str) -> None:
+        import onnxruntime as ort
+
+        self.trainer, self.layout, self.kind = trainer, layout, kind
+        self.session = ort.InferenceSession(
+            proto.SerializeToString(), sess_options=trainer.session_options, providers=trainer.providers
+        )
+        meta = {i.name: i for i in self.session.get_inputs()}
+        self.batch = [(name, _ORT_TYPES.get(meta[name].type), meta[name].shape) for name in layout["batch"]]
+        self.carry = [tuple(entry) for entry in layout.get("carry", [])]
+        self.reads = [tuple(entry) for entry in layout.get("reads", [])]
+        self.scalars = {
+            key: (name, _ORT_TYPES[meta[name].type], self._scalar(_ORT_TYPES[meta[name].type]))
+            for key, name in layout.get("scalars", {}).items()
+        }
+        self.loss = layout.get("loss")
+        self.loss_value = self._scalar(np.float32) if self.loss and kind != "eval" else None
+        self.bindings: dict[tuple, object] = {}
+
+    def _scalar(self, dtype):
+        from onnxruntime import OrtValue
+
+        return OrtValue.ortvalue_from_numpy(np.zeros((), dtype), self.trainer.device, 0)
+
+    def feeds(self, batch) -> list[tuple[str, np.ndarray]]:
+        """The batch as contiguous arrays of the model's dtypes, checked against the declared shapes."""
+        names = [name for name, _, _ in self.batch]
+        if isinstance(batch, Mapping):
+            missing = [n for n in names if n not in batch]
+            extra = sorted(set(batch) - set(names))
+            if missing or extra:
+                raise BatchError(
+                    f"the {self.kind} model takes the batch inputs {names}"
+                    + (f"; missing {missing}" if missing else "") + (f"; unknown {extra}" if extra else "")
+                )
+            values = [batch[n] for n in names]
+        else:
+            values = list(batch) if isinstance(batch, (list, tuple)) else [batch]
+            if len(values) != len(names):
+                raise BatchError(f"the {self.kind} model takes {len(names)} batch inputs {names}, not {len(values)}")
+        sizes: dict[str, tuple[int, str]] = {}
+        feeds = []
+        for (name, dtype, shape), value in zip(self.batch, values):
+            array = np.asarray(value)
+            if dtype is not None and array.dtype != dtype:
+                if not np.can_cast(array.dtype, dtype, "same_kind"):
+                    raise BatchError(f"batch input '{name}' is {array.dtype}; the model expects {np.dtype(dtype).name}")
+                array = array.astype(dtype)
+            if shape is not None:
+                if array.ndim != len(shape):
+                    raise BatchError(f"batch input '{name}' has shape {array.shape}; the model expects rank {len(shape)} {shape_text(shape)}")
+                for axis, (want, got) in enumerate(zip(shape, array.shape)):
+                    if isinstance(want, int) and want != got:
+                        raise BatchError(f"batch input '{name}' has shape {array.shape}; the model expects {shape_text(shape)} (axis {axis} must be {want})")
+                    if isinstance(want, str) and want:
+                        seen = sizes.setdefault(want, (got, name))
+                        if seen[0] != got:
+                            raise BatchError(
+                                f"batch input '{name}' has shape {array.shape}, but its axis {axis} ({want}) must match "
+                                f"'{seen[1]}', where {want} = {seen[0]}"
+                            )
+            feeds.append((name, np.ascontiguousarray(array)))
+        return feeds
+
+    def binding(self):
+        trainer = self.trainer
+        keys = [key for key, _, _ in self.carry] + [key for key, _ in self.reads]
+        signature = tuple(trainer._parity(key) for key in keys)
+        binding = self.bindings.get(signature)
+        if binding is None:
+            binding = self.session.io_binding()
+            for key, name, out in self.carry:
+                binding.bind_ortvalue_input(name, trainer._value(key))
+                binding.bind_ortvalue_output(out, trainer._value(key, spare=True))
+            for key, name in self.reads:
+                binding.bind_ortvalue_input(name, trainer._value(key))
+            for name, _, value in self.scalars.values():
+                binding.bind_ortvalue_input(name, value)
+            if self.loss_value is not None:
+                binding.bind_ortvalue_output(self.loss, self.loss_value)
+            self.bindings[signature] = binding
+        return binding
+
+    def run(self, batch, scalars: Mapping[str, float]) -> float | None:
+        from onnxruntime import OrtValue
+
+        feeds = self.feeds(batch) if self.batch else []
+        binding = self.binding()
+        device = self.trainer.device
+        alive = []
+        for name, array in feeds:
+            value = OrtValue.ortvalue_from_numpy(array, device, 0)
+            alive.append((array, value))
+            binding.bind_ortvalue_input(name, value)
+        for key, number in scalars.items():
+            _, dtype, value = self.scalars[key]
+            value.update_inplace(np.asarray(number, dtype))
+        try:
+            self.session.run_with_iobinding(binding)
+        except Exception as error:  # noqa: BLE001 - onnxruntime raises its own types
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise TrainingError(f"the {self.kind} step failed on onnxruntime; nothing was updated: {first}") from error
+        for key, _, _ in self.carry:
+            self.trainer._swap(key)
+        return float(self.loss_value.numpy()) if self.loss_value is not None else None
+
+
+class Trainer:
+    """Runs training artifacts on onnxruntime; parameters, state and buffers stay on the device.
+
+    ``step(batch)`` takes the batch as a dict or in the order of ``batch_names`` (model inputs, then
+    labels) and returns the loss; ``accumulate(batch)`` / ``apply()`` do the same in micro-batches
+    (artifacts built with ``gradient_accumulation=True``); ``evaluate(batch)`` runs the eval model;
+    ``export()`` returns the inference model with the trained initializers.
+    """
+
+    def __init__(self, artifacts: TrainingArtifacts | str | os.PathLike, lr: float | None = None,
+                 providers: Sequence | None = None, session_options=None, checkpoint: Mapping | None = None) -> None:
+        import onnxruntime as ort
+
+        if not isinstance(artifacts, TrainingArtifacts):
+            artifacts = TrainingArtifacts.load(artifacts)
+        self.artifacts = artifacts
+        self.layout = artifacts.layout
+        self.optimizer = artifacts.optimizer
+        self.lr = float(self.optimizer.lr if lr is None else lr)
+        self.providers = list(providers) if providers is not None else default_providers()
+        if session_options is None:
+            session_options = ort.SessionOptions()
+            session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self.session_options = session_options
+        self._values: dict[str, list] = {}
+        self._current: dict[str, int] = {}
+        self._runners: dict[str, _Runner] = {}
+        self.step_count = 0
+        self._micro_batches = 0
+        first = self.providers[0] if self.providers else "CPUExecutionProvider"
+        first = first[0] if isinstance(first, tuple) else first
+        self.device = "cuda" if first == "CUDAExecutionProvider" else "cpu"
+        self._runner("train")
+        self.load_state_dict(checkpoint if checkpoint is not None else artifacts.checkpoint)
+
+    # state storage: two OrtValues per key, the current one and a spare the next step writes
+
+    def _value(self, key: str, spare: bool = False):
+        pair = self._values[key]
+        index = self._current[key] ^ int(spare)
+        if pair[index] is None:
+            from onnxruntime import OrtValue
+
+            current = pair[self._current[key]]
+            pair[index] = OrtValue.ortvalue_from_shape_and_type(
+                current.shape(), _ORT_TYPES[current.data_type()], self.device, 0
+            )
+        return pair[index]
+
+    def _parity(self, key: str) -> int:
+        if key not in self._values:
+            raise TrainingError(f"the checkpoint has no value for '{key}'")
+        return self._current[key]
+
+    def _swap(self, key: str) -> None:
+        self._current[key] ^= 1
+
+    def _set(self, key: str, array: np.ndarray) -> None:
+        from onnxruntime import OrtValue
+
+        array = np.ascontiguousarray(array)
+        pair = self._values.get(key)
+        if pair is not None:
+            current = pair[self._current[key]]
+            if tuple(current.shape()) == array.shape and _ORT_TYPES[current.data_type()] == array.dtype:
+                current.update_inplace(array)
+                return
+        self._values[key] = [OrtValue.ortvalue_from_numpy(array.copy(), self.device, 0), None]
+        self._current[key] = 0
+        for runner in self._runners.values():
+            runner.bindings.clear()
+
+    def _runner(self, kind: str) -> _Runner:
+        if kind not in self._runners:
+            proto = {"train": self.artifacts.train_model, "eval": self.artifacts.eval_model,
+                     "accumulate": self.artifacts.accumulate_model, "apply": self.artifacts.apply_model}[kind]
+            if proto is None:
+                raise TrainingError(f"these artifacts have no {kind} model: generate them with gradient_accumulation=True")
+            self._runners[kind] = _Runner(self, proto, self.layout[kind], kind)
+        return self._runners[kind]
+
+    @property
+    def batch_names(self) -> list[str]:
+        return list(self.layout["train"]["batch"])
+
+    # training
+
+    def step(self, batch, lr: float | None = None) -> float:
+        """One optimiser step on ``batch``; returns the loss (before the update)."""
+        if self._micro_batches:
+            raise TrainingError("accumulated gradients are pending: call apply() before step()")
+        loss = self._runner("train").run(batch, {"lr": self.lr if lr is None else lr, "step": self.step_count + 1})
+        self.step_count += 1
+        return loss
+
+    def accumulate(self, batch) -> float:
+        """Adds the gradients of ``batch`` to the accumulators; returns its loss."""
+        runner = self._runner("accumulate")
+        if self._micro_batches == 0:  # the accumulators come first in carry, one per parameter read
+            for (acc, _, _), (param, _) in zip(runner.carry, runner.reads):
+                value = self._value(param)
+                self._set(acc, np.zeros(value.shape(), _ORT_TYPES[value.data_type()]))
+        loss = runner.run(batch, {})
+        self._micro_batches += 1
+        return loss
+
+    def apply(self, lr: float | None = None) -> None:
+        """One optimiser step with the mean of the accumulated gradients."""
+        if self._micro_batches == 0:
+            raise TrainingError("apply() needs accumulate() first: no gradient has been accumulated")
+        scalars = {"lr": self.lr if lr is None else lr, "step": self.step_count + 1,
+                   "grad_scale": 1.0 / self._micro_batches}
+        self._runner("apply").run(None, scalars)
+        self.step_count += 1
+        self._micro_batches = 0
+
+    def evaluate(self, batch) -> dict[str, np.ndarray]:
+        """The eval model on ``batch`` (inputs and labels): {"loss": ..., model outputs...}."""
+        from onnxruntime import OrtValue
+
+        runner = self._runner("eval")
+        binding = runner.session.io_binding()
+        alive = []
+        for name, array in runner.feeds(batch):
+            value = OrtValue.ortvalue_from_numpy(array, self.device, 0)
+            alive.append((array, value))
+            binding.bind_ortvalue_input(name, value)
+        for key, name in runner.reads:
+            binding.bind_ortvalue_input(name, self._value(key))
+        names = [runner.loss, *self.layout["eval"]["outputs"]]
+        for name in names:
+            binding.bind_output(name, self.device)
+        try:
+            runner.session.run_with_iobinding(binding)
+        except Exception as error:  # noqa: BLE001
+            raise TrainingError(f"the eval model failed on onnxruntime: {str(error).strip().splitlines()[0]}") from error
+        results = dict(zip(names, binding.copy_outputs_to_cpu()))
+        results["loss"] = results.pop(runner.loss)
+        return results
+
+    # state
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        return {name: self._value(name).numpy() for name in self.layout["params"]}
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Parameters, optimiser state and buffers as numpy arrays, with ``__step__``."""
+        state = {key: self._value(key).numpy() for key in self.artifacts.checkpoint}
+        state["__step__"] = np.array(self.step_count, np.int64)
+        return state
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        missing = sorted(set(self.artifacts.checkpoint) - set(state))
+        if missing:
+            raise TrainingError(f"the checkpoint lacks {missing}")
+        for key in self.artifacts.checkpoint:
+            want = self.artifacts.checkpoint[key]
+            array = np.asarray(state[key])
+            if array.shape != want.shape:
+                raise TrainingError(f"checkpoint value '{key}' has shape {array.shape}, not {want.shape}")
+            self._set(key, array.astype(want.dtype, copy=False))
+        self.step_count = int(state.get("__step__", 0))
+        self._micro_batches = 0
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        write_atomically(os.fspath(path), npz_bytes(self.state_dict()))
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        with np.load(os.fspath(path)) as data:
+            self.load_state_dict({k: data[k] for k in data.files})
+
+    def export(self, path: str | os.PathLike | None = None) -> onnx.ModelProto:
+        """The inference (forward) model with the trained parameters and buffers as initializers."""
+        proto = onnx.ModelProto()
+        proto.CopyFrom(self.artifacts.inference_model)
+        trained = {key: self._value(key).numpy() for key in [*self.layout["params"], *self.layout["buffers"]]}
+        for i, tensor in enumerate(proto.graph.initializer):
+            if tensor.name in trained:
+                proto.graph.initializer[i].CopyFrom(numpy_helper.from_array(trained[tensor.name], tensor.name))
+        if path is not None:
+            write_atomically(os.fspath(path), proto.SerializeToString(deterministic=True))
+        return proto
