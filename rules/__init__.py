@@ -22,7 +22,7 @@ __all__ = [
 
 _FAMILIES = (
     "math", "activation", "nn", "spatial", "tensor", "sequence", "indexing", "reduction", "normalization",
-    "losses", "linalg", "attention", "signal", "ml", "recurrent", "control_flow", "nondiff",
+    "losses", "linalg", "attention", "streaming", "signal", "ml", "recurrent", "control_flow", "nondiff",
 )
 
 

@@ -1,4 +1,4 @@
-"""Attention (opset 23+) and RotaryEmbedding (opset 23+).
+"""Attention (opset 23+), RotaryEmbedding (opset 23+) and FlexAttention (ai.onnx.preview 1).
 
 Attention: the probabilities P are recomputed by a second Attention node with
 qk_matmul_output_mode=3 (so every masking rule of the runtime, causal offset, boolean and float
@@ -20,6 +20,11 @@ sliding window only mask more positions, which the recomputed P already reflects
 RotaryEmbedding: a rotation of pairs by +θ; dX is the rotation by −θ (the same op with −sin).
 dcos = Σ_heads (dY₁x₁ + dY₂x₂), dsin = Σ_heads (dY₂x₁ − dY₁x₂), scatter-added into the cache rows
 picked by position_ids.
+
+FlexAttention: Y = prob_mod(softmax(score_mod(scale·QKᵀ)))·V with user subgraphs for the two
+modifiers. The rule writes the op in standard ops (the modifiers inlined, the softmax in its
+precision, grouped heads viewed as for Attention) and differentiates that: the modifiers' own ops
+carry the gradient, whatever they compute.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from onnx_autodiff.errors import RuleError
 from onnx_autodiff.rules import shapes
 from onnx_autodiff.rules.builder import FLOAT_TYPES
 from onnx_autodiff.rules.math import gate
+from onnx_autodiff.rules.recurrent import _infer_shapes
 from onnx_autodiff.rules.registry import rule
 
 def _padded(values, n):
@@ -249,3 +255,68 @@ def rotary_embedding(op, node, dY):
             like = ir.Value(name=None, shape=ir.Shape(like)) if like is not None else grad
             grads[name] = shapes.unbroadcast(op, grad, cache, like)
     return grads
+
+
+def _inline_mod(op, graph, x):
+    """``graph``(x) emitted into ``op``, its initializers as Constant nodes (inlined nodes would
+    otherwise read initializers of a graph that is not there)."""
+    constants = {name: op.Constant(value=init.const_value) for name, init in graph.initializers.items()}
+    (out,), nodes = op.inline(graph, [x])
+    for node in nodes:
+        for i, value in enumerate(node.inputs):
+            if value is not None and value.producer() is None and value.name in constants:
+                node.replace_input_with(i, constants[value.name])
+    return out
+
+
+_FLEX_PRECISION = {int(ir.DataType.FLOAT), int(ir.DataType.DOUBLE), int(ir.DataType.FLOAT16),
+                   int(ir.DataType.BFLOAT16)}
+
+
+@rule("FlexAttention", "ai.onnx.preview", differentiable=("Q", "K", "V"))
+def flex_attention(op, node, dY):
+    """Y = prob_mod(softmax(score_mod(scale·QKᵀ)))·V over rank-4 inputs, grouped kv heads."""
+    Q, K, V = node.inputs
+    if any(shapes.rank(x) not in (4, None) for x in (Q, K, V)):
+        raise RuleError("FlexAttention needs rank-4 Q, K and V")
+    if Q.dtype is None or V.dtype is None:
+        raise RuleError("FlexAttention needs the element types of Q and V; run shape inference")
+    precision = shapes.attr(node, "softmax_precision")
+    if precision is not None and precision not in _FLEX_PRECISION:
+        raise RuleError(f"FlexAttention: softmax_precision {precision} is not a float type")
+    compute = ir.DataType(precision) if precision is not None else (
+        Q.dtype if Q.dtype in (ir.DataType.FLOAT, ir.DataType.DOUBLE) else ir.DataType.FLOAT)
+    score_mod, prob_mod = shapes.attr(node, "score_mod"), shapes.attr(node, "prob_mod")
+    hq, hkv = _extent(op, Q, 1), _extent(op, K, 1)
+    grouped = not (isinstance(hq, int) and isinstance(hkv, int) and hq == hkv)
+
+    def build(f):
+        scale = shapes.attr(node, "scale")
+        if scale is None:
+            e = _extent(f, Q, 3)
+            sqrt_scale = (float(e) ** -0.25 if isinstance(e, int)
+                          else f.Pow(f.Cast(e, to=int(Q.dtype)), f.const(np.array(-0.25, Q.dtype.numpy()))))
+        else:
+            sqrt_scale = float(np.sqrt(np.float32(scale)))
+        # Query head h reads kv head h // group: [B, Hq, L, *] viewed as [B, Hkv, group·L, *].
+        to_kv = (lambda x: f.Reshape(x, _shape4(f, 0, hkv, -1, 0))) if grouped else (lambda x: x)
+        to_q = (lambda x: f.Reshape(x, _shape4(f, 0, hq, -1, 0))) if grouped else (lambda x: x)
+        kt = f.Transpose(f.Mul(K, sqrt_scale), perm=[0, 1, 3, 2])
+        scores = to_q(f.MatMul(to_kv(f.Mul(Q, sqrt_scale)), kt))
+        if compute != Q.dtype:
+            scores = f.Cast(scores, to=int(compute))
+        if score_mod is not None:
+            scores = _inline_mod(f, score_mod, scores)
+        probs = f.Softmax(scores, axis=-1)
+        if prob_mod is not None:
+            probs = _inline_mod(f, prob_mod, probs)
+        v = V if compute == V.dtype else f.Cast(V, to=int(compute))
+        Y = to_q(f.MatMul(to_kv(probs), v))
+        return Y if compute == V.dtype else f.Cast(Y, to=int(V.dtype))
+
+    fwd = op.child()
+    Y = build(fwd)
+    _infer_shapes(fwd.nodes, [Q, K, V], op.opset)
+    grads = fwd.differentiate(list(fwd.nodes), [(Y, dY)], [Q, K, V])
+    op.nodes.extend(fwd.nodes)
+    return {name: g for name, g in zip(("Q", "K", "V"), grads) if g is not None}

@@ -21,7 +21,7 @@ not_differentiable(
     "HannWindow", "HammingWindow", "BlackmanWindow", "MelWeightMatrix", "StringNormalizer",
     "StringConcat", "StringSplit", "RegexFullMatch", "TfIdfVectorizer", "ImageDecoder",
     # optionals
-    "Optional", "OptionalHasElement",
+    "OptionalHasElement",
 )
 
 not_differentiable(

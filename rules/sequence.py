@@ -201,3 +201,22 @@ def sequence_map(op, node, *dOuts):
     gradients["input_sequence"] = per_input[0]
     gradients["additional_inputs"] = per_input[1:]
     return gradients
+
+
+@rule("Optional", differentiable=("input",), since=15)
+def optional(op, node, dY):
+    """Y = an optional holding the input: the gradient is the element of dY."""
+    grad = op.OptionalGetElement(dY)
+    grad.type = node.inputs[0].type
+    return {"input": grad}
+
+
+@rule("OptionalGetElement", differentiable=("input",), since=15)
+def optional_get_element(op, node, dY):
+    """Y = the element of an optional input (from opset 18 a tensor or sequence passes through)."""
+    X = node.inputs[0]
+    if isinstance(X.type, ir.OptionalType):
+        grad = op.Optional(dY)
+        grad.type = X.type
+        return {"input": grad}
+    return {"input": dY}

@@ -298,3 +298,132 @@ def test_attention_opset25_nonpad_with_window(mask_shape):
     assert_gradients(model, inputs, wrt)
     proto, autodiff = backward_model(model, "out0", wrt, seed="input")
     _session(proto).run(None, {**inputs, autodiff.seed_name: np.ones((2, 2, 3, 4), np.float32)})
+
+
+# FlexAttention (ai.onnx.preview 1): onnxruntime has no kernel for the forward op, so the
+# finite-difference check runs the model on the reference evaluator (float64), and the backward
+# graph without the forward node runs on onnxruntime against PyTorch float64 autograd.
+
+def _mod_graph(name, build):
+    """A modifier subgraph (x) -> y of float[B, H, L, S]; ``build`` returns (nodes, initializers)."""
+    from onnx import TensorProto, helper
+
+    nodes, inits = build()
+    info = lambda n: helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", "H", "L", "S"])
+    return helper.make_graph(nodes, name, [info("x")], [info("y")], initializer=inits)
+
+
+def _soft_cap():
+    from onnx import helper, numpy_helper
+
+    cap = numpy_helper.from_array(np.array(2.0, np.float32), "cap")
+    return [helper.make_node("Div", ["x", "cap"], ["s"]), helper.make_node("Tanh", ["s"], ["t"]),
+            helper.make_node("Mul", ["t", "cap"], ["y"])], [cap]
+
+
+def _causal():
+    """Future keys masked with -inf, positions from the scores' own shape (as in the backend data)."""
+    from onnx import helper, numpy_helper
+
+    c = lambda n, v: numpy_helper.from_array(np.array(v, np.int64 if n != "ninf" else np.float32), n)
+    inits = [c("zero", 0), c("one", 1), c("two", [2]), c("three", [3]), c("qs", [-1, 1]), c("ninf", -np.inf)]
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Gather", ["shape", "two"], ["L1"]), helper.make_node("Squeeze", ["L1"], ["L"]),
+        helper.make_node("Gather", ["shape", "three"], ["S1"]), helper.make_node("Squeeze", ["S1"], ["S"]),
+        helper.make_node("Range", ["zero", "L", "one"], ["qr"]), helper.make_node("Reshape", ["qr", "qs"], ["q"]),
+        helper.make_node("Range", ["zero", "S", "one"], ["k"]),
+        helper.make_node("GreaterOrEqual", ["q", "k"], ["mask"]),
+        helper.make_node("Where", ["mask", "x", "ninf"], ["y"]),
+    ]
+    return nodes, inits
+
+
+def _prob_scale():
+    from onnx import helper, numpy_helper
+
+    return [helper.make_node("Mul", ["x", "half"], ["y"])], [numpy_helper.from_array(np.array(0.5, np.float32), "half")]
+
+
+_MODS = {
+    "soft_cap": ("score_mod", _soft_cap, lambda torch, s: 2.0 * torch.tanh(s / 2.0)),
+    "causal": ("score_mod", _causal,
+               lambda torch, s: s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))),
+    "prob_scale": ("prob_mod", _prob_scale, lambda torch, p: 0.5 * p),
+}
+
+
+def flex_model(inputs, shapes=None, **attrs):
+    from onnx import helper
+
+    from helpers import make_model
+
+    node = helper.make_node("FlexAttention", ["Q", "K", "V"], ["out0"], domain="ai.onnx.preview", **attrs)
+    return make_model([node], inputs, ["out0"], opset=26, shapes=shapes, extra_opsets={"ai.onnx.preview": 1})
+
+
+def flex_torch(torch, Q, K, V, scale=None, score_mod=None, prob_mod=None):
+    group = Q.shape[1] // K.shape[1]
+    K, V = K.repeat_interleave(group, 1), V.repeat_interleave(group, 1)
+    s = Q @ K.transpose(-1, -2) * (scale if scale is not None else Q.shape[-1] ** -0.5)
+    p = torch.softmax(score_mod(torch, s) if score_mod else s, -1)
+    return (prob_mod(torch, p) if prob_mod else p) @ V
+
+
+@pytest.mark.parametrize(
+    "dims,attrs,mods",
+    [
+        ((2, 2, 3, 4, 4, 4), {}, ()),
+        ((2, 2, 3, 4, 4, 4), {"scale": 0.3}, ()),
+        ((1, 4, 3, 5, 4, 4), {}, ()),            # grouped query heads (Hkv = 2)
+        ((1, 4, 3, 5, 4, 3), {}, ("soft_cap",)),  # value head size 3; Hkv = 1
+        ((2, 2, 4, 4, 3, 3), {}, ("causal",)),
+        ((1, 2, 3, 4, 3, 3), {"scale": 0.8}, ("soft_cap", "prob_scale")),
+    ],
+)
+def test_flex_attention(dims, attrs, mods):
+    torch = pytest.importorskip("torch")
+    b, hq, sq, skv, d, dv = dims
+    hkv = {(1, 4, 3, 5, 4, 4): 2, (1, 4, 3, 5, 4, 3): 1}.get(dims, hq)
+    inputs = {"Q": f32(b, hq, sq, d), "K": f32(b, hkv, skv, d), "V": f32(b, hkv, skv, dv)}
+    graphs = {_MODS[m][0]: _mod_graph(m, _MODS[m][1]) for m in mods}
+    model = flex_model(inputs, **attrs, **graphs)
+    result = assert_gradients(model, inputs, list(inputs), ad_backends=("onnxruntime", "reference"))
+    assert result.backend.startswith("reference") and not result.weak
+
+    proto, autodiff = _forward_free_backward(model, list(inputs))
+    seed = f32(b, hq, sq, dv)
+    got = _session(proto).run([autodiff.gradient_names[x] for x in inputs], {**inputs, autodiff.seed_name: seed})
+    t = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in inputs.items()}
+    fns = {_MODS[m][0]: _MODS[m][2] for m in mods}
+    flex_torch(torch, **t, scale=attrs.get("scale"), **fns).backward(torch.tensor(seed, dtype=torch.float64))
+    for g, k in zip(got, inputs):
+        np.testing.assert_allclose(g, t[k].grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+def test_flex_attention_symbolic_shapes():
+    """Batch, sequence lengths and head size symbolic: one graph, scale 1/sqrt(D) found at run time."""
+    torch = pytest.importorskip("torch")
+    shapes = {"Q": ["N", 4, "L", "D"], "K": ["N", 2, "S", "D"], "V": ["N", 2, "S", 3]}
+    inputs = {"Q": f32(2, 4, 3, 4), "K": f32(2, 2, 5, 4), "V": f32(2, 2, 5, 3)}
+    model = flex_model(inputs, shapes=shapes, score_mod=_mod_graph("causal", _causal))
+    proto, autodiff = _forward_free_backward(model, list(inputs))
+    session = _session(proto)
+    for b, sq, skv, d in ((2, 3, 5, 4), (1, 4, 4, 2)):
+        feeds = {"Q": f32(b, 4, sq, d), "K": f32(b, 2, skv, d), "V": f32(b, 2, skv, 3)}
+        seed = f32(b, 4, sq, 3)
+        got = session.run([autodiff.gradient_names[x] for x in feeds], {**feeds, autodiff.seed_name: seed})
+        t = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in feeds.items()}
+        flex_torch(torch, **t, score_mod=_MODS["causal"][2]).backward(torch.tensor(seed, dtype=torch.float64))
+        for g, k in zip(got, feeds):
+            np.testing.assert_allclose(g, t[k].grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float16])
+def test_flex_attention_dtypes(dtype):
+    """float64 computes in float64; float16 computes its softmax in float32 (the default precision)."""
+    inputs = {k: v.astype(dtype) for k, v in qkv().items()}
+    model = flex_model(inputs, prob_mod=_mod_graph("prob_scale", _prob_scale)) if dtype == np.float16 else flex_model(inputs)
+    tolerance = {"atol": 1e-2, "rtol": 1e-2} if dtype == np.float16 else {"atol": 1e-6, "rtol": 1e-5}
+    result = assert_gradients(model, inputs, list(inputs), ad_backends=("onnxruntime", "reference"), **tolerance)
+    assert all(result.ad[k].dtype == dtype for k in inputs)

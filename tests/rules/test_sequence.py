@@ -300,3 +300,40 @@ def test_scalar_split_of_one_without_keepdims():
     ]
     model = make_model(nodes, {"X": x}, ["Y"])
     check(model, {"X": x}, ["X"])
+
+
+# Optionals: OptionalGetElement passes its element's gradient through (an optional holding it
+# when the input is an optional), Optional takes the element back out.
+
+def _optional_model(opset, wrap):
+    nodes = [helper.make_node("Mul", ["x", "x"], ["sq"])]
+    if wrap:
+        nodes.append(helper.make_node("Optional", ["sq"], ["opt"]))
+    nodes += [helper.make_node("OptionalGetElement", ["opt" if wrap else "sq"], ["got"]),
+              helper.make_node("Sin", ["got"], ["y"])]
+    return make_model(nodes, {"x": randn(2, 3)}, ["y"], opset=opset)
+
+
+@pytest.mark.parametrize("opset", [18, 21])
+def test_optional_get_element_of_a_tensor(opset):
+    """From opset 18 a plain tensor passes through OptionalGetElement."""
+    check(_optional_model(opset, wrap=False), {"x": randn(2, 3)}, ["x"])
+
+
+def test_optional_get_element_of_a_tensor_opset28():
+    """onnxruntime 1.32 has no OptionalGetElement-28 kernel: the check runs on the reference evaluator."""
+    model = _optional_model(28, wrap=False)
+    result = assert_gradients(model, {"x": randn(2, 3)}, ["x"], ad_backends=("onnxruntime", "reference"))
+    assert np.any(result.ad["x"] != 0)
+
+
+def test_optional_round_trip():
+    """x -> Optional -> OptionalGetElement: the gradient goes in and out of an optional."""
+    model = _optional_model(18, wrap=True)
+    feeds = {"x": randn(2, 3)}
+    result = assert_gradients(model, feeds, ["x"])
+    assert np.any(result.ad["x"] != 0)
+    proto, autodiff = backward_model(model, "y", ["x"], seed="input")
+    assert [n.op_type for n in proto.graph.node].count("Optional") == 2  # the forward one and dY's
+    ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {**feeds, autodiff.seed_name: np.ones((2, 3), np.float32)})
