@@ -1,0 +1,69 @@
+"""The backward-graph benchmark runs on its smallest configuration (figures printed, never asserted)."""
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load(name: str):
+    sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def table_rows(out: str) -> dict[str, list[str]]:
+    lines = [line for line in out.splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = {}
+    for line in lines[1:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == len(header) and cells[0] != header[0]:
+            rows.setdefault(cells[0], dict(zip(header, cells)))
+    return rows
+
+
+def test_helper_models_are_valid_and_shaped_like_the_exports():
+    models = load("models")
+    for config in (models.GPTConfig(layers=2, d_model=16, heads=2, seq=4, vocab=8, batch=2),
+                   models.CNNConfig(batch=2, channels=2), models.MLPConfig(batch=2)):
+        onnx.checker.check_model(models.helper_model(config), full_check=True)
+    gpt = models.helper_model(models.GPTConfig(layers=1))
+    assert len(gpt.graph.node) == 35  # as torch.onnx.export(dynamo=True, optimize=True) gives
+
+
+@pytest.mark.parametrize("source", ["helper", "torch"])
+def test_benchmark_runs_on_the_tiny_models(source, capsys):
+    if source == "torch":
+        pytest.importorskip("torch")
+        pytest.importorskip("onnxscript")
+    bench = load("backward_graph")
+    argv = ["--tiny", "--runs", "1", "--warmup", "0", "--source", source, "--layers", "1"]
+    if source == "helper":  # the breakdown once is enough (the exports take the time)
+        argv.append("--analyze")
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = table_rows(out)
+    for model in ("GPT L=1 (tiny)", "CNN (tiny)", "MLP 784-256-10 (tiny)"):
+        row = rows[model]
+        assert int(row["fwd+bwd nodes"]) > int(row["fwd nodes"]) > 0
+        assert float(row["ort fwd+bwd ms"]) > 0 and float(row["ort fwd+bwd MB"]) >= 0
+        if source == "torch":
+            # The printed error is what makes the table trustworthy: it must be small.
+            assert float(row["max rel err"]) < 1e-4, row
+        else:
+            assert row["max rel err"] == "n/a" and row["torch fwd+bwd ms"] == "n/a"
+    assert "process CPU ms per call" in out
+    if source == "helper":
+        assert "Backward nodes by the forward op whose rule emitted them" in out
+        assert re.search(r"\| LayerNormalization \| 3 \| \d+ \|", out)  # the rule attribution
+        assert re.search(r"\| Conv \| 2 \| \d+ \|", out)
+        assert "onnxruntime profile of the fwd+bwd graph" in out
