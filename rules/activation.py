@@ -47,6 +47,37 @@ def prelu(op, node, dY):
     }
 
 
+def _channel_slope_axis(node) -> int | None:
+    """The axis of X whose extent is the only match for a 1-D slope that does not broadcast.
+
+    Models converted from opset 6 keep PRelu's older per-channel slope [C] against X [N, C, ...];
+    runtimes that accept them (the reference evaluator) apply it along the one axis of extent C.
+    """
+    X, slope = node.inputs
+    x_dims, s_dims = shapes.dims(X), shapes.dims(slope)
+    if x_dims is None or s_dims is None or len(s_dims) != 1 or not x_dims:
+        return None
+    c, last = s_dims[0], x_dims[-1]
+    if not isinstance(c, int) or c == 1 or not isinstance(last, int) or last == c:
+        return None
+    matches = [k for k, d in enumerate(x_dims) if d == c]
+    return matches[0] if len(matches) == 1 else None
+
+
+@rule("PRelu", differentiable=("X", "slope"), since=7, when=lambda n: _channel_slope_axis(n) is not None)
+def prelu_per_channel(op, node, dY):
+    """Y = X for X > 0, slope·X otherwise, a slope [C] applied along X's one axis of extent C"""
+    X, slope = node.inputs
+    axis, r = _channel_slope_axis(node), shapes.rank(X)
+    shaped = op.Reshape(slope, [-1 if k == axis else 1 for k in range(r)])
+    up = _positive(op, X)
+    d_slope = gate(op, op.Not(up), op.Mul(dY, X))
+    return {
+        "X": select(op, up, dY, op.Mul(dY, shaped)),
+        "slope": op.reduce_sum(d_slope, [k for k in range(r) if k != axis], keepdims=False),
+    }
+
+
 @rule("Elu", differentiable=("X",), since=7)
 def elu(op, node, dY):
     """Y = X for X > 0, alpha·(exp(X) - 1) otherwise; dX = dY·(Y + alpha) there"""

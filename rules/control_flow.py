@@ -37,6 +37,14 @@ def _branch_vjp(op, branch, dYs, wanted, name):
 def if_(op, node, *dYs):
     """Y = then_branch() if cond else else_branch(); the backward is an If of the branches' VJPs."""
     wanted = list(op.wanted_captures)
+    cond = shapes.constant_input(node.inputs[0])
+    if cond is not None and cond.size == 1:
+        # Known before run time: only the branch taken is differentiated (the other one may not
+        # even be shaped consistently with it, as in function bodies written for several ranks).
+        branch = shapes.attr(node, "then_branch" if bool(cond.reshape(())) else "else_branch")
+        outputs, nodes = op.inline(branch, [])
+        grads = op.differentiate(nodes, list(zip(outputs, dYs)), wanted)
+        return {w: g for w, g in zip(wanted, grads) if g is not None}
     then_branch = _branch_vjp(op, shapes.attr(node, "then_branch"), dYs, wanted, "then_grad")
     else_branch = _branch_vjp(op, shapes.attr(node, "else_branch"), dYs, wanted, "else_grad")
     grads = op.If(node.inputs[0], then_branch=then_branch, else_branch=else_branch, _outputs=len(wanted))
@@ -212,5 +220,94 @@ def scan(op, node, *dYs):
     for j, g in zip(floats_x, results[n_s + len(wanted):]):
         # The reverse loop stacked the steps last-to-first.
         per_input[n_state + j] = _from_front(op, _reverse0(op, g), in_axes[j], in_dirs[j], shapes.rank(xs[j]))
+    gradients["initial_state_and_scan_inputs"] = per_input
+    return gradients
+
+
+def _zeros_opset8(op, x):
+    """Zeros shaped like x without ConstantOfShape (opset 9)."""
+    shape = shapes.static_shape(x)
+    if shape is not None and x.dtype is not None:
+        return op.const(np.zeros(shape), dtype=x.dtype)
+    return op.Mul(x, 0.0)
+
+
+def _reverse_axis1_opset8(op, x, like):
+    """x reversed along axis 1 (the sequence axis of Scan-8), by a Scan that reads it backwards."""
+    body = op.child()
+    element = ir.Value(name=op.namer.fresh(), type=like.type, shape=like.shape)
+    graph = body.graph([element], [body.Identity(element)], name="reversed")
+    return op.Scan(None, x, body=graph, num_scan_inputs=1, directions=[1])
+
+
+@rule("Scan", differentiable=("initial_state_and_scan_inputs",), captures=True, until=8)
+def scan_batched(op, node, *dYs):
+    """states, scans = Scan-8(states, xs; body(state, x_t) -> (state', y_t)), every input and
+    output with a leading batch axis and the sequence on axis 1.
+
+    A second forward Scan stacks the states entering each step; a reverse Scan applies the body's
+    VJP step by step for each batch element, carrying the state gradients and each element's
+    captured-value gradients (summed over the batch at the end), and emitting the scanned inputs'
+    gradients.
+    """
+    if node.inputs[0] is not None:
+        raise RuleError("Scan before opset 9 with sequence_lens is not supported: convert the model "
+                        "with onnx.version_converter (Scan-9 has no batch axis)")
+    body = shapes.attr(node, "body")
+    n_in = shapes.attr(node, "num_scan_inputs")
+    states, xs = list(node.inputs[1:len(node.inputs) - n_in]), list(node.inputs[len(node.inputs) - n_in:])
+    n_state, n_out = len(states), len(node.outputs) - len(states)
+    directions = shapes.attr(node, "directions", [0] * n_in)
+    wanted = list(op.wanted_captures)
+
+    # 1. The states entering every step, stacked (batch, T, ...) by a second forward Scan.
+    stash_body = op.child()
+    inputs = _fresh_inputs(stash_body, body.inputs)
+    outputs, _ = stash_body.inline(body, inputs)
+    stash_graph = stash_body.graph(inputs, [*outputs[:n_state], *inputs[:n_state]], name="scan_stash")
+    stash = op.Scan(None, *states, *xs, body=stash_graph, num_scan_inputs=n_in, directions=directions,
+                    _outputs=2 * n_state)
+    stash = stash if isinstance(stash, tuple) else (stash,)
+    stacked = list(stash[n_state:])
+
+    # 2. A reverse Scan over the steps, per batch element.
+    floats_s = [k for k in range(n_state) if body.inputs[k].dtype in FLOAT_TYPES]
+    floats_x = [j for j in range(n_in) if body.inputs[n_state + j].dtype in FLOAT_TYPES]
+    seeded = [m for m in range(n_out) if dYs[n_state + m] is not None]
+    reverse = op.child()
+    ds_in = _fresh_inputs(reverse, [body.inputs[k] for k in floats_s])
+    acc_in = _fresh_inputs(reverse, wanted)
+    step_xs = _fresh_inputs(reverse, body.inputs[n_state:])
+    step_states = _fresh_inputs(reverse, body.inputs[:n_state])
+    step_dys = _fresh_inputs(reverse, [body.outputs[n_state + m] for m in seeded])
+    recomputed, nodes = reverse.inline(body, [*step_states, *step_xs])
+    seeds = [(recomputed[k], ds) for k, ds in zip(floats_s, ds_in)]
+    seeds += [(recomputed[n_state + m], dy) for m, dy in zip(seeded, step_dys)]
+    targets = [step_states[k] for k in floats_s] + [step_xs[j] for j in floats_x] + wanted
+    grads = reverse.differentiate(nodes, seeds, targets)
+    grads = [g if g is not None else _zeros_opset8(reverse, t) for g, t in zip(grads, targets)]
+    n_s, n_x = len(floats_s), len(floats_x)
+    acc_out = [reverse.Add(a, g) for a, g in zip(acc_in, grads[n_s + n_x:])]
+    reverse_graph = reverse.graph([*ds_in, *acc_in, *step_xs, *step_states, *step_dys],
+                                  [*grads[:n_s], *acc_out, *grads[n_s:n_s + n_x]], name="scan_grad")
+    ds_init = [dYs[k] if dYs[k] is not None else _zeros_opset8(op, node.outputs[k]) for k in floats_s]
+    batch = op.Slice(op.Shape(states[0] if states else xs[0]), starts=[0], ends=[1])
+    acc_init = [op.Expand(op.unsqueeze(_zeros_opset8(op, w), [0]), op.Concat(batch, op.Shape(w), axis=0))
+                for w in wanted]
+    # Iteration t read position t of a forward input, T-1-t of a reversed one; the reverse Scan
+    # runs t = T-1 .. 0, so it reads forward inputs, stacked states and dYs backwards.
+    scanned = [*xs, *stacked, *(dYs[n_state + m] for m in seeded)]
+    reverse_dirs = [1 - d for d in directions] + [1] * (len(stacked) + len(seeded))
+    results = op.Scan(None, *ds_init, *acc_init, *scanned, body=reverse_graph, num_scan_inputs=len(scanned),
+                      directions=reverse_dirs, _outputs=n_s + len(wanted) + n_x)
+    results = results if isinstance(results, tuple) else (results,)
+    gradients: dict = {w: op.reduce_sum(acc, [0], keepdims=False)
+                       for w, acc in zip(wanted, results[n_s:n_s + len(wanted)])}
+    per_input = [None] * (len(node.inputs) - 1)
+    for k, g in zip(floats_s, results[:n_s]):
+        per_input[k] = g
+    for j, g in zip(floats_x, results[n_s + len(wanted):]):
+        # Emitted in the reverse Scan's order, t = T-1 .. 0: a forward input's gradient is reversed.
+        per_input[n_state + j] = g if directions[j] else _reverse_axis1_opset8(op, g, body.inputs[n_state + j])
     gradients["initial_state_and_scan_inputs"] = per_input
     return gradients

@@ -96,12 +96,22 @@ def _float(op, mask, like):
 def _class_ids(op, scores, r: int):
     """0..C-1 as int64 of shape (C, 1, ..., 1), aligned with the class axis 1 of the scores."""
     trailing = [1] * (r - 2)
-    C = shapes.dims(scores)[1]
+    C = (shapes.dims(scores) or (None, None))[1]
     if isinstance(C, int):
         return op.const(np.arange(C, dtype=np.int64).reshape([C, *trailing]))
     count = op.Gather(op.Shape(scores), op.const(np.int64(1)))
     ids = op.Range(op.const(np.int64(0)), count, op.const(np.int64(1)))
     return op.Reshape(ids, [-1, *trailing]) if trailing else ids
+
+
+def _scores_rank(scores, labels) -> int:
+    """The rank of scores (N, C, d...), else one more than that of labels (N, d...)."""
+    r = shapes.rank(scores)
+    if r is None and shapes.rank(labels) is not None:
+        r = shapes.rank(labels) + 1
+    if r is None or r < 2:
+        raise RuleError(f"needs the rank of scores/input or of the labels (scores' at least 2), got {r}")
+    return r
 
 
 def _nll_backward(op, node, logp, dL):
@@ -112,9 +122,7 @@ def _nll_backward(op, node, logp, dL):
     """
     scores, labels = node.inputs[0], node.inputs[1]
     weights = node.inputs[2] if len(node.inputs) > 2 else None
-    r = shapes.rank(scores)
-    if r is None or r < 2:
-        raise RuleError(f"needs the scores/input rank (known and at least 2), got {r}")
+    r = _scores_rank(scores, labels)
     reduction = shapes.attr(node, "reduction", "mean")
     ignore_index = shapes.attr(node, "ignore_index")
     if labels.dtype != ir.DataType.INT64:
@@ -147,10 +155,12 @@ def _nll_backward(op, node, logp, dL):
     return d_logp, op.reduce_sum(per_label, [0, *range(2, r)], keepdims=False)
 
 
-def _log_softmax_axis1(op, scores):
+def _log_softmax_axis1(op, scores, labels):
     """LogSoftmax over the class axis 1 alone (opset 12's LogSoftmax flattens from its axis on)."""
-    r = shapes.rank(scores)
-    if op.opset >= 13 or r == 2:
+    if op.opset >= 13:
+        return op.LogSoftmax(scores, axis=1)
+    r = _scores_rank(scores, labels)
+    if r == 2:
         return op.LogSoftmax(scores, axis=1)
     perm = [0, *range(2, r), 1]
     moved = op.LogSoftmax(op.Transpose(scores, perm=perm), axis=r - 1)
@@ -165,7 +175,7 @@ def softmax_cross_entropy_loss(op, node, dL, dLogProb=None):
     """
     scores = node.inputs[0]
     has_log_prob = len(node.outputs) > 1 and node.outputs[1].name
-    logp = node.outputs[1] if has_log_prob else _log_softmax_axis1(op, scores)
+    logp = node.outputs[1] if has_log_prob else _log_softmax_axis1(op, scores, node.inputs[1])
     d_logp, d_weights = (dLogProb, None) if dL is None else _nll_backward(op, node, logp, dL)
     if dL is not None and dLogProb is not None:
         d_logp = op.Add(d_logp, dLogProb)

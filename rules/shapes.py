@@ -75,9 +75,10 @@ def swap_last2(op: OpBuilder, x: ir.Value, rank_: int) -> ir.Value:
 def constant_input(value: ir.Value | None) -> np.ndarray | None:
     """The numpy value of an input known before run time, else None.
 
-    Initializers and Constant outputs, Shape of a statically shaped value, and small computations
-    over those (unoptimised exports compute axes, pads and shapes with Reshape/Concat/Gather of
-    constants): evaluated here, never folded into the graph.
+    Initializers and Constant outputs, Shape and Size of a statically shaped value, the output of
+    an If whose condition is known, and small computations over those (unoptimised exports compute
+    axes, pads and shapes with Reshape/Concat/Gather of constants): evaluated here, never folded
+    into the graph.
     """
     return _constant(value, depth=0)
 
@@ -103,11 +104,21 @@ def _constant(value: ir.Value | None, depth: int) -> np.ndarray | None:
                 return raw.numpy() if hasattr(raw, "numpy") else np.asarray(raw)
         return None
     if producer.op_type == "Shape":
-        shape = static_shape(producer.inputs[0])
+        shape = dims(producer.inputs[0])
         if shape is None:
             return None
-        start, end = attr(producer, "start", 0), attr(producer, "end", None)
-        return np.asarray(shape[start:end], np.int64)
+        picked = shape[attr(producer, "start", 0):attr(producer, "end", None)]
+        return np.asarray(picked, np.int64) if all(isinstance(d, int) for d in picked) else None
+    if producer.op_type == "Size":
+        shape = static_shape(producer.inputs[0])
+        return None if shape is None else np.asarray(int(np.prod(shape, dtype=np.int64)), np.int64)
+    if producer.op_type == "If":
+        # A condition known before run time picks the branch whose output this is.
+        cond = _constant(producer.inputs[0], depth + 1)
+        if cond is None or cond.size != 1:
+            return None
+        branch = attr(producer, "then_branch" if bool(cond.reshape(())) else "else_branch")
+        return _constant(branch.outputs[list(producer.outputs).index(value)], depth + 1)
     if producer.op_type in _NEVER_FOLDED or any(
         a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in producer.attributes.values()
     ):
@@ -205,7 +216,7 @@ def unbroadcast(op: OpBuilder, grad: ir.Value, x: ir.Value, broadcast_like: ir.V
                 break
         if decided:
             return _reduce_static(op, grad, list(range(lead)), inner)
-    return _reduce_dynamic(op, grad, x)
+    return _reduce_dynamic(op, grad, x, broadcast_like)
 
 
 def _reduce_static(op: OpBuilder, grad: ir.Value, lead: list[int], inner: list[int]) -> ir.Value:
@@ -217,13 +228,10 @@ def _reduce_static(op: OpBuilder, grad: ir.Value, lead: list[int], inner: list[i
     return op.squeeze(summed, lead) if lead else summed
 
 
-def _reduce_dynamic(op: OpBuilder, grad: ir.Value, x: ir.Value) -> ir.Value:
+def _reduce_dynamic(op: OpBuilder, grad: ir.Value, x: ir.Value, like: ir.Value) -> ir.Value:
     """Axes where x (left-padded with ones) has extent 1, found at run time; then Reshape."""
     if op.opset < 13:
-        raise RuleError(
-            f"undoing a broadcast whose axes are only known at run time needs opset 13 or later "
-            f"(the model has {op.opset}); convert it with onnx.version_converter"
-        )
+        return _reduce_dynamic_by_reshape(op, grad, x, rank(like) if rank(grad) is None else rank(grad))
     grad_shape = op.Shape(grad)
     x_shape = op.Shape(x)
     pad_len = op.Sub(op.Shape(grad_shape), op.Shape(x_shape))
@@ -232,3 +240,26 @@ def _reduce_dynamic(op: OpBuilder, grad: ir.Value, x: ir.Value) -> ir.Value:
     axes = op.Reshape(op.NonZero(op.Equal(padded, [1])), [-1])
     summed = op.ReduceSum(grad, axes, keepdims=1, noop_with_empty_axes=1)
     return op.Reshape(summed, x_shape)
+
+
+def _reduce_dynamic_by_reshape(op: OpBuilder, grad: ir.Value, x: ir.Value, ry: int | None) -> ir.Value:
+    """The same for ReduceSum with axes as an attribute (before opset 13): with the ranks known,
+    sum the leading axes, then view each remaining axis of extent y as (x, y / x) and sum the
+    second part: x is 1 (broadcast, the whole axis sums) or y (nothing sums) at run time."""
+    rx = rank(x)
+    if rx is None or ry is None or ry < rx:
+        raise RuleError(
+            "undoing a broadcast whose axes are only known at run time needs the ranks of the "
+            f"values, or opset 13 or later (the model has {op.opset}): run shape inference or "
+            "convert the model with onnx.version_converter"
+        )
+    if ry > rx:
+        grad = op.reduce_sum(grad, list(range(ry - rx)), keepdims=False)
+    if rx == 0:
+        return grad
+    x_shape, grad_shape = op.Shape(x), op.Shape(grad)
+    # An empty x axis divides by 1 rather than by zero.
+    divisor = op.Add(x_shape, op.Cast(op.Equal(x_shape, [0]), to=int(ir.DataType.INT64)))
+    pairs = [op.unsqueeze(v, [1]) for v in (x_shape, op.Div(grad_shape, divisor))]
+    split = op.Reshape(grad, op.Reshape(op.Concat(*pairs, axis=1), [-1]))
+    return op.reduce_sum(split, list(range(1, 2 * rx, 2)), keepdims=False)

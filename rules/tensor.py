@@ -23,6 +23,14 @@ def _rank(value: ir.Value, what: str = "input") -> int:
     return r
 
 
+def _kept_rank(node: ir.Node, dY) -> int:
+    """The rank of the node's first input, which its output and so dY share (known on any)."""
+    for value in (node.inputs[0], node.outputs[0], dY):
+        if value is not None and shapes.rank(value) is not None:
+            return shapes.rank(value)
+    return _rank(node.inputs[0])
+
+
 def _dims(op, x, start: int, end: int):
     """x's dimensions start:end: a list when static, else a 1-D int64 value."""
     known = shapes.dims(x)
@@ -209,7 +217,7 @@ def reverse_sequence(op, node, dY):
 def concat(op, node, dY):
     """Y = inputs joined along axis; dX_i = Split(dY, input sizes)[i]"""
     inputs = list(node.inputs)
-    axis = shapes.normalize_axis(shapes.attr(node, "axis", 1), _rank(inputs[0]))
+    axis = shapes.normalize_axis(shapes.attr(node, "axis", 1), _kept_rank(node, dY))
     if len(inputs) == 1:
         return {"inputs": [dY]}
     sizes = _cat(op, *(_dims(op, x, axis, axis + 1) for x in inputs))
@@ -247,7 +255,8 @@ def _slice_params(op, node):
 def slice_(op, node, dY):
     """Y = X[starts:ends:steps] on axes; dX = dY put back into zeros (a Pad for unit steps)"""
     X = node.inputs[0]
-    r, dims = _rank(X), shapes.dims(X)
+    r = _kept_rank(node, dY)
+    dims = shapes.dims(X) or (None,) * r
     values, (starts, ends, axes, steps) = _slice_params(op, node)
     if axes is None:
         raise RuleError("Slice axes that are only known at run time are not supported")
@@ -380,27 +389,39 @@ def gather(op, node, dY):
     return {"data": _scatter_axis(op, g, _flat_index(op, indices, d), d, a, r, add=True)}
 
 
-def _needs_scatter_add(op, node):
-    if op.opset < 16:
-        raise RuleError(
-            f"the {node.op_type} gradient needs ScatterElements/ScatterND with reduction='add' "
-            f"(opset 16; the model has {op.opset}): convert it with onnx.version_converter")
-
-
 @rule("GatherElements", differentiable=("data",))
 def gather_elements(op, node, dY):
-    """Y[i][j] = X[indices[i][j]][j] (for axis 0); dX = ScatterElements-add of dY into zeros"""
-    _needs_scatter_add(op, node)
+    """Y[i][j] = X[indices[i][j]][j] (for axis 0); dX = ScatterElements-add of dY into zeros
+    (before opset 16, a one-hot weighted sum)"""
     X, indices = node.inputs
-    return {"data": op.ScatterElements(shapes.zeros_like(op, X), indices, dY,
-                                       axis=shapes.attr(node, "axis", 0), reduction="add")}
+    axis = shapes.attr(node, "axis", 0)
+    if op.opset >= 16:
+        return {"data": op.ScatterElements(shapes.zeros_like(op, X), indices, dY, axis=axis,
+                                           reduction="add")}
+    # No scatter-add yet: compare each index with arange(d) on a new axis after `axis`, weigh
+    # dY by that one-hot mask and sum over the gathered axis.
+    r = shapes.rank(X) or shapes.rank(indices) or _rank(dY, "gradient")
+    a = shapes.normalize_axis(axis, r)
+    d = _dim(op, X, a)
+    idx = op.Cast(indices, to=ir.DataType.INT64)
+    idx = op.Where(op.Less(idx, 0), op.Add(idx, d), idx)
+    positions = op.Reshape(_arange(op, d), [1] * (a + 1) + [-1] + [1] * (r - a - 1))
+    hot = _as_float(op, op.Equal(op.unsqueeze(idx, [a + 1]), positions), dY, X)
+    g = op.reduce_sum(op.Mul(op.unsqueeze(dY, [a + 1]), hot), [a], keepdims=False)
+    x_dims, i_dims = shapes.dims(X), shapes.dims(indices)
+    if x_dims is not None and i_dims is not None and all(
+            k == a or (isinstance(m, int) and m == n) for k, (m, n) in enumerate(zip(x_dims, i_dims))):
+        return {"data": g}
+    # indices may be shorter than X on the other axes: X's positions never read get zeros.
+    short = op.Sub(op.Shape(X), op.Shape(g))
+    return {"data": _pad(op, g, op.Concat(op.const(np.zeros(r, np.int64)), short, axis=0), "constant")}
 
 
 @rule("GatherND", differentiable=("data",))
 def gather_nd(op, node, dY):
     """Y = X at the index tuples in indices' last axis (after batch_dims shared leading axes);
-    dX = ScatterND-add of dY into zeros, the batch coordinates prepended to each tuple"""
-    _needs_scatter_add(op, node)
+    dX = ScatterND-add of dY into zeros, the batch coordinates prepended to each tuple (before
+    opset 16, a one-hot matrix product)"""
     X, indices = node.inputs
     b, q = shapes.attr(node, "batch_dims", 0), _rank(indices, "indices")
     k = (shapes.dims(indices) or [None])[-1]
@@ -417,7 +438,36 @@ def gather_nd(op, node, dY):
             column = op.Reshape(_arange(op, _dim(op, indices, j)), [1] * j + [-1] + [1] * (q - 1 - j))
             grids.append(op.Expand(column, grid_shape))
         idx = op.Concat(*grids, idx, axis=-1)
-    return {"data": op.ScatterND(shapes.zeros_like(op, X), idx, dY, reduction="add")}
+    if op.opset >= 16:
+        return {"data": op.ScatterND(shapes.zeros_like(op, X), idx, dY, reduction="add")}
+    return {"data": _scatter_nd_add_onehot(op, X, idx, dY, b + k)}
+
+
+def _as_float(op, mask, *likes):
+    """A boolean mask as 0/1 in the dtype of the first of ``likes`` whose dtype is known."""
+    dtype = next((v.dtype for v in likes if v.dtype is not None), None)
+    if dtype is not None:
+        return op.Cast(mask, to=int(dtype))
+    if op.opset < 15:
+        raise RuleError(f"the gradient's dtype is unknown and CastLike needs opset 15 (the model has {op.opset})")
+    return op.CastLike(mask, likes[0])
+
+
+def _scatter_nd_add_onehot(op, X, idx, g, n: int):
+    """ScatterND-add of g into zeros like X at the n-tuples idx (non-negative), before opset 16:
+    each tuple becomes a linear index p into X's first n axes, and dX = onehot(p)ᵀ · g, with g
+    and dX flattened to (tuples, rest) and (positions, rest)."""
+    linear, positions = op.Gather(idx, 0, axis=-1), _dim(op, X, 0)
+    for j in range(1, n):
+        d = _dim(op, X, j)
+        linear = op.Add(op.Mul(linear, d), op.Gather(idx, j, axis=-1))
+        positions = positions * d if isinstance(positions, int) and isinstance(d, int) else op.Mul(positions, d)
+    hot = _as_float(op, op.Equal(op.Reshape(linear, [-1, 1]), op.Reshape(_arange(op, positions), [1, -1])), g, X)
+    r = _rank(X)
+    rest = _dims(op, X, n, r)
+    rest = [int(np.prod(rest))] if isinstance(rest, list) else op.ReduceProd(rest, keepdims=1)
+    flat = op.MatMul(op.Transpose(hot, perm=[1, 0]), op.Reshape(g, _cat(op, [-1], rest)))
+    return _reshape_to(op, flat, X)
 
 
 @rule("Compress", differentiable=("input",))

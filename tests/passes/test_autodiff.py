@@ -20,6 +20,7 @@ from onnx_autodiff import (
     default_registry,
 )
 from onnx_autodiff.conformance import fd_vjp
+from onnx_autodiff.passes.autodiff import _infer_model_shapes, infer_shapes
 
 R = rng(7)
 
@@ -305,3 +306,121 @@ def test_pass_leaves_graph_valid_for_pass_manager_chaining():
     proto = ir.to_proto(result.model)
     onnx.checker.check_model(proto, full_check=True)
     assert proto.graph.output[-1].name == "grad_x"
+
+
+# --- Shapes onnx's inference leaves unknown, completed node by node -----------------------------
+
+
+def test_ranks_inside_a_scan_body_reading_outer_constants():
+    """Unsqueeze axes read from an outer-scope Constant leave onnx's inference of the body without
+    ranks; MatMul's rule needs them, and the completion finds them."""
+    f = TensorProto.FLOAT
+    body = helper.make_graph(
+        [helper.make_node("Unsqueeze", ["k_t", "last"], ["col"]),
+         helper.make_node("Unsqueeze", ["k_t", "first"], ["row"]),
+         helper.make_node("MatMul", ["col", "row"], ["outer"]),
+         helper.make_node("Add", ["s", "outer"], ["s_next"]),
+         helper.make_node("MatMul", ["row", "s_next"], ["read"]),
+         helper.make_node("Squeeze", ["read", "first"], ["y_t"])],
+        "body",
+        [helper.make_tensor_value_info("s", f, [3, 3]), helper.make_tensor_value_info("k_t", f, [3])],
+        [helper.make_tensor_value_info("s_next", f, None), helper.make_tensor_value_info("y_t", f, None)],
+    )
+    nodes = [helper.make_node("Constant", [], ["last"], value_ints=[-1]),
+             helper.make_node("Constant", [], ["first"], value_ints=[0]),
+             helper.make_node("Scan", ["s0", "ks"], ["s_final", "ys"], body=body, num_scan_inputs=1),
+             helper.make_node("Mul", ["ys", "ys"], ["y"])]
+    model = make_model(nodes, {"s0": np.zeros((3, 3), np.float32), "ks": np.zeros((4, 3), np.float32)},
+                       ["y"], output_shapes={"y": [4, 3]})
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    scan = next(n for n in inferred.graph.node if n.op_type == "Scan")
+    col = [v for v in scan.attribute[0].g.value_info if v.name == "col"]
+    assert not col or not col[0].type.tensor_type.HasField("shape")  # the gap being filled
+
+    graph = ir.from_proto(model)
+    infer_shapes(graph)
+    body_values = {v.name: v for n in graph.graph for v in n.outputs}
+    values = {o.name: o for n in graph.graph.node(2).attributes["body"].value for o in n.outputs}
+    assert [d for d in values["col"].shape] == [3, 1] and [d for d in values["y_t"].shape] == [3]
+    assert body_values["ys"].shape is not None and len(body_values["ys"].shape) == 2
+    feeds = {"s0": R.standard_normal((3, 3)).astype(np.float32), "ks": R.standard_normal((4, 3)).astype(np.float32)}
+    assert_gradients(model, feeds, ["s0", "ks"])
+
+
+def test_ranks_after_a_split_with_computed_sizes():
+    """Split sizes computed from Shape: onnx's inference gives the parts no rank; Concat's rule
+    needs it."""
+    nodes = [helper.make_node("Shape", ["x"], ["shape"], start=1),
+             helper.make_node("Constant", [], ["two"], value_ints=[2]),
+             helper.make_node("Sub", ["shape", "two"], ["rest"]),
+             helper.make_node("Concat", ["two", "rest"], ["sizes"], axis=0),
+             helper.make_node("Split", ["x", "sizes"], ["a", "b"], axis=1),
+             helper.make_node("Neg", ["a"], ["na"]),
+             helper.make_node("Concat", ["b", "na"], ["y"], axis=-1)]
+    model = make_model(nodes, {"x": np.zeros((2, 5), np.float32)}, ["y"], shapes={"x": ["N", 5]},
+                       output_shapes={"y": ["N", 5]})
+    for n in (1, 3):
+        assert_gradients(model, {"x": R.standard_normal((n, 5)).astype(np.float32)}, ["x"])
+
+
+def test_loop_carried_output_keeps_the_rank_the_body_keeps():
+    """onnx gives a Loop's carried outputs no shape (they may change between iterations); where the
+    body keeps a state's rank and dims, the output has them too."""
+    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["c"], ["c_out"]), helper.make_node("Sin", ["h"], ["h_out"])],
+        "body",
+        [helper.make_tensor_value_info("i", i64, []), helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h", f, [2, 3])],
+        [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []), helper.make_tensor_value_info("h_out", f, [2, 3])],
+    )
+    nodes = [helper.make_node("Loop", ["M", "go", "h0"], ["h_final"], body=body),
+             helper.make_node("Mul", ["h_final", "w"], ["y"])]
+    model = make_model(nodes, {"h0": np.zeros((2, 3), np.float32), "w": np.zeros((1, 3), np.float32)}, ["y"],
+                       initializers={"M": np.array(3, np.int64), "go": np.array(True)}, opset=11,
+                       shapes={"w": ["K", 3]}, output_shapes={"y": [2, 3]})
+    graph = ir.from_proto(model)
+    infer_shapes(graph)
+    assert list(graph.graph.node(0).outputs[0].shape) == [2, 3]
+    for k in (1, 2):  # w's first extent only known at run time: 1 broadcasts, 2 does not
+        feeds = {"h0": R.standard_normal((2, 3)).astype(np.float32), "w": R.standard_normal((k, 3)).astype(np.float32)}
+        assert_gradients(model, feeds, ["h0", "w"])
+
+
+@pytest.mark.parametrize("opset", [11, 12, 18])
+@pytest.mark.parametrize("b_shape", [["M", 3], ["L"], ["M", "L"]])
+def test_runtime_broadcast_axes_at_every_opset(opset, b_shape):
+    """Below opset 13 ReduceSum takes its axes as an attribute: the axes only known at run time are
+    summed by viewing each axis as (x extent, y extent / x extent)."""
+    nodes = [helper.make_node("Mul", ["A", "B"], ["y"])]
+    b = np.zeros([2 if isinstance(d, str) else d for d in b_shape], np.float32)
+    model = make_model(nodes, {"A": np.zeros((2, 3), np.float32), "B": b}, ["y"],
+                       shapes={"A": ["N", 3], "B": b_shape}, opset=opset)
+    for b_dims in ([1, 3], [4, 3], [3], [1], [4, 1], [1, 1]):
+        if len(b_dims) != len(b_shape) or any(isinstance(s, int) and s != d for s, d in zip(b_shape, b_dims)):
+            continue
+        feeds = {"A": R.standard_normal((4, 3)).astype(np.float32), "B": R.standard_normal(b_dims).astype(np.float32)}
+        assert_gradients(model, feeds, ["A", "B"])
+
+
+def test_dims_onnx_leaves_unknown_are_refined_from_values_known_before_run_time():
+    """Expand's target shape comes out of an If whose condition is known (Size of a static x):
+    onnx's inference makes up unknown dims ("unk__0"), the completion finds the real ones."""
+    def shape_of(name, dims):
+        return helper.make_graph([helper.make_node("Constant", [], [name], value_ints=dims)], name, [],
+                                 [helper.make_tensor_value_info(name, TensorProto.INT64, [len(dims)])])
+
+    nodes = [helper.make_node("Size", ["x"], ["n"]),
+             helper.make_node("Equal", ["n", "three"], ["cond"]),
+             helper.make_node("If", ["cond"], ["target"], then_branch=shape_of("a", [2, 3]),
+                              else_branch=shape_of("b", [4, 3])),
+             helper.make_node("Expand", ["x", "target"], ["e"]),
+             helper.make_node("Tanh", ["e"], ["y"])]
+    model = make_model(nodes, {"x": np.zeros((1, 3), np.float32)}, ["y"],
+                       initializers={"three": np.array(3, np.int64)}, output_shapes={"y": [2, 3]})
+    graph = ir.from_proto(model)
+    _infer_model_shapes(graph)
+    assert not all(isinstance(d, int) for d in graph.graph.node(3).outputs[0].shape)
+    infer_shapes(graph)
+    assert list(graph.graph.node(3).outputs[0].shape) == [2, 3]
+    assert_gradients(model, {"x": R.standard_normal((1, 3)).astype(np.float32)}, ["x"])

@@ -5,6 +5,8 @@ import pytest
 from onnx import helper
 
 from helpers import assert_gradients, make_model, op_model, rng
+from onnx_autodiff.conformance import fd_vjp
+from onnx_autodiff.conformance.check import ad_vjp, compare
 from test_math import assert_matches_numpy, away_from, erf64
 
 R = rng(1)
@@ -66,6 +68,23 @@ def test_prelu_symbolic_batch():
     slope = R.uniform(0.1, 0.5, (3, 1)).astype(np.float32)
     model = op_model("PRelu", {"X": x, "slope": slope}, shapes={"X": ["N", 3, 2]})
     assert_gradients(model, {"X": x, "slope": slope}, ["X", "slope"])
+
+
+@pytest.mark.parametrize("opset", [7, 13])
+@pytest.mark.parametrize("shape_x", [(2, 3, 4), (2, 3), (2, 3, 4, 5)])
+def test_prelu_per_channel_slope_of_converted_opset6_models(opset, shape_x):
+    """A slope [C] against X [N, C, ...] that does not broadcast: the per-channel PRelu of opset
+    6, kept by models converted to newer opsets; the reference evaluator runs it, onnxruntime not."""
+    x = x_away([0.0], shape_x)
+    slope = R.uniform(0.1, 0.5, (3,)).astype(np.float32)
+    model = op_model("PRelu", {"X": x, "slope": slope}, opset=opset)
+    feeds = {"X": x, "slope": slope}
+    cotangents = [R.standard_normal(shape_x).astype(np.float32)]
+    ad = ad_vjp(model, feeds, ["X", "slope"], cotangents, backends=("reference",))
+    fd = fd_vjp(model, feeds, ["X", "slope"], cotangents, backends=("reference-float64",))
+    for name in ("X", "slope"):
+        assert fd.details[name].counts()["checked"] > 0
+        assert compare(ad[name], fd.details[name], 1e-4, 1e-3) <= 1, (name, ad[name], fd[name])
 
 
 def gelu64(x, approximate):

@@ -3,6 +3,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from helpers import assert_gradients, make_model, rng
+from onnx_autodiff.conformance.check import backward_model
+from onnx_autodiff.errors import RuleError
 
 R = rng(11)
 
@@ -141,3 +143,59 @@ def test_scan_states_inputs_and_captured(in_axis, in_dir, out_axis, out_dir):
     feeds = {"s0": R.standard_normal(3).astype(np.float32), "xs": R.standard_normal(xs_shape).astype(np.float32),
              "W": R.standard_normal(3).astype(np.float32)}
     assert_gradients(model, feeds, ["s0", "xs", "W"])
+
+
+@pytest.mark.parametrize("directions", [[0, 0], [1, 0], [0, 1]])
+def test_scan_opset8_batch_axis(directions):
+    """Scan-8: a leading batch axis on every input and output, the sequence on axis 1, input
+    directions; state' = tanh(state * W + x_t) + u_t, y_t = state' * x_t."""
+    f = TensorProto.FLOAT
+    body = helper.make_graph(
+        [helper.make_node("Mul", ["s", "W"], ["sw"]), helper.make_node("Add", ["sw", "x_t"], ["pre"]),
+         helper.make_node("Tanh", ["pre"], ["t"]), helper.make_node("Add", ["t", "u_t"], ["s_next"]),
+         helper.make_node("Mul", ["s_next", "x_t"], ["y_t"])],
+        "body",
+        [helper.make_tensor_value_info(n, f, [3]) for n in ("s", "x_t", "u_t")],
+        [helper.make_tensor_value_info("s_next", f, [3]), helper.make_tensor_value_info("y_t", f, [3])],
+    )
+    node = helper.make_node("Scan", ["", "s0", "xs", "us"], ["s_final", "ys"], body=body,
+                            num_scan_inputs=2, directions=directions)
+    model = make_model([node], {"s0": np.zeros((2, 3), np.float32), "xs": np.zeros((2, 4, 3), np.float32),
+                                "us": np.zeros((2, 4, 3), np.float32), "W": np.zeros(3, np.float32)},
+                       ["s_final", "ys"], opset=8, output_shapes={"s_final": [2, 3], "ys": [2, 4, 3]})
+    feeds = {"s0": R.standard_normal((2, 3)), "xs": R.standard_normal((2, 4, 3)),
+             "us": R.standard_normal((2, 4, 3)), "W": R.standard_normal(3)}
+    assert_gradients(model, {k: v.astype(np.float32) for k, v in feeds.items()}, ["s0", "xs", "us", "W"])
+
+
+def test_scan_opset8_sequence_lens_refused():
+    body = helper.make_graph([helper.make_node("Add", ["s", "x_t"], ["s_next"])], "body",
+                             [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in ("s", "x_t")],
+                             [helper.make_tensor_value_info("s_next", TensorProto.FLOAT, [2])])
+    node = helper.make_node("Scan", ["lens", "s0", "xs"], ["s_final"], body=body, num_scan_inputs=1)
+    model = make_model([node], {"lens": np.array([3], np.int32), "s0": np.zeros((1, 2), np.float32),
+                                "xs": np.zeros((1, 3, 2), np.float32)}, ["s_final"], opset=8,
+                       output_shapes={"s_final": [1, 2]})
+    with pytest.raises(RuleError, match="sequence_lens"):
+        backward_model(model, "s_final", ["s0"], seed="input")
+
+
+def test_if_with_a_condition_known_before_run_time_differentiates_the_branch_taken():
+    """cond = (Size(x) == 6) is known from x's static shape: only the branch taken is
+    differentiated, the other one (of another rank here, as in function bodies written for several
+    ranks) is left alone."""
+    then_branch = branch("then", [helper.make_node("Mul", ["x", "W"], ["t1"]), helper.make_node("Tanh", ["t1"], ["t2"])], "t2")
+    else_branch = branch("else", [helper.make_node("Unsqueeze", ["x", "zero"], ["e1"])], "e1")
+    nodes = [
+        helper.make_node("Size", ["x"], ["n"]),
+        helper.make_node("Equal", ["n", "six"], ["cond"]),
+        helper.make_node("If", ["cond"], ["h"], then_branch=then_branch, else_branch=else_branch),
+        helper.make_node("Mul", ["h", "x"], ["y"]),
+    ]
+    x = np.zeros((2, 3), np.float32)
+    model = make_model(nodes, {"x": x, "W": x}, ["y"], output_shapes={"y": [2, 3]},
+                       initializers={"six": np.array(6, np.int64), "zero": np.array([0], np.int64)})
+    feeds = {"x": R.standard_normal((2, 3)).astype(np.float32), "W": R.standard_normal((2, 3)).astype(np.float32)}
+    assert_gradients(model, feeds, ["x", "W"])
+    proto, _ = backward_model(model, "y", ["x"], seed="input")
+    assert sum(n.op_type == "If" for n in proto.graph.node) == 1  # the forward one only

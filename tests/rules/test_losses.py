@@ -226,6 +226,21 @@ def test_negative_log_likelihood_opset12_symbolic_batch(reduction):
     assert_gradients(model, inputs, ["input", "weight"])
 
 
+@pytest.mark.parametrize("op_type,opset", [("NegativeLogLikelihoodLoss", 13),
+                                            ("SoftmaxCrossEntropyLoss", 12), ("SoftmaxCrossEntropyLoss", 13)])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_loss_with_scores_of_unknown_rank(op_type, opset, reduction):
+    """Scores reshaped to a shape fed at run time have no rank: the labels' rank gives theirs."""
+    inputs = _nll_inputs((3, C, 2), (3, 2), True, IGNORE)
+    feeds = {"x": inputs.pop("input").reshape(-1), "s": np.array([3, C, 2], np.int64), **inputs}
+    nodes = [helper.make_node("Reshape", ["x", "s"], ["scores"]),
+             helper.make_node(op_type, ["scores", *inputs], ["loss"], reduction=reduction,
+                              ignore_index=IGNORE)]
+    model = make_model(nodes, feeds, ["loss"], shapes={"s": ["R"]}, opset=opset, output_shapes={"loss": []})
+    assert all(v.name != "scores" or not v.type.tensor_type.HasField("shape") for v in model.graph.value_info)
+    assert_gradients(model, feeds, ["x", "weight"])
+
+
 @pytest.mark.parametrize("ignore_index", [-1, C + 3])
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 def test_negative_log_likelihood_out_of_range_ignore(reduction, ignore_index):

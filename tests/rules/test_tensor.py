@@ -404,42 +404,59 @@ def test_gather_symbolic_batch_int32(opset):
     check("Gather", inputs, ["X"], axis=1, batches=[3, 5], opset=opset)
 
 
+@pytest.mark.parametrize("opset", [13, 18])  # 13: the one-hot form, before scatter-add exists
 @pytest.mark.parametrize("axis", [0, 1, -1])
-def test_gather_elements(axis):
+def test_gather_elements(axis, opset):
     x = randn(3, 4)
     idx = R.integers(-3, 3, (2, 4) if axis == 0 else (3, 5))
-    check("GatherElements", {"X": x, "i": idx.astype(I64)}, ["X"], axis=axis)
+    check("GatherElements", {"X": x, "i": idx.astype(I64)}, ["X"], axis=axis, opset=opset)
 
 
-def test_gather_elements_symbolic_batch():
+@pytest.mark.parametrize("opset", [13, 18])
+def test_gather_elements_indices_shorter_than_data(opset):
+    # indices cover only part of X on the other axes: the rest of X gets zero gradient.
+    idx = np.array([[2, -1], [0, 0]], np.int32)
+    result = check("GatherElements", {"X": randn(4, 3), "i": idx}, ["X"], axis=0, opset=opset)
+    assert np.all(result.ad["X"][:, 2] == 0)
+
+
+@pytest.mark.parametrize("opset", [13, 18])
+def test_gather_elements_symbolic_batch(opset):
     idx = np.array([[0, 0, 2], [1, -1, 0]], I64)
     check("GatherElements", {"X": randn(2, 3), "i": idx}, ["X"], axis=1, batches=[2],
-          consts=["i"])
+          consts=["i"], opset=opset)
+    inputs = {"X": randn(2, 3), "i": idx}
+    model = op_model("GatherElements", inputs, axis=1, opset=opset, shapes={"X": ["N", 3], "i": ["M", 3]})
+    for n, m in ((2, 2), (4, 3)):
+        feeds = {"X": randn(n, 3), "i": R.integers(-3, 3, (m, 3)).astype(I64)}
+        assert_gradients(model, feeds, ["X"])
 
 
-def test_gather_elements_old_opset_refused():
-    model = op_model("GatherElements", {"X": randn(2, 3), "i": np.zeros((2, 3), I64)}, opset=13)
-    with pytest.raises(AutodiffError, match="opset 16"):
-        backward_model(model, "out0", ["X"], seed="input")
-
-
+@pytest.mark.parametrize("opset", [13, 18])
 @pytest.mark.parametrize("batch_dims,x_shape,indices", [
     (0, (3, 4), [[0, 1], [2, -1], [0, 1]]),     # repeated tuples sum
     (0, (3, 4, 2), [[1], [-1], [1]]),           # slices
     (1, (2, 3, 4), [[[1], [2]], [[-1], [1]]]),  # batch_dims 1
     (2, (2, 3, 4), [[[1], [2], [0]], [[3], [3], [0]]]),
 ])
-def test_gather_nd(batch_dims, x_shape, indices):
+def test_gather_nd(batch_dims, x_shape, indices, opset):
     inputs = {"X": randn(*x_shape), "i": np.array(indices, I64)}
-    check("GatherND", inputs, ["X"], batch_dims=batch_dims)
-    check("GatherND", inputs, ["X"], consts=["i"], batch_dims=batch_dims)
+    check("GatherND", inputs, ["X"], batch_dims=batch_dims, opset=opset)
+    check("GatherND", inputs, ["X"], consts=["i"], batch_dims=batch_dims, opset=opset)
 
 
-def test_gather_nd_symbolic_batch():
+@pytest.mark.parametrize("opset", [13, 18])
+def test_gather_nd_symbolic_batch(opset):
     inputs = {"X": randn(2, 3, 4), "i": np.array([[2, 1], [0, -1]], I64)}
-    model = op_model("GatherND", inputs, batch_dims=1, shapes={"X": ["N", 3, 4], "i": ["N", 2]})
+    model = op_model("GatherND", inputs, batch_dims=1, shapes={"X": ["N", 3, 4], "i": ["N", 2]},
+                     opset=opset)
     for n in (2, 4):
         feeds = {"X": randn(n, 3, 4), "i": R.integers(-3, 3, (n, 2)).astype(I64)}
+        assert_gradients(model, feeds, ["X"])
+    model = op_model("GatherND", {"X": randn(3, 4, 2), "i": np.array([[1], [-1]], I64)},
+                     shapes={"X": [3, 4, "C"], "i": ["M", 1]}, opset=opset)
+    for c, m in ((2, 2), (3, 5)):
+        feeds = {"X": randn(3, 4, c), "i": R.integers(-3, 3, (m, 1)).astype(I64)}
         assert_gradients(model, feeds, ["X"])
 
 
@@ -463,3 +480,20 @@ def test_space_to_depth_modes_opset_28(mode):
     x = rng(5).standard_normal((1, 2, 4, 4)).astype(np.float32)
     model = op_model("SpaceToDepth", {"input": x}, blocksize=2, mode=mode, opset=28)
     assert_gradients(model, {"input": x}, ["input"])
+
+
+@pytest.mark.parametrize("op_type,kw", [("Slice", {}), ("Concat", {"axis": -2})])
+def test_input_of_unknown_rank_takes_the_rank_of_the_gradient(op_type, kw):
+    """X reshaped to a shape fed at run time has no rank; the output's gradient has it."""
+    nodes = [helper.make_node("Reshape", ["flat", "s"], ["X"])]
+    if op_type == "Slice":
+        nodes.append(helper.make_node("Slice", ["X", "starts", "ends", "axes"], ["y"]))
+        out_shape = [2, 2, 4]
+    else:
+        nodes.append(helper.make_node("Concat", ["X", "X"], ["y"], **kw))
+        out_shape = [2, 6, 4]
+    feeds = {"flat": randn(24), "s": np.array([2, 3, 4], I64)}
+    model = make_model(nodes, feeds, ["y"], shapes={"s": ["R"]}, output_shapes={"y": out_shape},
+                       initializers={"starts": np.array([1], I64), "ends": np.array([3], I64),
+                                     "axes": np.array([-2], I64)})
+    assert_gradients(model, feeds, ["flat"])

@@ -1,0 +1,144 @@
+"""Shape completion after onnx's model-level inference: node by node, with constant inputs known.
+
+onnx's inference leaves values without a shape where a node's shape depends on the data of an
+input that is not an initializer: a Constant node's output read inside a subgraph (Unsqueeze or
+Squeeze axes inside a Scan or If body), a Split whose sizes are computed, a Reshape to
+``Shape(x)``. Those gaps spread to everything downstream, and rules then lack the ranks they need.
+Here each node whose outputs lack a shape, or hold dimensions onnx made up ("unk__0"), is inferred
+again by its own schema's inference, given the types of its inputs and the values of its small
+integer inputs that are known before run time (``shapes.constant_input``: initializers, Constant
+nodes in any enclosing scope, Shape and Size of statically shaped values, the branch of an If whose
+condition is known, small computations over those).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from onnx_autodiff.rules import shapes
+
+_INDEX_TYPES = frozenset({ir.DataType.INT64, ir.DataType.INT32})
+
+
+def complete_shapes(graph: ir.Graph, opsets: dict[str, int]) -> int:
+    """Fills in the shapes (and types) of node outputs that lack them, and dimensions onnx left
+    unknown; returns how many values it changed.
+
+    Nodes are visited in graph order, subgraphs before the node holding them, so one sweep
+    carries what it finds downstream.
+    """
+    imports = [onnx.helper.make_opsetid(d, v) for d, v in opsets.items()]
+    return _complete(graph, opsets.get("", opsets.get("ai.onnx", 1)), imports)
+
+
+def _complete(graph: ir.Graph, opset: int, imports) -> int:
+    from onnx_autodiff.passes.autodiff import _subgraphs, captured_values
+
+    filled = 0
+    for node in graph:
+        subgraphs = _subgraphs(node)
+        for sub in subgraphs:
+            filled += _complete(sub, opset, imports)
+        if not any(_incomplete(out) for out in node.outputs):
+            continue
+        schema = _schema(node.op_type, opset) if node.domain in ("", "ai.onnx") else None
+        inputs = [v for v in node.inputs if v is not None]
+        outer = captured_values(node) if subgraphs else []
+        if schema is None or any(v.type is None for v in (*inputs, *outer)):
+            continue
+        if not subgraphs and all(v.shape is None for v in inputs):
+            continue
+        filled += _infer_node(node, schema, inputs, outer, imports)
+        if node.op_type in ("Loop", "Scan"):
+            filled += _carried_shapes(node)
+    return filled
+
+
+def _carried_shapes(node: ir.Node) -> int:
+    """Loop-carried and Scan state outputs, which onnx leaves without a shape because it may
+    change between iterations: where the body gives each state the rank it receives, that rank
+    holds at every iteration, and so do the dimensions the body keeps as they are."""
+    body = node.attributes["body"].value
+    if node.op_type == "Loop":  # inputs (M, cond, v...), body (i, cond, v...) -> (cond, v..., scans)
+        given, before, after = node.inputs[2:], body.inputs[2:], body.outputs[1:]
+    else:  # inputs (states..., scanned...), body (states..., elements...) -> (states..., scans)
+        n = len(node.inputs) - node.attributes["num_scan_inputs"].value
+        given, before, after = node.inputs[:n], body.inputs[:n], body.outputs[:n]
+    filled = 0
+    for out, *values in zip(node.outputs, given, before, after):
+        if out.shape is not None or values[0] is None:
+            continue
+        ranks = {len(v.shape) if v.shape is not None else None for v in values}
+        if len(ranks) != 1 or None in ranks:
+            continue
+        dims = [a if isinstance(a, int) and a == b == c else None
+                for a, b, c in zip(*(shapes.dims(v) for v in values))]
+        out.shape = ir.Shape(dims)
+        if out.type is None:
+            out.type = values[0].type
+        filled += 1
+    return filled
+
+
+def _infer_node(node: ir.Node, schema, inputs, outer, imports) -> int:
+    types = {v.name: ir.serde.serialize_value(v).type for v in (*inputs, *outer)}
+    data = {}
+    for v in inputs:
+        if v.dtype in _INDEX_TYPES and v.name not in data:
+            array = shapes.constant_input(v)
+            if array is not None:
+                data[v.name] = onnx.numpy_helper.from_array(np.asarray(array, v.dtype.numpy()), v.name)
+    try:
+        inferred = onnx.shape_inference.infer_node_outputs(
+            schema, ir.serde.serialize_node(node), types, data, opset_imports=imports
+        )
+    except Exception:  # noqa: BLE001 - inference is a help: an op it cannot infer keeps no shape
+        return 0
+    filled = 0
+    for out in node.outputs:
+        found = inferred.get(out.name)
+        if found is None or not found.tensor_type.HasField("shape"):
+            continue
+        if out.type is None:
+            out.type = ir.serde.deserialize_type_proto_for_type(found)
+        shape = _refined(out, ir.serde.deserialize_type_proto_for_shape(found))
+        if shape is not None:
+            out.shape = shape
+            filled += 1
+    return filled
+
+
+def _unknown(dim) -> bool:
+    """A dimension nobody named: none at all, or one onnx's inference made up ("unk__3")."""
+    return dim is None or (isinstance(dim, str) and dim.startswith("unk__"))
+
+
+def _incomplete(value: ir.Value) -> bool:
+    return value.type is None or value.shape is None or any(_unknown(d) for d in shapes.dims(value))
+
+
+def _refined(value: ir.Value, found: ir.Shape | None) -> ir.Shape | None:
+    """``found`` where it knows more than the value's shape and contradicts none of it, else None."""
+    if found is None:
+        return None
+    if value.shape is None:
+        return found
+    old, new = shapes.dims(value), [d if isinstance(d, int) else None for d in found.dims]
+    if len(old) != len(new) or any(isinstance(o, int) and o != n for o, n in zip(old, new)):
+        return None
+    if not any(_unknown(o) and n is not None for o, n in zip(old, new)):
+        return None
+    return ir.Shape([n if _unknown(o) and n is not None else value.shape.dims[k]
+                     for k, (o, n) in enumerate(zip(old, new))])
+
+
+@functools.lru_cache(maxsize=None)
+def _schema(op_type: str, opset: int):
+    try:
+        return onnx.defs.get_schema(op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return None
