@@ -10,8 +10,12 @@ scalar ``f(x) = Σ_k ⟨out_k(x), r_k⟩``. It works on any model:
   kernels for the ops whose reference kernels compute in float32 inside: Erf, LayerNormalization,
   GroupNormalization, AffineGrid, and the function-bodied Gelu, HardSwish, Mish,
   MeanVarianceNormalization; and an inference-mode BatchNormalization-9, whose reference kernel
-  mixes in batch statistics when ``momentum`` is set), and finally the model in its own
-  precision (a *weak* check); a reference evaluator too slow for the time budget is passed over;
+  mixes in batch statistics when ``momentum`` is set; and a Loop that follows the spec for an
+  omitted cond and for scan outputs), and finally the model in its own precision, float16 and
+  bfloat16 widened to float32 (a *weak* check); a reference evaluator too slow for the time
+  budget is passed over;
+- inputs are copied before every run (onnxruntime writes some in place), and a model with a
+  seeded random op (training Dropout with ``seed``) runs in a new onnxruntime session per call;
 - steps are absolute (h1 = 1e-6 and h2 = 1e-4 in float64; 1e-3 and 1e-2 in the float32
   fallback), using the step actually representable at each coordinate;
 - every coordinate gets flags: ``kink`` (the two one-sided slopes at h1 differ: the point is a
@@ -19,6 +23,9 @@ scalar ``f(x) = Σ_k ⟨out_k(x), r_k⟩``. It works on any model:
   estimates at h1 and h2 disagree), ``discontinuous`` (a jump: the change of f over a step does
   not shrink with the step; also counted unstable), ``nonfinite`` and ``shape_changed``; flagged
   elements other than kinks are skipped by :func:`onnx_autodiff.conformance.check.compare`;
+- where the output shape changes on one side of a coordinate only (Range with the limit an exact
+  multiple of delta away), the slopes of the other side at h1 and h2 stand in for the central
+  estimates (flag ``one_sided``; checked, and unstable when the two slopes disagree);
 - the work is capped: at most ``max_coords`` sampled coordinates per input and an optional time
   budget per call; coordinates not evaluated are NaN in the plain result.
 
@@ -50,37 +57,45 @@ BACKENDS = ("onnxruntime-float64", "reference-float64", "float32")
 # --------------------------------------------------------------------------- float64 widening
 
 
-def _widen_tensor(tensor: TensorProto) -> TensorProto:
-    if tensor.data_type not in _FLOAT_TYPES:
+_HALF_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
+
+def _widen_tensor(tensor: TensorProto, to: int) -> TensorProto:
+    if tensor.data_type not in _widened(to):
         return tensor
-    array = numpy_helper.to_array(tensor).astype(np.float64)
+    array = numpy_helper.to_array(tensor).astype(helper.tensor_dtype_to_np_dtype(to))
     return numpy_helper.from_array(array, tensor.name)
 
 
-def _widen_type(type_proto: onnx.TypeProto) -> None:
+def _widened(to: int) -> tuple[int, ...]:
+    """The element types that widening to ``to`` (DOUBLE or FLOAT) replaces."""
+    return _FLOAT_TYPES if to == TensorProto.DOUBLE else _HALF_TYPES
+
+
+def _widen_type(type_proto: onnx.TypeProto, to: int) -> None:
     which = type_proto.WhichOneof("value")
     if which == "tensor_type":
-        if type_proto.tensor_type.elem_type in _FLOAT_TYPES:
-            type_proto.tensor_type.elem_type = TensorProto.DOUBLE
+        if type_proto.tensor_type.elem_type in _widened(to):
+            type_proto.tensor_type.elem_type = to
     elif which == "sequence_type":
-        _widen_type(type_proto.sequence_type.elem_type)
+        _widen_type(type_proto.sequence_type.elem_type, to)
     elif which == "optional_type":
-        _widen_type(type_proto.optional_type.elem_type)
+        _widen_type(type_proto.optional_type.elem_type, to)
 
 
-def _widen_nodes(nodes, keep: frozenset[str]) -> None:
+def _widen_nodes(nodes, keep: frozenset[str], to: int) -> None:
     for node in nodes:
         for attribute in node.attribute:
             if attribute.type == onnx.AttributeProto.TENSOR:
-                attribute.t.CopyFrom(_widen_tensor(attribute.t))
+                attribute.t.CopyFrom(_widen_tensor(attribute.t, to))
             elif attribute.type == onnx.AttributeProto.GRAPH:
-                _widen_graph(attribute.g, keep)
+                _widen_graph(attribute.g, keep, to)
             elif attribute.type == onnx.AttributeProto.GRAPHS:
                 for sub in attribute.graphs:
-                    _widen_graph(sub, keep)
-            elif attribute.name in _DTYPE_ATTRIBUTES and attribute.i in _FLOAT_TYPES:
-                attribute.i = TensorProto.DOUBLE
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+                    _widen_graph(sub, keep, to)
+            elif attribute.name in _DTYPE_ATTRIBUTES and attribute.i in _widened(to):
+                attribute.i = to
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and to == TensorProto.DOUBLE:
             for attribute in node.attribute:
                 if attribute.name in ("value_float", "value_floats"):
                     values = attribute.f if attribute.name == "value_float" else list(attribute.floats)
@@ -90,30 +105,30 @@ def _widen_nodes(nodes, keep: frozenset[str]) -> None:
                     attribute.CopyFrom(widened)
 
 
-def _widen_graph(graph: onnx.GraphProto, keep: frozenset[str]) -> None:
+def _widen_graph(graph: onnx.GraphProto, keep: frozenset[str], to: int) -> None:
     for index, tensor in enumerate(graph.initializer):
         if tensor.name not in keep:
-            graph.initializer[index].CopyFrom(_widen_tensor(tensor))
+            graph.initializer[index].CopyFrom(_widen_tensor(tensor, to))
     for value in (*graph.input, *graph.output):
         if value.name not in keep:
-            _widen_type(value.type)
+            _widen_type(value.type, to)
     del graph.value_info[:]
-    _widen_nodes(graph.node, keep)
+    _widen_nodes(graph.node, keep, to)
 
 
-def to_float64(model: onnx.ModelProto, keep: Sequence[str] = ()) -> onnx.ModelProto:
+def to_float64(model: onnx.ModelProto, keep: Sequence[str] = (), to: int = TensorProto.DOUBLE) -> onnx.ModelProto:
     """A copy of ``model`` computing in float64 (inputs named in ``keep`` stay as they are).
 
     Widens float16/bfloat16/float32 graph inputs, outputs, initializers, tensor attributes
     (``Constant``, ``ConstantOfShape``), ``value_float(s)``, dtype attributes (``Cast.to``,
     ``dtype``, ...), subgraphs and model-local functions; drops ``value_info`` so that runtimes
-    re-derive intermediate types.
+    re-derive intermediate types. ``to=TensorProto.FLOAT`` widens float16/bfloat16 to float32 only.
     """
     widened = onnx.ModelProto()
     widened.CopyFrom(model)
-    _widen_graph(widened.graph, frozenset(keep))
+    _widen_graph(widened.graph, frozenset(keep), to)
     for function in widened.functions:
-        _widen_nodes(function.node, frozenset())
+        _widen_nodes(function.node, frozenset(), to)
     return widened
 
 
@@ -227,8 +242,29 @@ def _float64_reference_ops() -> list[type]:
             std = np.sqrt((x**2).mean(axis=axes, keepdims=True) - mean**2)
             return (((x - mean) / (std + 1e-9)).astype(X.dtype),)
 
+    from onnx.reference.ops.op_loop import Loop as _Loop
+
+    class Loop(_Loop):
+        # The reference kernel runs no iteration when cond is omitted (it means true) and
+        # concatenates the scan outputs (np.vstack) instead of stacking them on a new first axis.
+        def _run(self, M, cond, *carried, context=None, attributes=None, bindings=None, **unused):
+            names = self.body.input_names
+            state, scans = list(carried), [[] for _ in range(self.K)]
+            going, step = True if cond is None else bool(cond), 0
+            while going and (M is None or step < int(M)):
+                feeds = dict(context or {})
+                feeds.update({names[0]: np.array(step, np.int64), names[1]: np.array(going)})
+                feeds.update(zip(names[2:], state))
+                outputs = self._run_body(feeds, attributes=attributes, bindings=bindings)
+                going, state = bool(outputs[0]), list(outputs[1:1 + self.N])
+                for k in range(self.K):
+                    scans[k].append(outputs[1 + self.N + k])
+                step += 1
+            stacked = [np.stack(s) if s else np.zeros((0,)) for s in scans]
+            return self._check_and_fix_outputs(tuple(state + stacked))
+
     return [Erf, LayerNormalization, GroupNormalization, AffineGrid, BatchNormalization,
-            Gelu, HardSwish, Mish, MeanVarianceNormalization]
+            Gelu, HardSwish, Mish, MeanVarianceNormalization, Loop]
 
 
 # --------------------------------------------------------------------------- running models
@@ -241,6 +277,7 @@ class Evaluator:
     the reference evaluator only; ``backends=(...)`` gives the order explicitly. The reference
     evaluator runs with float64 kernels for Erf, LayerNormalization, GroupNormalization and
     AffineGrid. ``backend`` names the one in use; construction raises RuntimeError if none loads.
+    A model with a seeded random op runs in a new onnxruntime session per call (same draws).
     """
 
     def __init__(
@@ -272,9 +309,15 @@ class Evaluator:
         options.log_severity_level = 4
         options.intra_op_num_threads = 1
         options.inter_op_num_threads = 1
-        session = ort.InferenceSession(
-            self.model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-        )
+        serialized = self.model.SerializeToString()
+        session = ort.InferenceSession(serialized, options, providers=["CPUExecutionProvider"])
+        if _seeded(self.model):
+            # a seeded random op (training Dropout) repeats its draws in a new session only: its
+            # generator moves on from run to run within one
+            def fresh(feeds):
+                return ort.InferenceSession(serialized, options, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+            return fresh
         return lambda feeds: session.run(None, feeds)
 
     def _make_reference(self):
@@ -284,7 +327,15 @@ class Evaluator:
         return lambda feeds: evaluator.run(None, feeds)
 
     def __call__(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        return [np.asarray(out) for out in self._run(dict(feeds))]
+        # copies: onnxruntime may write into a fed array (training BatchNormalization updates its
+        # running mean and variance in place), which would move the caller's base point
+        feeds = {k: np.array(v, copy=True) if isinstance(v, np.ndarray) else v for k, v in feeds.items()}
+        return [np.asarray(out) for out in self._run(feeds)]
+
+
+def _seeded(model: onnx.ModelProto) -> bool:
+    """Whether a node of the main graph has a ``seed`` attribute (a seeded random op)."""
+    return any(a.name == "seed" for node in model.graph.node for a in node.attribute)
 
 
 def _first_line(error: BaseException) -> str:
@@ -303,7 +354,8 @@ def _float_outputs(model: onnx.ModelProto) -> list[int]:
 def random_cotangents(model: onnx.ModelProto, feeds, seed: int = 0) -> list[np.ndarray | None]:
     """One standard-normal r per float output, shaped like that output at ``feeds`` (None if not float).
 
-    r is 0 where the output is not finite, so that ``f = Σ ⟨out, r⟩`` ignores those elements.
+    r is 0 where the output is not finite or at its dtype's limit (see :func:`usable`), so that
+    ``f = Σ ⟨out, r⟩`` ignores those elements.
     """
     return cotangents_for(model, Evaluator(model)(feeds), seed)
 
@@ -319,8 +371,19 @@ def cotangents_for(model: onnx.ModelProto, outputs: Sequence[np.ndarray], seed: 
             cotangents.append(None)
             continue
         r = rng.standard_normal(out.shape).astype(out.dtype)
-        cotangents.append(np.where(np.isfinite(out), r, 0).astype(out.dtype))
+        cotangents.append(np.where(usable(out), r, 0).astype(out.dtype))
     return cotangents
+
+
+def usable(out: np.ndarray) -> np.ndarray:
+    """Where a float output counts in f: finite and below its dtype's largest magnitude.
+
+    A value at the dtype's limit is a masking sentinel (attention fills masked scores with the
+    float32 lowest value), which a float64 evaluation of the same model turns into -inf.
+    """
+    out = np.asarray(out)
+    with np.errstate(invalid="ignore"):
+        return np.isfinite(out) & (np.abs(out) < np.finfo(out.dtype).max)
 
 
 # --------------------------------------------------------------------------- results
@@ -343,6 +406,7 @@ class FDGradient:
     nonfinite: np.ndarray
     shape_changed: np.ndarray
     discontinuous: np.ndarray | None = None
+    one_sided: np.ndarray | None = None  # estimated from the side whose output shape is unchanged
 
     @property
     def skipped(self) -> np.ndarray:
@@ -364,6 +428,7 @@ class FDGradient:
             "discontinuous": int(self.discontinuous.sum()) if self.discontinuous is not None else 0,
             "nonfinite": int(self.nonfinite.sum()),
             "shape_changed": int(self.shape_changed.sum()),
+            "one_sided": int((self.one_sided & self.checkable).sum()) if self.one_sided is not None else 0,
         }
 
 
@@ -371,7 +436,8 @@ class OracleResult(dict):
     """``{name: float64 array}`` of central estimates, plus ``details`` (name → FDGradient).
 
     ``backend`` is the backend that computed it (see :data:`BACKENDS`), ``weak`` is True when the
-    oracle had to fall back to the model's own precision (compare with loose tolerances), and
+    oracle had to fall back to the model's own precision, at least float32 (compare with loose
+    tolerances), and
     ``notes`` lists why earlier backends were rejected; ``f0`` is f at the base point.
     """
 
@@ -459,8 +525,9 @@ def _probe(objective: _Objective, base: dict, names: Sequence[str], seed: int) -
     direction = {n: rng.standard_normal(base[n].shape) * np.maximum(1.0, np.abs(base[n])) for n in names}
     estimates, jumps = [], []
     for h in (1e-9, 1e-6):
-        plus = dict(base, **{n: base[n] + h * direction[n] for n in names})
-        minus = dict(base, **{n: base[n] - h * direction[n] for n in names})
+        with np.errstate(all="ignore"):  # infinite inputs stay infinite
+            plus = dict(base, **{n: base[n] + h * direction[n] for n in names})
+            minus = dict(base, **{n: base[n] - h * direction[n] for n in names})
         (fp, ok_p), (fm, ok_m) = objective(plus), objective(minus)
         if not (ok_p and ok_m and math.isfinite(fp) and math.isfinite(fm)):
             return None
@@ -510,6 +577,23 @@ def _resolve(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], wrt: Seque
     return promoted, values
 
 
+def _at_least_float32(promoted, feeds, values, keep):
+    """(evaluator, base point) of the model in float32, or in its own precision when float16 or
+    bfloat16 parts of it cannot run in float32: finite differences in half precision are noise."""
+    base = {n: np.asarray(v) for n, v in feeds.items()}
+    base.update(values)
+    half = {n for n, v in base.items() if v.dtype == np.float16 or v.dtype.name == "bfloat16"}
+    if half:
+        single = {n: v.astype(np.float32) if n in half else v for n, v in base.items()}
+        try:
+            evaluate = Evaluator(to_float64(promoted, keep, to=TensorProto.FLOAT))
+            evaluate(single)
+        except Exception:  # noqa: BLE001 - an op without float32 kernels: its own precision then
+            return Evaluator(promoted), base
+        return evaluate, single
+    return Evaluator(promoted), base
+
+
 def _backend_objectives(promoted, feeds, values, weights, backends):
     """Yield (backend, objective-or-None, reason) for each backend of the chain, lazily."""
     keep = [
@@ -521,9 +605,7 @@ def _backend_objectives(promoted, feeds, values, weights, backends):
     for backend in backends:
         try:
             if backend == "float32":
-                base = {n: np.asarray(v) for n, v in feeds.items()}
-                base.update(values)
-                evaluate = Evaluator(promoted)
+                evaluate, base = _at_least_float32(promoted, feeds, values, keep)
                 dtype = np.float32
             else:
                 if wide is None:
@@ -619,6 +701,7 @@ def fd_vjp(
     evaluated = {n: np.zeros(sizes[n], bool) for n in values}
     nonfinite = {n: np.zeros(sizes[n], bool) for n in values}
     shape_changed = {n: np.zeros(sizes[n], bool) for n in values}
+    one_sided = {n: np.zeros(sizes[n], bool) for n in values}
     f0 = objective.f0
     rng = np.random.default_rng(seed)
     started = time.perf_counter()  # the budget covers sampling, not choosing the backend
@@ -627,22 +710,34 @@ def fd_vjp(
         if time_budget is not None and elapsed > time_budget:
             if elapsed > 3 * time_budget or any(e.any() for e in evaluated.values()):
                 break
-        fs, deltas, same = [], [], True
+        fs, deltas, same = [], [], []
         for delta in (h1, -h1, h2, -h2):
             point, actual = _perturbed(base, name, flats[name], k, delta, dtypes[name])
             value, ok = objective(point)
             fs.append(value)
             deltas.append(actual)
-            same &= ok
+            same.append(ok)
         evaluated[name][k] = True
-        if not same:
-            shape_changed[name][k] = True
-            continue
+        if not all(same):
+            # The output length changes on one side only (Range at an exact multiple of delta):
+            # f is right- or left-continuous there and the other side's slope is its derivative.
+            side = [i for i in ((0, 2), (1, 3)) if same[i[0]] and same[i[1]]]
+            if len(side) != 1:
+                shape_changed[name][k] = True
+                continue
+            i1, i2 = side[0]
+            fs = [fs[i1], fs[i1], fs[i2], fs[i2]]
+            deltas = [deltas[i1], deltas[i1], deltas[i2], deltas[i2]]
+            one_sided[name][k] = True
         if not all(math.isfinite(v) for v in fs) or any(d == 0 for d in deltas):
             nonfinite[name][k] = True
             continue
         fp1, fm1, fp2, fm2 = fs
         dp1, dm1, dp2, dm2 = deltas
+        if one_sided[name][k]:
+            s1, s2 = (fp1 - f0) / dp1, (fp2 - f0) / dp2
+            raw[name][:, k] = (s1, s1, s1, s2, 0.0, s2, s2)
+            continue
         raw[name][:, k] = (
             (fp1 - f0) / dp1,
             (fm1 - f0) / dm1,
@@ -683,6 +778,7 @@ def fd_vjp(
             discontinuous=jump.reshape(shape),
             nonfinite=nonfinite[name].reshape(shape),
             shape_changed=shape_changed[name].reshape(shape),
+            one_sided=one_sided[name].reshape(shape),
         )
         details[name] = detail
         plain[name] = detail.value

@@ -17,6 +17,22 @@ Statuses, per case and input:
 ``oracle-skip``         no trustworthy reference value (random op, no element checkable, ...)
 ``error``               the pass crashed, produced an invalid graph, or onnxruntime cannot run it
 
+Exporter-style retry. The backend data feeds at run time some inputs that exporters write as
+initializers or Constant nodes (Resize scales/sizes/roi, Slice starts/ends/axes/steps, Pad axes,
+Col2Im shapes, DFT axis, ...), and rules that need them as constants refuse. When a rule refuses
+an input of a node case, the runner retries with every input it does not check (integer inputs
+and float inputs the rule declares non-differentiable) turned into initializers holding the
+case's data; the function is the same, so the oracle (and stored references) are unchanged. Such
+results list those inputs in ``Result.constants`` and count as pass/fail on their own merits; the
+reports mark them (column ``pass*``, ⚑) and count them in the header.
+
+Runtimes. The backward graph runs on onnxruntime; only when onnxruntime cannot run the forward
+model itself (batchwise RNN layouts, some Attention inputs) does the reference evaluator run it,
+and the result's ``oracle`` field ends with "AD on reference". When the oracle's float64 runtime
+and onnxruntime disagree on the forward function (MaxUnpool with an output_shape), the rule is
+checked against onnxruntime's own function by float32 differences (a weak check, said so in the
+message).
+
 Command line: ``onnx-autodiff conformance [--op OP ...] [--case NAME ...] [--jobs N]
 [--report PATH] [--limit N] [--references [FILE] | --save-references FILE]`` (also
 ``python -m onnx_autodiff.conformance.runner``).
@@ -60,7 +76,7 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from onnx_autodiff.conformance.check import LOSS, WEAK_TOLERANCE, backward_model, compare_elements, scalarize
-from onnx_autodiff.conformance.oracle import Evaluator, FDGradient, OracleResult, cotangents_for, fd_vjp
+from onnx_autodiff.conformance.oracle import Evaluator, FDGradient, OracleResult, cotangents_for, fd_vjp, usable
 
 STATUSES = ("pass", "fail", "no-rule", "not-differentiable", "refused", "oracle-skip", "error")
 """Every status a check can get, in report-column order."""
@@ -230,6 +246,8 @@ class Result:
     counts: dict = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
     source: str = ""  # "stored": compared with stored references; "live": live oracle (reference missing)
+    constants: list = dataclasses.field(default_factory=list)  # run-time inputs fed as initializers (retry)
+    defaults: list = dataclasses.field(default_factory=list)  # "Op.attr=value" written out for onnx.checker
 
 
 def _elem_type(value_info) -> int:
@@ -269,15 +287,45 @@ def _differentiable_inputs(case: Case, model: onnx.ModelProto, registry) -> tupl
 
 
 def _training_dropout(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> bool:
-    """Whether a Dropout node runs in training mode (its mask is random: no finite differences)."""
+    """Whether a Dropout node runs in training mode without a ``seed`` attribute (its mask is
+    random: no finite differences). With a seed, onnxruntime draws the same mask in every run."""
     constants = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     constants.update(feeds)
     for node in model.graph.node:
         if node.op_type == "Dropout" and len(node.input) > 2 and node.input[2]:
             mode = constants.get(node.input[2])
-            if mode is None or bool(np.asarray(mode)):
+            seeded = any(a.name == "seed" for a in node.attribute)
+            if (mode is None or bool(np.asarray(mode))) and not seeded:
                 return True
     return False
+
+
+def _seeded_dropout(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> bool:
+    """Whether a Dropout node may run in training mode with a ``seed`` attribute."""
+    return any(node.op_type == "Dropout" and len(node.input) > 2 and node.input[2]
+               and any(a.name == "seed" for a in node.attribute)
+               and bool(np.asarray(feeds.get(node.input[2], True)))
+               for node in model.graph.node)
+
+
+def _constant_candidates(case: Case, model: onnx.ModelProto, wrt: Sequence[str], feeds) -> list[str]:
+    """The graph inputs an exporter would write as constants: those of a backend node case that
+    are not checked (integer inputs, float inputs the rule declares non-differentiable)."""
+    if case.kind == "model" or case.wrt is not None:
+        return []
+    return [i.name for i in model.graph.input if i.name not in wrt and isinstance(feeds.get(i.name), np.ndarray)]
+
+
+def with_constants(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray], names: Sequence[str]):
+    """(model, feeds) with the inputs ``names`` turned into initializers holding their fed values."""
+    const = onnx.ModelProto()
+    const.CopyFrom(model)
+    const.graph.initializer.extend(numpy_helper.from_array(np.asarray(feeds[n]), n) for n in names)
+    if const.ir_version >= 4:  # before IR 4 an initializer must also be listed as a graph input
+        kept = [i for i in const.graph.input if i.name not in names]
+        del const.graph.input[:]
+        const.graph.input.extend(kept)
+    return const, {k: v for k, v in feeds.items() if k not in names}
 
 
 def _classify(error: BaseException) -> str:
@@ -297,8 +345,9 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[:500]}"
 
 
-def _ad(model, feeds, x, cotangents, registry, backends) -> tuple[np.ndarray, str]:
-    """The backward graph's VJP for ``x``, and the backend that ran it."""
+def _ad(model, feeds, x, cotangents, registry, backends) -> tuple[np.ndarray, str, dict]:
+    """The backward graph's VJP for ``x``, the backend that ran it (the first of ``backends``
+    that loads and runs it) and every output of that graph by name."""
     floats = [i for i, r in enumerate(cotangents) if r is not None]
     if len(floats) == 1:
         of = model.graph.output[floats[0]].name
@@ -307,16 +356,88 @@ def _ad(model, feeds, x, cotangents, registry, backends) -> tuple[np.ndarray, st
     else:
         proto, autodiff = backward_model(scalarize(model, cotangents), LOSS, [x], registry)
         extra = {}
+    failures = []
+    for backend in backends:
+        try:
+            evaluate = Evaluator(proto, backends=(backend,))
+        except RuntimeError as error:
+            failures.append(f"the backward graph does not run on {backend}: {error}")
+            continue
+        try:
+            outputs = evaluate({**feeds, **extra})
+        except Exception as error:  # noqa: BLE001 - say which runtime failed
+            failures.append(f"running the backward graph on {backend}: {_one_line(error)}")
+            continue
+        named = dict(zip((o.name for o in proto.graph.output), outputs))
+        return named[autodiff.gradient_names[x]], backend, named
+    raise RuntimeError("; ".join(failures))
+
+
+def explicit_defaults(model: onnx.ModelProto) -> tuple[onnx.ModelProto | None, list[str]]:
+    """The model with its nodes' schema-default attributes written out, and what was written, when
+    that makes it pass onnx.checker (full check); else (None, []). onnx's shape inference reads some
+    defaults other than the schema's (STFT's onesided, MeanVarianceNormalization-13's axes)."""
+    explicit = onnx.ModelProto()
+    explicit.CopyFrom(model)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+    written = []
+    for node in explicit.graph.node:
+        try:
+            schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+        except Exception:  # noqa: BLE001 - an unknown op: nothing to write
+            continue
+        present = {a.name for a in node.attribute}
+        for name, attribute in sorted(schema.attributes.items()):
+            default = attribute.default_value
+            if name not in present and default.type != onnx.AttributeProto.UNDEFINED:
+                node.attribute.append(default)
+                written.append(f"{node.op_type}.{name}={onnx.helper.get_attribute_value(default)}")
     try:
-        evaluate = Evaluator(proto, backends=backends)
-    except RuntimeError as error:
-        raise RuntimeError(f"the backward graph does not run on {backends[0]}: {error}") from None
+        onnx.checker.check_model(explicit, full_check=True)
+    except Exception:  # noqa: BLE001
+        return None, []
+    return explicit, written
+
+
+def _forward_trouble(exported, backend: str, cotangents, f32: float) -> str:
+    """Why the exporter-style forward model cannot stand in for the case's (it does not run on the
+    runtime that ran the case, or computes another function there), or ""."""
     try:
-        outputs = evaluate({**feeds, **extra})
-    except Exception as error:  # noqa: BLE001 - say which runtime failed
-        raise RuntimeError(f"running the backward graph on {evaluate.backend}: {_one_line(error)}") from None
-    named = dict(zip((o.name for o in proto.graph.output), outputs))
-    return named[autodiff.gradient_names[x]], evaluate.backend
+        outputs = Evaluator(exported[0], backends=(backend,))(exported[1])
+    except Exception as error:  # noqa: BLE001
+        return f"the forward model does not run on {backend}: {_one_line(error)}"
+    if _disagree(_objective(outputs, cotangents), f32):
+        return f"the forward model computes other values on {backend}"
+    return ""
+
+
+def _stale(stored: StoredOracle, references: References, feeds: Mapping[str, np.ndarray]) -> bool:
+    """Whether a stored answer predates the float32 fallback's widening of half-precision models
+    (before ORACLE_REVISION 2 that fallback differentiated float16 models in float16: noise)."""
+    half = any(np.asarray(v).dtype == np.float16 or np.asarray(v).dtype.name == "bfloat16" for v in feeds.values())
+    return half and stored.backend == "float32" and references.meta.get("oracle_revision", 1) < 2
+
+
+def _objective(outputs, cotangents) -> float:
+    """Σ_k ⟨out_k, r_k⟩ in float64 over the elements the oracle uses (see ``usable``)."""
+    total = 0.0
+    for out, r in zip(outputs, cotangents):
+        if r is not None:
+            out = np.asarray(out)
+            total += float(np.sum(np.where(usable(out), out, 0).astype(np.float64) * r))
+    return total
+
+
+def _disagree(f0: float, f32: float) -> bool:
+    return math.isfinite(f0) and abs(f0 - f32) > FORWARD_AGREEMENT * (1 + abs(f0))
+
+
+def _same_forward(named: Mapping[str, np.ndarray], model, first, f32: float) -> bool:
+    """Whether the backward graph recomputed the forward outputs it exposes as the forward run did."""
+    if LOSS in named:
+        return not _disagree(float(named[LOSS]), f32)
+    return all(np.allclose(named[o.name], out, equal_nan=True)
+               for o, out in zip(model.graph.output, first) if o.name in named)
 
 
 def _describe_worst(errors: np.ndarray, ad: np.ndarray, detail) -> str:
@@ -372,12 +493,16 @@ def run_case(
     if not wrt:
         return []
 
+    defaults: list[str] = []
     try:
         onnx.checker.check_model(model, full_check=True)
     except Exception as error:  # noqa: BLE001 - the pass's output could not pass the checker either
-        return [result("*", "oracle-skip", message=f"the forward model fails onnx.checker: {_one_line(error)}")]
+        explicit, defaults = explicit_defaults(model)
+        if explicit is None:
+            return [result("*", "oracle-skip", message=f"the forward model fails onnx.checker: {_one_line(error)}")]
+        model = explicit  # as exporters write them; the function is the same
     if _training_dropout(model, feeds):
-        return [result("*", "oracle-skip", message="training-mode Dropout is random")]
+        return [result("*", "oracle-skip", message="training-mode Dropout without a seed attribute is random")]
     forward_backend, failures = None, []
     for backend in ("onnxruntime", "reference"):
         try:
@@ -400,24 +525,60 @@ def run_case(
         return []
     # a backward graph must run on onnxruntime unless the forward model itself does not
     backends = ("onnxruntime",) if forward_backend == "onnxruntime" else ("onnxruntime", "reference")
+    f32 = _objective(first, cotangents)
 
     results: dict[str, Result] = {}
     ads: dict[str, tuple[np.ndarray, str]] = {}
+    fed: dict[str, list[str]] = {}  # x → the inputs fed as constants for its backward graph
+    written_for: dict[str, list[str]] = {}  # x → default attributes written out besides
+    constants = _constant_candidates(case, model, wrt, feeds)
+    seeded = _seeded_dropout(model, feeds)
     for x in wrt:
         try:
-            ads[x] = _ad(model, feeds, x, cotangents, registry, backends)
+            ad, ad_backend, named = _ad(model, feeds, x, cotangents, registry, backends)
         except Exception as error:  # noqa: BLE001 - every failure of the pass is a reported status
-            status = _classify(error)
-            if status == "error" and forward_backend != "onnxruntime":
-                # onnxruntime rejects the forward model itself (an unsupported layout, a converted
-                # model that breaks the broadcasting rules, ...): no runtime to judge the rule with.
-                status = "oracle-skip"
-            results[x] = result(x, status, message=_one_line(error))
-    oracle, reason, source = None, "", ""
+            status, message = _classify(error), _one_line(error)
+            if status == "refused" and constants:
+                # exporters write these inputs as initializers or Constant nodes: retry that way
+                exported, written = with_constants(model, feeds, constants), []
+                try:
+                    onnx.checker.check_model(exported[0], full_check=True)
+                except Exception as invalid:  # noqa: BLE001 - onnx's own inference, not the rule
+                    explicit, written = explicit_defaults(exported[0])
+                    if explicit is None:
+                        message += (f"; with {', '.join(constants)} as constants the forward model fails "
+                                    f"onnx.checker: {_one_line(invalid)}")
+                    exported = (explicit, exported[1])
+                if exported[0] is not None and (trouble := _forward_trouble(exported, forward_backend, cotangents, f32)):
+                    message += f"; with {', '.join(constants)} as constants {trouble}"
+                    exported = (None, exported[1])
+                if exported[0] is not None:
+                    try:
+                        ad, ad_backend, named = _ad(*exported, x, cotangents, registry, backends)
+                        fed[x] = list(constants)
+                        written_for[x] = written
+                    except Exception as retry:  # noqa: BLE001
+                        again = _one_line(retry)
+                        note = (f"the same with {', '.join(constants)} fed as constants" if again == message
+                                else f"with {', '.join(constants)} fed as constants: {again}")
+                        status, message = ("error", note) if _classify(retry) == "error" else (status, f"{message}; {note}")
+            if x not in fed:
+                if status == "error" and forward_backend != "onnxruntime":
+                    # onnxruntime rejects the forward model itself (an unsupported layout, a converted
+                    # model that breaks the broadcasting rules, ...): no runtime to judge the rule with.
+                    status = "oracle-skip"
+                results[x] = result(x, status, message=message)
+                continue
+        if seeded and not _same_forward(named, model, first, f32):
+            results[x] = result(x, "oracle-skip", message="the backward graph's seeded training Dropout drew "
+                                "another mask than the forward run")
+            continue
+        ads[x] = ad, ad_backend
+    oracle, reason, source, fallback = None, "", "", ""
     if ads or record is not None:
         fingerprint = _fingerprint(case.model, feeds, cotangents)
         stored = references.get(case.name, seed) if references is not None and record is None else None
-        if stored is not None and stored.fingerprint == fingerprint and stored.covers(ads):
+        if stored is not None and stored.fingerprint == fingerprint and stored.covers(ads) and not _stale(stored, references, feeds):
             oracle, reason, source = stored.oracle(), stored.error or "", "stored"
         else:
             if references is not None and record is None:
@@ -431,26 +592,37 @@ def run_case(
                 )
             except Exception as error:  # noqa: BLE001
                 reason = _one_line(error)
-            if record is not None:
-                dtypes = {x: np.asarray(ad).dtype for x, (ad, _) in ads.items()}
-                record[case.name] = StoredOracle.from_oracle(fingerprint, oracle, reason, dtypes)
-        if oracle is not None:
-            f32 = float(sum(np.sum(np.asarray(o, np.float64) * r) for o, r in zip(first, cotangents)
-                            if r is not None and np.all(np.isfinite(o))))
-            if math.isfinite(oracle.f0) and abs(oracle.f0 - f32) > FORWARD_AGREEMENT * (1 + abs(oracle.f0)):
-                reason = (f"the oracle's runtime ({oracle.backend}) and {forward_backend} disagree on the "
-                          f"forward outputs: <out, r> = {oracle.f0:.6g} vs {f32:.6g}")
-                oracle = None
+        if oracle is not None and _disagree(oracle.f0, f32):
+            reason = (f"the oracle's runtime ({oracle.backend}) and {forward_backend} disagree on the "
+                      f"forward outputs: <out, r> = {oracle.f0:.6g} vs {f32:.6g}")
+            oracle = None
+            if forward_backend == "onnxruntime":
+                # onnxruntime's semantics differ from the float64 runtime's (MaxUnpool with an
+                # output_shape): the rules follow onnxruntime, so judge them by its own function
+                need = list(wrt) if record is not None else list(ads)
+                try:
+                    oracle = fd_vjp(model, feeds, need, cotangents, max_coords=MAX_COORDS, time_budget=budget,
+                                    seed=seed, backends=("float32",))
+                    if _disagree(oracle.f0, f32):
+                        oracle = None
+                    else:
+                        fallback, source = reason, source and "live"
+                except Exception:  # noqa: BLE001 - keep the disagreement as the reason
+                    oracle = None
+        if record is not None:
+            dtypes = {x: np.asarray(ad).dtype for x, (ad, _) in ads.items()}
+            record[case.name] = StoredOracle.from_oracle(fingerprint, oracle, reason, dtypes)
         for x, (ad, ad_backend) in ads.items():
+            common = {"source": source, "constants": fed.get(x, []), "defaults": defaults + written_for.get(x, [])}
             if oracle is None:
-                results[x] = result(x, "oracle-skip", message=reason, source=source)
+                results[x] = result(x, "oracle-skip", message=reason, **common)
                 continue
             detail = oracle.details[x]
             counts = detail.counts()
             atol, rtol = TOLERANCES.get(np.asarray(ad).dtype, TOLERANCES[np.dtype(np.float32)])
             if oracle.weak:
                 atol, rtol = max(atol, WEAK_TOLERANCE), max(rtol, WEAK_TOLERANCE)
-            common = dict(oracle=oracle.backend, weak=oracle.weak, counts=counts, source=source)
+            common.update(oracle=oracle.backend, weak=oracle.weak, counts=counts)
             if ad_backend != "onnxruntime":
                 common["oracle"] += f"; AD on {ad_backend}"
             try:
@@ -469,8 +641,15 @@ def run_case(
                 continue
             worst = float(np.nanmax(errors)) if counts["checked"] else 0.0
             status = "pass" if worst <= 1.0 else "fail"
-            note = _describe_worst(errors, ad, detail) if status == "fail" else ""
-            results[x] = result(x, status, error=worst, message=note, **common)
+            notes = [_describe_worst(errors, ad, detail)] if status == "fail" else []
+            if fallback:
+                notes.append(f"{fallback}: checked against onnxruntime's own function in float32 (weak)")
+            if counts.get("one_sided"):
+                notes.append(f"{counts['one_sided']} element(s) by one-sided differences (the output length "
+                             "changes on the other side)")
+            if seeded:
+                notes.append("training Dropout with a seed: the same mask in every run, checked as fixed")
+            results[x] = result(x, status, error=worst, message="; ".join(n for n in notes if n), **common)
     return [results[x] for x in wrt]
 
 
@@ -592,7 +771,10 @@ REFERENCES_DIR = Path(__file__).with_name("references")
 DEFAULT_REFERENCES = REFERENCES_DIR / "oracle.npz"
 """The stored oracle answers shipped with the package (regenerate: see the module docstring)."""
 
-_FLAGS = ("kink", "unstable", "discontinuous", "nonfinite", "shape_changed")
+ORACLE_REVISION = 2
+"""Stored in saved references; 2: half-precision models widened to float32 in the fallback, one-sided flags."""
+
+_FLAGS = ("kink", "unstable", "discontinuous", "nonfinite", "shape_changed", "one_sided")
 _REFERENCE_FORMAT = 1
 
 
@@ -645,7 +827,7 @@ class References:
     The file holds a JSON index (``index.json``, as bytes) and six flat arrays shared by all
     entries: ``index`` (evaluated flat coordinates, delta-encoded uint32; absent when every
     coordinate was evaluated), ``flags`` (uint8 bits: kink, unstable, discontinuous, nonfinite,
-    shape_changed), ``value32``/``value64`` (the central estimates of evaluated coordinates,
+    shape_changed, one_sided), ``value32``/``value64`` (the central estimates of evaluated coordinates,
     float32 where the checked gradient is float32 or float16) and ``lower``/``upper`` (the
     one-sided slopes at kinks, float64). Loading needs no pickle.
     """
@@ -852,9 +1034,11 @@ def summarize(results: Sequence[Result]) -> list[dict]:
     rows: dict[str, dict] = {}
     for case_results in by_case.values():
         op = case_results[0].op
-        row = rows.setdefault(op, {"op": op, "cases": 0, **{s: 0 for s in STATUSES}, "worst_error": None})
+        row = rows.setdefault(op, {"op": op, "cases": 0, **{s: 0 for s in STATUSES}, "constants": 0,
+                                   "worst_error": None})
         row["cases"] += 1
         row[case_status(case_results)] += 1
+        row["constants"] += case_status(case_results) == "pass" and any(r.constants or r.defaults for r in case_results)
         for r in case_results:
             if r.error is not None and math.isfinite(r.error):
                 row["worst_error"] = max(row["worst_error"] or 0.0, r.error)
@@ -864,23 +1048,44 @@ def summarize(results: Sequence[Result]) -> list[dict]:
 
 
 def totals(results: Sequence[Result]) -> dict:
+    """Cases and checks per status; ``eligible`` cases (all but not-differentiable), the percent
+    of them that pass, ``constants``: passing cases whose backward graph needed run-time inputs
+    fed as constants, and ``defaults``: passing cases whose model needed its default attributes
+    written out to pass onnx.checker."""
     by_case: dict[str, list[Result]] = {}
     for r in results:
         by_case.setdefault(r.case, []).append(r)
     cases = {s: 0 for s in STATUSES}
     checks = {s: 0 for s in STATUSES}
+    constants = defaults = 0
     for case_results in by_case.values():
-        cases[case_status(case_results)] += 1
+        status = case_status(case_results)
+        cases[status] += 1
+        constants += status == "pass" and any(r.constants for r in case_results)
+        defaults += status == "pass" and any(r.defaults for r in case_results)
     for r in results:
         checks[r.status] += 1
-    return {"cases": cases, "checks": checks, "case_count": len(by_case), "check_count": len(results)}
+    eligible = len(by_case) - cases["not-differentiable"]
+    return {"cases": cases, "checks": checks, "case_count": len(by_case), "check_count": len(results),
+            "eligible": eligible, "constants": constants, "defaults": defaults,
+            "pass_percent": round(100 * cases["pass"] / eligible, 2) if eligible else 0.0}
+
+
+def eligible_line(summary: Mapping) -> str:
+    """One line: eligible cases (all but not-differentiable), how many pass (how many of those with
+    run-time inputs fed as constants) and the percent."""
+    parts = [f"{summary['constants']} with run-time inputs fed as constants" if summary["constants"] else "",
+             f"{summary['defaults']} with default attributes written out" if summary.get("defaults") else ""]
+    fed = f" ({', '.join(p for p in parts if p)})" if any(parts) else ""
+    return (f"{summary['eligible']} eligible cases (all but not-differentiable): pass {summary['cases']['pass']}"
+            f"{fed} = {summary['pass_percent']:.1f}%")
 
 
 # --------------------------------------------------------------------------- reports
 
 _COLUMNS = ("pass", "fail", "no-rule", "not-differentiable", "refused", "oracle-skip", "error")
 _SHORT = {"not-differentiable": "not-diff", "oracle-skip": "skip"}
-_PROBLEMS = ("fail", "error", "refused")
+_PROBLEMS = ("fail", "error", "refused", "no-rule")
 
 
 def _fmt_error(value) -> str:
@@ -890,9 +1095,12 @@ def _fmt_error(value) -> str:
 
 
 def format_table(rows: Sequence[dict], markdown: bool = False) -> str:
-    """The per-op summary as aligned text, or as a Markdown table."""
-    header = ["op", "cases", *(_SHORT.get(c, c) for c in _COLUMNS), "worst error"]
-    body = [[r["op"], str(r["cases"]), *(str(r[c]) for c in _COLUMNS), _fmt_error(r["worst_error"])] for r in rows]
+    """The per-op summary as aligned text, or as a Markdown table. Column ``pass*``: passing
+    cases checked exporter-style, run-time inputs fed as constants or default attributes written
+    out (counted in ``pass`` too)."""
+    header = ["op", "cases", *(_SHORT.get(c, c) for c in _COLUMNS), "pass*", "worst error"]
+    body = [[r["op"], str(r["cases"]), *(str(r[c]) for c in _COLUMNS), str(r.get("constants", 0)),
+             _fmt_error(r["worst_error"])] for r in rows]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in body]
@@ -950,6 +1158,8 @@ def write_reports(path: str | Path, results: Sequence[Result], meta: Mapping, ve
         ", ".join(f"{k} {v}" for k, v in document["versions"].items()),
         f"wall time {meta.get('wall_seconds', 0):.1f} s with {meta.get('jobs', 1)} job(s)",
         "",
+        f"**{eligible_line(summary)}**",
+        "",
         f"**{summary['case_count']} cases**: "
         + ", ".join(f"{s} {n}" for s, n in summary["cases"].items() if n),
         "",
@@ -957,6 +1167,12 @@ def write_reports(path: str | Path, results: Sequence[Result], meta: Mapping, ve
         + ", ".join(f"{s} {n}" for s, n in summary["checks"].items() if n),
         "",
         format_table(rows, markdown=True),
+        "",
+        "Column pass*: passing cases checked exporter-style (counted in pass, listed below and "
+        "marked ⚑): first refused because an input the rule needs as a constant (Resize scales, "
+        "Slice axes, ...) is fed at run time in the backend data, they ran with those inputs (every "
+        "input not checked) as initializers; or onnx.checker rejected the model until the schema's "
+        "default attributes were written out (onnx's shape inference reads other defaults).",
         "",
     ]
     if verdicts is not None:
@@ -979,10 +1195,20 @@ def write_reports(path: str | Path, results: Sequence[Result], meta: Mapping, ve
         md.append("")
     problems = [r for r in results if r.status in _PROBLEMS]
     if problems:
-        md += ["## Failures, errors and refusals", ""]
+        md += ["## Failures, errors, refusals and missing rules", ""]
         for r in problems:
             error = f" (error {_fmt_error(r.error)})" if r.error is not None else ""
-            md.append(f"- **{r.status}** `{r.case}` input `{r.input}`{error}: {r.message}".rstrip(": "))
+            fed = " ⚑" if r.constants or r.defaults else ""
+            md.append(f"- **{r.status}**{fed} `{r.case}` input `{r.input}`{error}: {r.message}".rstrip(": "))
+        md.append("")
+    fed = [r for r in results if (r.constants or r.defaults) and r.status not in _PROBLEMS]
+    if fed:
+        md += ["## ⚑ Checked exporter-style", "",
+               "Run-time inputs fed as constants (the first attempt, with the inputs as in the backend "
+               "data, was refused) and default attributes written out.", ""]
+        md += [f"- **{r.status}** ⚑ `{r.case}` input `{r.input}`: "
+               + "; ".join(p for p in (", ".join(r.constants), ", ".join(f"@{d}" for d in r.defaults)) if p)
+               + (f" ({r.message})" if r.message else "") for r in fed]
         md.append("")
     skips = [r for r in results if r.status == "oracle-skip"]
     if skips:
@@ -1168,6 +1394,7 @@ def run(args: argparse.Namespace, registry=None) -> int:
     print(format_table(rows))
     print()
     print(f"{summary['case_count']} cases: " + ", ".join(f"{s} {n}" for s, n in summary["cases"].items() if n))
+    print(eligible_line(summary))
     print(f"{summary['check_count']} checks: " + ", ".join(f"{s} {n}" for s, n in summary["checks"].items() if n))
     for r in results:
         if r.status in ("fail", "error"):
@@ -1189,7 +1416,7 @@ def run(args: argparse.Namespace, registry=None) -> int:
         for r in live:
             print(f"  {r.source}: {r.case} [{r.input}]")
     if save is not None:
-        save.meta.update(versions=_versions(), budget=budget, max_coords=MAX_COORDS)
+        save.meta.update(versions=_versions(), budget=budget, max_coords=MAX_COORDS, oracle_revision=ORACLE_REVISION)
         try:
             path = save.save(args.save_references)
         except OSError as error:

@@ -8,7 +8,7 @@ from onnx import helper
 from helpers import make_model, op_model, rng
 from onnx_autodiff.conformance import check_vjp, compare, fd_vjp, random_cotangents
 from onnx_autodiff.conformance.check import compare_elements
-from onnx_autodiff.conformance.oracle import OracleError, to_float64
+from onnx_autodiff.conformance.oracle import Evaluator, OracleError, to_float64
 
 R = rng(11)
 
@@ -175,12 +175,26 @@ def test_non_finite_neighbourhood_is_skipped():
     np.testing.assert_array_equal(fd.details["X"].nonfinite, [True, False])
 
 
-def test_shape_changing_input_is_skipped():
+def test_length_change_on_one_side_gives_the_other_sides_slope():
+    # limit - start = 3·delta exactly: the length grows on one side of start, limit and delta only
     feeds = {"start": np.array(0.0, np.float32), "limit": np.array(3.0, np.float32), "delta": np.array(1.0, np.float32)}
     model = op_model("Range", feeds)
-    _, fd = oracle(model, feeds, ["limit", "start"])
-    assert fd.details["limit"].shape_changed.all()
-    assert fd.details["start"].shape_changed.all()
+    (r,), fd = oracle(model, feeds, ["limit", "start", "delta"])
+    r = r.astype(np.float64)
+    for name in ("limit", "start", "delta"):
+        detail = fd.details[name]
+        assert detail.one_sided.all() and not detail.shape_changed.any() and detail.checkable.all()
+    np.testing.assert_allclose(fd["start"], r.sum(), rtol=1e-6)
+    np.testing.assert_allclose(fd["delta"], (np.arange(3) * r).sum(), rtol=1e-6)
+    np.testing.assert_allclose(fd["limit"], 0.0, atol=1e-6)
+
+
+def test_length_change_on_both_sides_is_skipped():
+    # delta far below the steps: moving start either way by 1e-4 adds or drops ten elements
+    feeds = {"start": np.array(0.0, np.float32), "limit": np.array(1e-3, np.float32), "delta": np.array(1e-5, np.float32)}
+    _, fd = oracle(op_model("Range", feeds), feeds, ["start"], step=1e-4, large_step=1e-3)
+    detail = fd.details["start"]
+    assert detail.shape_changed.all() and not detail.one_sided.any() and not detail.checkable.any()
 
 
 def test_jump_is_discontinuous_and_skipped():
@@ -229,3 +243,57 @@ def test_compare_plain_arrays_keeps_its_meaning():
     assert compare(np.array([1.1, -2.0]), fd, 1e-4, 1e-3) > 1
     assert compare(np.zeros(3), fd, 1e-4, 1e-3) == float("inf")
     assert compare(np.array([np.nan, -2.0]), fd, 1e-4, 1e-3) == float("inf")
+
+
+def test_float32_fallback_widens_half_precision():
+    # finite differences in float16 are rounding noise: the fallback evaluates in float32
+    x = R.standard_normal((3, 4)).astype(np.float16)
+    (r,), fd = oracle(op_model("Tanh", {"X": x}), {"X": x}, ["X"], backends=("float32",))
+    expected = r.astype(np.float64) * (1 - np.tanh(x.astype(np.float64)) ** 2)
+    assert fd.backend == "float32" and fd.weak
+    np.testing.assert_allclose(fd["X"], expected, rtol=2e-3, atol=2e-3)
+
+
+def test_cotangent_is_zero_on_masking_values():
+    lowest = np.finfo(np.float32).min
+    x = np.array([1.0, lowest, np.inf, -2.0], np.float32)
+    (r,) = random_cotangents(op_model("Identity", {"X": x}), {"X": x})
+    assert r[0] != 0 and r[3] != 0 and r[1] == 0 and r[2] == 0
+
+
+def test_evaluator_does_not_let_a_runtime_move_the_feeds():
+    # onnxruntime's training BatchNormalization writes running statistics that are not graph
+    # outputs into its mean and var inputs
+    feeds = {"x": R.standard_normal((2, 3, 4)).astype(np.float32), "s": np.ones(3, np.float32),
+             "b": np.zeros(3, np.float32), "mean": np.full(3, 0.5, np.float32), "var": np.full(3, 2.0, np.float32)}
+    node = helper.make_node("BatchNormalization", list(feeds), ["y", "running_mean", "running_var"], training_mode=1)
+    model = make_model([node], feeds, ["y"], opset=15)
+    before = {k: v.copy() for k, v in feeds.items()}
+    Evaluator(model, backends=("onnxruntime",))(feeds)
+    for name, value in before.items():
+        np.testing.assert_array_equal(feeds[name], value, err_msg=name)
+
+
+def test_reference_loop_without_cond_stacks_scan_outputs():
+    # Loop with no cond input (runs M times) and a rank-2 scan output: (M, 3, 2)
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+         helper.make_node("Add", ["acc_in", "one"], ["acc_out"]),
+         helper.make_node("Identity", ["acc_out"], ["scan"])],
+        "body",
+        [helper.make_tensor_value_info("i", onnx.TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", onnx.TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc_in", onnx.TensorProto.FLOAT, [3, 2])],
+        [helper.make_tensor_value_info("cond_out", onnx.TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc_out", onnx.TensorProto.FLOAT, [3, 2]),
+         helper.make_tensor_value_info("scan", onnx.TensorProto.FLOAT, [3, 2])],
+        [onnx.numpy_helper.from_array(np.ones((3, 2), np.float32), "one")],
+    )
+    loop = helper.make_node("Loop", ["M", "", "acc"], ["final", "scans"], body=body)
+    feeds = {"M": np.array(2, np.int64), "acc": np.zeros((3, 2), np.float32)}
+    model = make_model([loop], feeds, ["final", "scans"], output_shapes={"final": [3, 2], "scans": [2, 3, 2]})
+    expected = Evaluator(model, backends=("onnxruntime",))(feeds)
+    got = Evaluator(model, backends=("reference",))(feeds)
+    assert got[1].shape == (2, 3, 2)
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a, b)

@@ -44,7 +44,7 @@ def test_round_trip_keeps_every_field(recorded, tmp_path):
         assert set(again.details) == set(entry.details)
         for x, detail in entry.details.items():
             other = again.details[x]
-            for flag in ("evaluated", "kink", "unstable", "discontinuous", "nonfinite", "shape_changed"):
+            for flag in ("evaluated", "kink", "unstable", "discontinuous", "nonfinite", "shape_changed", "one_sided"):
                 np.testing.assert_array_equal(getattr(other, flag), getattr(detail, flag), err_msg=f"{key} {x} {flag}")
             for field in ("value", "lower", "upper"):
                 stored, original = getattr(other, field), getattr(detail, field)
