@@ -20,6 +20,7 @@ from onnx_autodiff.errors import (
     UnsupportedModelError,
     describe_node,
 )
+from onnx_autodiff.passes.cleanup import record_differentiated
 from onnx_autodiff.rules import GradRegistry, GradRule, default_registry, shapes
 from onnx_autodiff.rules.builder import FLOAT_TYPES, Namer, OpBuilder
 
@@ -156,15 +157,18 @@ class Backward:
         seeds = [(y, dy) for y, dy in seeds if dy is not None]
         reached, rules = self._forward_reach(xs)
         active = self._backward_reach([y for y, _ in seeds], reached, rules)
-        contributions: dict[ir.Value, list[ir.Value]] = {}
+        # Per value, its gradient contributions: (gradient, None) when in the value's shape,
+        # (gradient, y) when still in the broadcast shape of the output y.
+        contributions: dict[ir.Value, list[tuple[ir.Value, ir.Value | None]]] = {}
         totals: dict[ir.Value, ir.Value] = {}
         for y, dy in seeds:
             if y in reached:
-                contributions.setdefault(y, []).append(dy)
+                contributions.setdefault(y, []).append((dy, None))
 
         def total(value: ir.Value) -> ir.Value | None:
             if value not in totals and value in contributions:
-                totals[value] = shapes.accumulate(self.op, contributions[value], like=value)
+                reduced = self._reduce_contributions(value, contributions[value])
+                totals[value] = shapes.accumulate(self.op, reduced, like=value)
             return totals.get(value)
 
         for node in reversed(active):
@@ -174,11 +178,52 @@ class Backward:
             dys = [total(out) for out in node.outputs]
             if all(g is None for g in dys):
                 continue
-            for value, grad in self._call_rule(rule, node, dys, reached):
-                if rule.broadcast:
-                    grad = shapes.unbroadcast(self.op, grad, value, node.outputs[0])
-                contributions.setdefault(value, []).append(grad)
+            self._save_outputs(rule, node)
+            for value, grad, unreduced in self._call_rule(rule, node, dys, reached):
+                contributions.setdefault(value, []).append((grad, node.outputs[0] if unreduced else None))
         return [total(x) for x in xs]
+
+    def _reduce_contributions(self, value: ir.Value, items) -> list[ir.Value]:
+        """The contributions in the value's shape and type. Those in one broadcast shape (the uses
+        of a tied parameter) are summed first, so one reduction serves them all."""
+        groups: dict[object, list[tuple[ir.Value, ir.Value]]] = {}
+        slots: list[object] = []
+        for grad, like in items:
+            if like is None:
+                slots.append(grad)
+                continue
+            shape = shapes.dims(like)
+            key = (shape if shape is not None and None not in shape else like, grad.dtype)
+            if key not in groups:
+                groups[key] = []
+                slots.append(key)
+            groups[key].append((grad, like))
+        reduced: list[ir.Value] = []
+        for slot in slots:
+            if isinstance(slot, ir.Value):
+                reduced.append(slot)
+                continue
+            group = groups[slot]
+            summed = shapes.accumulate(self.op, [grad for grad, _ in group])
+            grad = shapes.unbroadcast(self.op, summed, value, group[0][1])
+            if grad.dtype is not None and value.dtype is not None and grad.dtype != value.dtype:
+                grad = self.op.Cast(grad, to=value.dtype)
+            reduced.append(grad)
+        return reduced
+
+    def _save_outputs(self, rule: GradRule, node: ir.Node) -> None:
+        """Gives the node the optional outputs its rule reads (``GradRule.saves``), typed by the
+        op's type inference; the forward results are unchanged."""
+        indices = rule.saved_outputs(node, self.opset_of(node))
+        if all(i < len(node.outputs) and node.outputs[i].name for i in indices):
+            return
+        if len(node.outputs) <= max(indices):
+            node.resize_outputs(max(indices) + 1)
+        stem = node.outputs[0].name or node.name or node.op_type
+        for i, saved in zip(indices, rule.saves):
+            if not node.outputs[i].name:
+                node.outputs[i].name = self.op.namer.fresh(f"{stem}_{saved}")
+        _infer_output_types(node, self.opset_of(node), [node.outputs[i] for i in indices])
 
     def _forward_reach(self, xs: Sequence[ir.Value]):
         reached: set[ir.Value] = set(xs)
@@ -253,7 +298,7 @@ class Backward:
                 if isinstance(grad, (list, tuple)):
                     grad = grad[positions[index]] if positions[index] < len(grad) else None
             if grad is not None:
-                yield value, grad
+                yield value, grad, index is not None and rule.unreduced(names[index])
 
     def _missing_rule(self, node: ir.Node, seeds, xs: Sequence[ir.Value]) -> None:
         opset = self.opset_of(node)
@@ -268,12 +313,44 @@ class Backward:
         )
 
 
+def _infer_output_types(node: ir.Node, opset: int, outputs: Sequence[ir.Value]) -> None:
+    """Sets the type (and shape, when inferred) of the node's ``outputs`` from the op's schema."""
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
+        proto = ir.serde.serialize_node(node)
+        known = {v.name: _type_proto(v) for v in node.inputs if v is not None and v.type is not None}
+        inferred = onnx.shape_inference.infer_node_outputs(schema, proto, known)
+    except Exception:  # noqa: BLE001 - without a type the rule still works in its input's type
+        return
+    for value in outputs:
+        found = inferred.get(value.name)
+        if found is not None and found.HasField("tensor_type"):
+            value.type = ir.serde.deserialize_type_proto_for_type(found)
+            value.shape = ir.serde.deserialize_type_proto_for_shape(found)
+
+
+def _type_proto(value: ir.Value) -> onnx.TypeProto:
+    proto = onnx.TypeProto()
+    ir.serde.serialize_type_into(proto, value.type)
+    if value.shape is not None:
+        ir.serde.serialize_shape_into(proto, value.shape)
+    return proto
+
+
 def infer_shapes(model: ir.Model) -> None:
-    """Fill in the types and shapes onnx's inference finds; on failure leave the model as it is.
+    """Fill in the types and shapes onnx's inference finds, then complete them node by node
+    (``passes.inference``); where neither finds a shape, the value is left as it is.
 
     Unlike onnx-ir's ShapeInferencePass, a value without a type takes the inferred type whole,
     so sequence values stay sequences (that pass turns them into tensors of the element type).
     """
+    from onnx_autodiff.passes.inference import complete_shapes
+
+    _infer_model_shapes(model)
+    complete_shapes(model.graph, model.opset_imports)
+
+
+def _infer_model_shapes(model: ir.Model) -> None:
     try:
         proto = onnx.shape_inference.infer_shapes(ir.to_proto(model), strict_mode=False, data_prop=True)
     except Exception:  # noqa: BLE001 - inference is a help, not a requirement
@@ -359,6 +436,8 @@ class AutodiffPass(ir.passes.InPlacePass):
         y = find_value(graph, self.of, "of")
         _check_differentiable(y, "of")
         xs = self._variables(graph)
+        # Tells the cleanup passes never to fold these (a training loop feeds new values of them).
+        record_differentiated(model, [x.name for x in xs])
         namer = Namer.for_graph(graph)
         backward = Backward(graph, self.registry, model.opset_imports, namer)
         op = backward.op

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from onnx_autodiff.rules import shapes
-from onnx_autodiff.rules.math import gate, needs_opset7, select
+from onnx_autodiff.rules.math import gate, needs_opset7, scale_where, select
 from onnx_autodiff.rules.registry import rule
 
 for _op_type, _inputs in {
@@ -33,7 +33,7 @@ def _positive(op, X):
 def leaky_relu(op, node, dY):
     """Y = X for X > 0, alpha·X otherwise"""
     alpha = shapes.attr(node, "alpha", 0.01)
-    return {"X": select(op, _positive(op, node.inputs[0]), dY, op.Mul(dY, alpha))}
+    return {"X": scale_where(op, _positive(op, node.inputs[0]), dY, 1.0, alpha)}
 
 
 @rule("PRelu", differentiable=("X", "slope"), broadcast=True, since=7)
@@ -42,7 +42,7 @@ def prelu(op, node, dY):
     X, slope = node.inputs
     up = _positive(op, X)
     return {
-        "X": select(op, up, dY, op.Mul(dY, slope)),
+        "X": scale_where(op, up, dY, 1.0, slope),
         "slope": gate(op, op.Not(up), op.Mul(dY, X)),
     }
 
@@ -73,7 +73,7 @@ def prelu_per_channel(op, node, dY):
     up = _positive(op, X)
     d_slope = gate(op, op.Not(up), op.Mul(dY, X))
     return {
-        "X": select(op, up, dY, op.Mul(dY, shaped)),
+        "X": scale_where(op, up, dY, 1.0, shaped),
         "slope": op.reduce_sum(d_slope, [k for k in range(r) if k != axis], keepdims=False),
     }
 
@@ -122,20 +122,21 @@ def shrink(op, node, dY):
 
 @rule("Gelu", differentiable=("X",))
 def gelu(op, node, dY):
-    """Y = X·Phi(X) (approximate="none") or 0.5·X·(1 + tanh(u)), u = sqrt(2/pi)·(X + 0.044715·X³)"""
+    """Y = X·Phi(X) (approximate="none") or 0.5·X·(1 + tanh(z)), z = sqrt(2/pi)·(X + 0.044715·X³)"""
     X = node.inputs[0]
     if shapes.attr(node, "approximate", "none") == "tanh":
-        k = math.sqrt(2.0 / math.pi)
+        # 0.5·(1 + tanh z) = s = sigmoid(2z) and 1 - tanh² z = 4s(1 - s), so
+        # Y' = s + s(1 - s)·q with q = X·2k(1 + 3a·X²), k = sqrt(2/pi), a = 0.044715.
+        k, a = math.sqrt(2.0 / math.pi), 0.044715
         x2 = op.Mul(X, X)
-        t = op.Tanh(op.Mul(op.Mul(X, op.Add(op.Mul(x2, 0.044715), 1.0)), k))
-        du = op.Mul(op.Add(op.Mul(x2, 3 * 0.044715), 1.0), k)
-        sech2 = op.Sub(1.0, op.Mul(t, t))
-        slope = op.Mul(op.Add(op.Add(t, 1.0), op.Mul(op.Mul(X, sech2), du)), 0.5)
-    else:
-        cdf = op.Mul(op.Add(op.Erf(op.Mul(X, math.sqrt(0.5))), 1.0), 0.5)
-        pdf = op.Mul(op.Exp(op.Mul(op.Mul(X, X), -0.5)), 1.0 / math.sqrt(2.0 * math.pi))
-        slope = op.Add(cdf, op.Mul(X, pdf))
-    return {"X": op.Mul(dY, slope)}
+        s = op.Sigmoid(op.Mul(X, op.Add(op.Mul(x2, 2 * k * a), 2 * k)))
+        q = op.Mul(X, op.Add(op.Mul(x2, 6 * k * a), 2 * k))
+        slope = op.Mul(s, op.Add(op.Mul(op.Sub(1.0, s), q), 1.0))
+        return {"X": op.Mul(dY, slope)}
+    # With u = X/sqrt(2): Y' = Phi(X) + X·phi(X) = 0.5·(1 + erf(u) + u·exp(log(2/sqrt(pi)) - u²)).
+    u = op.Mul(X, math.sqrt(0.5))
+    bump = op.Mul(u, op.Exp(op.Sub(math.log(2.0 / math.sqrt(math.pi)), op.Mul(u, u))))
+    return {"X": op.Mul(op.Mul(dY, op.Sum(op.Erf(u), bump, 1.0)), 0.5)}
 
 
 @rule("Softplus", differentiable=("X",), since=7)

@@ -2,6 +2,9 @@
 
 Conventions where the derivative is not defined (subgradients chosen to match PyTorch):
 - a kink at 0 takes the left-hand piece: Relu'(0) = 0, Abs'(0) = Sign(0) = 0;
+- Relu multiplies dY by the 0/1 mask, so a NaN or infinite dY where X <= 0 gives NaN there
+  (IEEE 0·NaN = NaN, 0·inf = NaN; PyTorch gives 0): the fast form in onnxruntime. Where-based
+  gates (Clip, ThresholdedRelu, ...) give 0 there;
 - Max/Min ties send the whole gradient to the first input that attains the result;
 - Clip passes the gradient to the input on the closed interval [min, max] and to min (max) only
   where the input lies strictly below (above) it; with min > max everything goes to max;
@@ -52,6 +55,23 @@ def select(op, cond, a, b):
 def gate(op, cond, dY):
     """dY where ``cond`` holds, 0 elsewhere."""
     return select(op, cond, dY, 0.0)
+
+
+def scale_where(op, cond, dY, a, b):
+    """dY·a where ``cond`` holds, dY·b elsewhere (a, b numbers or values broadcasting to dY).
+
+    Written dY·Where(cond, a, b): in onnxruntime a Where over scalar branches and one Mul take a
+    fifth to a third of the time of a Where choosing between two full-size tensors; equal results.
+    """
+    if op.opset < 9 or dY.dtype is None:  # no Where, or no type for its scalars without CastLike
+        return select(op, cond, _times(op, dY, a), _times(op, dY, b))
+    a = a if isinstance(a, ir.Value) else op.const(a, dtype=dY.dtype)
+    b = b if isinstance(b, ir.Value) else op.const(b, dtype=dY.dtype)
+    return op.Mul(dY, op.Where(cond, a, b))
+
+
+def _times(op, dY, a):
+    return dY if isinstance(a, (int, float)) and a == 1 else op.Mul(dY, a)
 
 
 def zeros(op, x):
@@ -164,7 +184,10 @@ def cast_like(op, node, dY):
 @rule("Relu", differentiable=("X",), since=7)
 def relu(op, node, dY):
     """Y = max(X, 0)"""
-    return {"X": gate(op, op.Greater(node.inputs[0], 0.0), dY)}
+    # dY·[X > 0] rather than Where(X > 0, dY, 0): a sixth of the time in onnxruntime; a NaN or
+    # infinite dY where X <= 0 gives NaN (0·NaN) there instead of 0 (see the module docstring).
+    X = node.inputs[0]
+    return {"X": op.Mul(dY, as_float(op, op.Greater(X, 0.0), dY if dY.dtype is not None else X))}
 
 
 @rule("Abs", differentiable=("X",), since=7)

@@ -71,12 +71,9 @@ def gemm(op, node, dY):
     return grads
 
 
-def _sum_to_batch(op, grad, x, out_batch):
-    """Sum a matmul operand's gradient (batch dims ``out_batch``) down to x's batch dims."""
-    x_dims = shapes.dims(x)
-    if out_batch is not None and x_dims is not None:
-        grad.shape = ir.Shape([*out_batch, *x_dims[-2:]])
-    return shapes.unbroadcast(op, grad, x, grad)
+# Einsum letters for batch axes; m, k, n name the matrix axes.
+_BATCH_LETTERS = "abcdefghijlopqrstuvwxyz"
+_EINSUM_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16})
 
 
 @rule("MatMul", differentiable=("A", "B"))
@@ -86,6 +83,49 @@ def matmul(op, node, dY):
     ra, rb = _known_rank(A, "input A"), _known_rank(B, "input B")
     if ra == 1 and rb == 1:
         return {"A": op.Mul(dY, B), "B": op.Mul(dY, A)}
+    floats = A.dtype in _EINSUM_TYPES and B.dtype in _EINSUM_TYPES
+    if ra == rb == 2 and floats and op.opset >= 11:
+        # Gemm's transA/transB read the transposes in place: one node per gradient.
+        return {"A": op.Gemm(dY, B, transB=1), "B": op.Gemm(A, dY, transA=1)}
+    if min(ra, rb) <= 2 and max(ra, rb) - 2 <= len(_BATCH_LETTERS) and floats and op.opset >= 12:
+        return _matmul_one_batched(op, A, B, dY, ra, rb)
+    return _matmul_broadcast(op, node, dY, ra, rb)
+
+
+def _matmul_one_batched(op, A, B, dY, ra, rb):
+    """At most one operand has batch axes, so every Einsum letter has one extent (no broadcast).
+
+    Einsum sums the batch axes of a weight's gradient in the same kernel: no [batch, K, N]
+    intermediate and no ReduceSum. Where the gradient keeps the batch axes, MatMul with a
+    Transpose is faster (onnxruntime folds the Transpose of a weight, or fuses it into the MatMul)
+    and needs no sum.
+    """
+    b = _BATCH_LETTERS[: max(ra, rb) - 2]
+    ta = "k" if ra == 1 else b[: ra - 2] + "mk"
+    tb = "k" if rb == 1 else b[: rb - 2] + "kn"
+    ty = b + ("m" if ra > 1 else "") + ("n" if rb > 1 else "")
+    if ra > 2 and rb == 2:
+        dA = op.MatMul(dY, shapes.swap_last2(op, B, rb))
+    else:
+        dA = op.Einsum(dY, B, equation=f"{ty},{tb}->{ta}")
+    if ra == 2 and rb > 2:
+        dB = op.MatMul(shapes.swap_last2(op, A, ra), dY)
+    else:
+        dB = op.Einsum(A, dY, equation=f"{ta},{ty}->{tb}")
+    return {"A": dA, "B": dB}
+
+
+def _sum_to_batch(op, grad, x, out_batch):
+    """Sum a matmul operand's gradient (batch dims ``out_batch``) down to x's batch dims."""
+    x_dims = shapes.dims(x)
+    if out_batch is not None and x_dims is not None:
+        grad.shape = ir.Shape([*out_batch, *x_dims[-2:]])
+    return shapes.unbroadcast(op, grad, x, grad)
+
+
+def _matmul_broadcast(op, node, dY, ra, rb):
+    """Batch axes on both sides (broadcast against each other), or no Einsum/Gemm form."""
+    A, B = node.inputs
     if ra == 1:  # A is a row (1, K); Y lost that axis
         dY2 = op.unsqueeze(dY, [rb - 2])
         dA = op.MatMul(dY2, shapes.swap_last2(op, B, rb))
@@ -178,18 +218,34 @@ def _batch_as_channels(op, x, group: int, ns: int):
     return op.Transpose(t, perm=[ns, ns + 1, *range(ns)])
 
 
-def _kernel_grad(op, x, dy, g: _Geometry):
+def _kernel_grad(op, x, dy, g: _Geometry, x_like: ir.Value, dy_like: ir.Value):
     """dW[m, c, k] = Σ_n,o dy[n, m, o]·xpad[n, group(m)·C/g + c, o·stride + k·dilation].
 
-    A Conv of x (batch as channels) with dy (batch as input channels) as the kernel.
+    A Conv of x (batch as channels) with dy (batch as input channels) as the kernel; ``x_like``
+    and ``dy_like`` are forward values of their shapes (gradients carry none).
     """
     ns = g.ns
     xin = _batch_as_channels(op, x, g.group, ns)
     kern = op.Transpose(dy, perm=_spatial_perm([1, 0], ns))
     dw = op.Conv(xin, kern, strides=g.dilations, dilations=g.strides, pads=g.pads, group=g.group)
     dw = op.Transpose(dw, perm=_spatial_perm([1, 0], ns))
+    if _kernel_grad_taps(g, x_like, dy_like) == g.kernel:
+        return dw
     # The Conv may produce extra taps past the kernel's end (they touch no output).
     return _slice(op, dw, [0] * ns, g.kernel, range(2, ns + 2))
+
+
+def _kernel_grad_taps(g: _Geometry, x_like, dy_like) -> list[int] | None:
+    """The size of _kernel_grad's Conv output per axis, when the shapes are static."""
+    x_dims, dy_dims = shapes.dims(x_like), shapes.dims(dy_like)
+    if x_dims is None or dy_dims is None:
+        return None
+    spatial = list(zip(x_dims[2:], dy_dims[2:]))
+    if not all(isinstance(s, int) and isinstance(o, int) for s, o in spatial):
+        return None
+    # dy is the kernel, its taps a stride apart; the Conv steps by the dilation.
+    return [(s + b + e - st * (o - 1) - 1) // d + 1 for (s, o), b, e, st, d in
+            zip(spatial, g.pads, g.pads[g.ns:], g.strides, g.dilations)]
 
 
 def _fit_to(op, y, like, pad_end):
@@ -223,7 +279,7 @@ def conv(op, node, dY):
         begin = g.pads[: g.ns]
         full = op.ConvTranspose(dY, W, pads=begin + [0] * g.ns, **common)
         dX = _fit_to(op, full, X, g.pads[g.ns:])
-    grads = {"X": dX, "W": _kernel_grad(op, X, dY, g)}
+    grads = {"X": dX, "W": _kernel_grad(op, X, dY, g, X, node.outputs[0])}
     if B is not None:
         grads["B"] = op.reduce_sum(dY, [0, *range(2, g.ns + 2)], keepdims=False)
     return grads
@@ -255,7 +311,7 @@ def conv_transpose(op, node, dY):
     if min(end) < 0:
         ends = g.spatial if g.spatial is not None else op.Slice(op.Shape(X), [2], [ns + 2])
         dX = _slice(op, dX, [0] * ns, ends, range(2, ns + 2))
-    grads = {"X": dX, "W": _kernel_grad(op, dY, X, g)}
+    grads = {"X": dX, "W": _kernel_grad(op, dY, X, g, node.outputs[0], X)}
     if B is not None:
         grads["B"] = op.reduce_sum(dY, [0, *range(2, ns + 2)], keepdims=False)
     return grads
@@ -322,7 +378,15 @@ def max_pool(op, node, dY, dIndices=None):
     else:
         indices = op.MaxPool(X, _outputs=2, **attrs)[1]
     g = _Geometry(node, X, None)
-    overlapping = all(st < d * (k - 1) + 1 for st, d, k in zip(g.strides, g.dilations, g.kernel))
+    # Two windows share an element when they overlap along any one axis.
+    overlapping = any(st < d * (k - 1) + 1 for st, d, k in zip(g.strides, g.dilations, g.kernel))
+    overhang = None if overlapping else _unpool_overhang(g, shapes.attr(node, "ceil_mode", 0))
+    if overhang is not None and op.opset >= 9 and X.dtype in _UNPOOL_TYPES:
+        # Every index is hit at most once: MaxUnpool puts dY there in one node (faster than the
+        # scatter below). Indices are absolute; its end pads only keep the size it infers from
+        # the windows within X's, which onnxruntime checks against output_shape.
+        return {"X": op.MaxUnpool(dY, indices, op.Shape(X), kernel_shape=g.kernel,
+                                  strides=g.strides, pads=[0] * g.ns + overhang)}
     why = "MaxPool's gradient (ScatterElements, with reduction='add' when windows overlap)"
     _need_opset(op, 16 if overlapping else 11, why)
     # Indices are offsets into X flattened whole (batch and channel included).
@@ -330,6 +394,21 @@ def max_pool(op, node, dY, dIndices=None):
     flat = op.ScatterElements(zeros, op.Reshape(indices, [-1]), op.Reshape(dY, [-1]), axis=0,
                               reduction="add" if op.opset >= 16 else None)
     return {"X": op.Reshape(flat, op.Shape(X))}
+
+
+# onnxruntime has MaxUnpool kernels for these only.
+_UNPOOL_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16})
+
+
+def _unpool_overhang(g: _Geometry, ceil_mode) -> list[int] | None:
+    """How far the undilated windows reach past X's end, per axis (None: unknown, or a kernel
+    or more, which MaxUnpool's pads cannot take)."""
+    if g.spatial is None:
+        return None
+    g.resolve_same()
+    out = _pooled_size(g, g.spatial, ceil_mode)
+    over = [max(0, (o - 1) * st + k - s) for o, st, k, s in zip(out, g.strides, g.kernel, g.spatial)]
+    return over if all(v < k for v, k in zip(over, g.kernel)) else None
 
 
 @rule("GlobalMaxPool", differentiable=("X",))

@@ -2,7 +2,8 @@
 
 They share one backward: for x̂ standardised over axes A (N elements) and g = ∂L/∂x̂,
 ``dX = inv · (g - mean_A(g) - x̂ · mean_A(g · x̂))`` (:func:`_standardize_backward`).
-Statistics the forward node does not output are recomputed in the backward graph. The backward
+LayerNormalization reads the statistics from the forward node (the engine adds the outputs it
+lacks); the others recompute them in the backward graph. The backward
 runs in X's type, widened to float32 for 16-bit X when ``stash_type`` asks for float (never
 narrowed: float64 X stays float64 even though stash_type=1 computes its forward in float32).
 """
@@ -80,7 +81,8 @@ def _per_channel(op, v, rank):
     return op.unsqueeze(v, list(range(1, rank - 1))) if rank > 2 else v
 
 
-@rule("LayerNormalization", differentiable=("X", "Scale", "B"), since=17)
+@rule("LayerNormalization", differentiable=("X", "Scale", "B"), since=17,
+      broadcast=("Scale", "B"), saves=("Mean", "InvStdDev"))
 def layer_normalization(op, node, dY, dMean=None, dInvStdDev=None):
     """Y = x̂ · Scale + B, x̂ standardised over axes [axis, rank); optional Mean, InvStdDev."""
     X, Scale = node.inputs[:2]
@@ -89,18 +91,18 @@ def layer_normalization(op, node, dY, dMean=None, dInvStdDev=None):
     axes = list(range(shapes.normalize_axis(shapes.attr(node, "axis", -1), r), r))
     work = _work_dtype(X, shapes.attr(node, "stash_type", 1))
     x = _cast(op, X, work)
-    mean, inv = _present(node, 1), _present(node, 2)
-    if mean is not None and inv is not None:
-        xc, inv = op.Sub(x, _cast(op, mean, work)), _cast(op, inv, work)
-    else:  # the torch exporter leaves the statistics out: recompute them
-        xc, inv = _moments(op, x, axes, shapes.attr(node, "epsilon", 1e-5))
-    xhat = op.Mul(xc, inv)
+    # The engine gave the node its statistics outputs (saves=): no recomputation.
+    _, mean, inv = node.outputs[:3]
+    inv = _cast(op, inv, work)
+    xhat = op.Mul(op.Sub(x, _cast(op, mean, work)), inv)
     grads, dx = {}, None
     if dY is not None:
         dy = _cast(op, dY, work)
-        grads["Scale"] = _like(op, shapes.unbroadcast(op, op.Mul(dy, xhat), Scale, X), Scale)
+        # Scale and B: in Y's shape, the engine sums them over the broadcast axes (once for
+        # all the uses of a tied parameter) and casts them to the parameter's type.
+        grads["Scale"] = op.Mul(dy, xhat)
         if B is not None:
-            grads["B"] = shapes.unbroadcast(op, dY, B, X)
+            grads["B"] = dy
         dx = _standardize_backward(op, op.Mul(dy, _cast(op, Scale, work)), xhat, inv, axes)
     if dMean is not None or dInvStdDev is not None:
         # ∂mean/∂x = 1/N; ∂inv/∂x = -inv² · x̂ / N

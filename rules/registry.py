@@ -26,7 +26,11 @@ class GradRule:
     ``differentiable`` names the inputs that receive gradients, by the schema's input names; every
     other input is non-differentiable. An empty tuple declares the whole op non-differentiable:
     gradients stop at it. ``broadcast`` says the gradients come back in the output's broadcast
-    shape and the engine reduces them to each input's shape. ``when`` restricts the rule to nodes
+    shape and the engine reduces them to each input's shape (a tuple of input names: only those
+    inputs' gradients); several such contributions to one value in the same shape are summed
+    before the one reduction (a tied parameter). ``saves`` names optional outputs, by the schema's
+    output names, that the rule reads: the engine gives the forward node those it lacks before
+    calling the rule, so the rule reuses forward values. ``when`` restricts the rule to nodes
     it accepts (attribute conditions); ``inputs`` names the inputs of an op without a schema.
     ``captures`` makes the outer-scope values read by the node's subgraphs differentiable too: the
     rule finds those needing gradients in ``op.wanted_captures`` and returns them keyed by value.
@@ -37,10 +41,28 @@ class GradRule:
     opsets: tuple[int, int] = (1, MAX_OPSET)
     differentiable: tuple[str, ...] = ()
     backward: Backward | None = None
-    broadcast: bool = False
+    broadcast: bool | tuple[str, ...] = False
     when: Callable[[ir.Node], bool] | None = None
     inputs: tuple[tuple[str, ...], bool] | None = None
     captures: bool = False
+    saves: tuple[str, ...] = ()
+
+    def unreduced(self, name: str) -> bool:
+        """Whether the gradient of input ``name`` comes back in the output's broadcast shape."""
+        return self.broadcast is True or (isinstance(self.broadcast, tuple) and name in self.broadcast)
+
+    def saved_outputs(self, node: ir.Node, opset: int) -> list[int]:
+        """The indices of the outputs named in ``saves`` (by the op's schema)."""
+        if not self.saves:
+            return []
+        names = _schema_outputs(node.op_type, opset, node.domain)
+        missing = [name for name in self.saves if names is None or name not in names]
+        if missing:
+            raise AutodiffError(
+                f"the rule for {node.domain or 'ai.onnx'}::{node.op_type} saves outputs {missing}, "
+                "which its schema does not name"
+            )
+        return [names.index(name) for name in self.saves]
 
     def matches(self, node: ir.Node, opset: int) -> bool:
         low, high = self.opsets
@@ -78,6 +100,15 @@ def _schema_inputs(op_type: str, opset: int, domain: str) -> tuple[tuple[str, ..
     variadic = onnx.defs.OpSchema.FormalParameterOption.Variadic
     params = schema.inputs
     return tuple(p.name for p in params), bool(params) and params[-1].option == variadic
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_outputs(op_type: str, opset: int, domain: str) -> tuple[str, ...] | None:
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, domain)
+    except onnx.defs.SchemaError:
+        return None
+    return tuple(p.name for p in schema.outputs)
 
 
 def _normalise(inputs) -> tuple[tuple[str, ...], bool] | None:
@@ -138,10 +169,11 @@ class GradRegistry:
         opsets: tuple[int, int] | None = None,
         since: int | None = None,
         until: int | None = None,
-        broadcast: bool = False,
+        broadcast: bool | Sequence[str] = False,
         when: Callable[[ir.Node], bool] | None = None,
         inputs: Sequence[str] | None = None,
         captures: bool = False,
+        saves: Sequence[str] = (),
     ) -> Callable[[Backward], Backward]:
         """Decorator registering ``backward`` for ``op_type``; see :class:`GradRule`.
 
@@ -158,10 +190,11 @@ class GradRegistry:
                     bounds,
                     tuple(differentiable),
                     backward,
-                    broadcast,
+                    broadcast if isinstance(broadcast, bool) else tuple(broadcast),
                     when,
                     _normalise(inputs),
                     captures,
+                    tuple(saves),
                 )
             )
             return backward

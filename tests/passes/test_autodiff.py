@@ -424,3 +424,136 @@ def test_dims_onnx_leaves_unknown_are_refined_from_values_known_before_run_time(
     infer_shapes(graph)
     assert list(graph.graph.node(3).outputs[0].shape) == [2, 3]
     assert_gradients(model, {"x": R.standard_normal((1, 3)).astype(np.float32)}, ["x"])
+
+
+# Saved forward outputs (GradRule.saves) and tied parameters
+
+
+def _layer_norms(count, x_shape=(4, 3, 6), extra_nodes=()):
+    """``count`` chained LayerNormalizations (opset 17, output Y only, as the torch exporter
+    leaves them) sharing one Scale and one B initializer; returns (model, feeds)."""
+    d = x_shape[-1]
+    scale = R.uniform(0.5, 1.5, d).astype(np.float32)
+    bias = R.standard_normal(d).astype(np.float32)
+    nodes, previous = [], "x"
+    for i in range(count):
+        nodes.append(helper.make_node("LayerNormalization", [previous, "s", "b"], [f"y{i}"], axis=-1))
+        previous = f"y{i}"
+    nodes.extend(extra_nodes)
+    x = R.standard_normal(x_shape).astype(np.float32)
+    model = make_model(nodes, {"x": x}, [previous], initializers={"s": scale, "b": bias}, opset=17)
+    return model, {"x": x, "s": scale, "b": bias}
+
+
+def _torch_layer_norms(count, feeds, dy):
+    """The same chain in PyTorch autograd (float64): gradients of sum(dy * y) for x, s, b."""
+    torch = pytest.importorskip("torch")
+    x, s, b = (torch.tensor(feeds[k], dtype=torch.float64, requires_grad=True) for k in ("x", "s", "b"))
+    y = x
+    for _ in range(count):
+        y = torch.nn.functional.layer_norm(y, (x.shape[-1],), s, b, eps=1e-5)
+    (y * torch.from_numpy(dy.astype(np.float64))).sum().backward()
+    return {"x": x.grad.numpy(), "s": s.grad.numpy(), "b": b.grad.numpy()}
+
+
+def test_saved_outputs_reuse_forward_statistics():
+    model, feeds = _layer_norms(1)
+    proto, autodiff = differentiate(model, of="y0", wrt=["x", "s", "b"], seed="input")
+    ln = next(n for n in proto.graph.node if n.op_type == "LayerNormalization")
+    assert len(ln.output) == 3 and all(ln.output), "the forward node gained Mean and InvStdDev"
+    names = [o for n in proto.graph.node for o in n.output]
+    assert len(names) == len(set(names))
+    backward = [n.op_type for n in proto.graph.node if n is not ln]
+    assert "Sqrt" not in backward and "Reciprocal" not in backward  # not recomputed
+    dy = R.standard_normal(feeds["x"].shape).astype(np.float32)
+    out = run(proto, {"x": feeds["x"], autodiff.seed_name: dy})
+    np.testing.assert_array_equal(out["y0"], run(model, {"x": feeds["x"]})["y0"])  # forward unchanged
+    want = _torch_layer_norms(1, feeds, dy)
+    for name in ("x", "s", "b"):
+        np.testing.assert_allclose(out[autodiff.gradient_names[name]], want[name], rtol=1e-4, atol=1e-4)
+
+
+def test_saved_outputs_get_fresh_names():
+    # a value already named like the engine's first choice for the saved output
+    taken = helper.make_node("Identity", ["y0"], ["y0_Mean"])
+    model, feeds = _layer_norms(1, extra_nodes=[taken, helper.make_node("Add", ["y0_Mean", "y0"], ["z"])])
+    proto, _ = differentiate(model, of="z", wrt=["x"], seed="ones")
+    ln = next(n for n in proto.graph.node if n.op_type == "LayerNormalization")
+    assert ln.output[1] != "y0_Mean" and ln.output[1] and ln.output[2]
+    again, _ = differentiate(model, of="z", wrt=["x"], seed="ones")
+    assert again.SerializeToString() == proto.SerializeToString()  # deterministic
+
+
+def test_saved_outputs_through_gradient_of_function_leave_the_caller_model_alone():
+    from onnx_autodiff import gradient_of_function
+
+    model, feeds = _layer_norms(1)
+    before = model.SerializeToString()
+    function = gradient_of_function(model, ["x", "s", "b"], "y0")
+    assert model.SerializeToString() == before
+    ln = next(n for n in function.node if n.op_type == "LayerNormalization")
+    assert len(ln.output) == 3 and all(ln.output)
+    dy = R.standard_normal(feeds["x"].shape).astype(np.float32)
+    inputs = {**feeds, "dy": dy}
+    outs = [f"g{i}" for i in range(3)]
+    graph = helper.make_graph(
+        [helper.make_node(function.name, list(function.input), outs, domain=function.domain)],
+        "caller",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, inputs[n].shape) for n in function.input],
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, feeds[k].shape) for o, k in zip(outs, "xsb")],
+    )
+    opsets = [helper.make_opsetid(o.domain, o.version) for o in function.opset_import]
+    caller = helper.make_model(graph, opset_imports=[*opsets, helper.make_opsetid(function.domain, 1)],
+                               functions=[function], ir_version=8)
+    onnx.checker.check_model(caller, full_check=True)
+    got = run(caller, inputs)
+    want = _torch_layer_norms(1, feeds, dy)
+    for out, name in zip(outs, "xsb"):
+        np.testing.assert_allclose(got[out], want[name], rtol=1e-4, atol=1e-4)
+
+
+def test_saved_outputs_must_be_named_by_the_schema():
+    registry = default_registry().copy()
+
+    @registry.register("Relu", differentiable=("X",), saves=("Mask",))
+    def relu(op, node, dY):
+        return {"X": dY}
+
+    x = R.standard_normal((2, 3)).astype(np.float32)
+    model = make_model([helper.make_node("Relu", ["x"], ["y"])], {"x": x}, ["y"])
+    from onnx_autodiff.errors import AutodiffError
+
+    with pytest.raises(AutodiffError, match="saves outputs \\['Mask'\\]"):
+        differentiate(model, of="y", wrt=["x"], registry=registry, seed="ones")
+
+
+def test_tied_layer_norm_parameters_are_reduced_once():
+    # three LayerNormalizations share s and b: the unreduced contributions are summed first
+    model, feeds = _layer_norms(3)
+    proto, autodiff = differentiate(model, of="y2", wrt=["x", "s", "b"], seed="input")
+    ops = [n.op_type for n in proto.graph.node]
+    assert ops.count("ReduceSum") == 2  # one for s, one for b (not one per use)
+    dy = R.standard_normal(feeds["x"].shape).astype(np.float32)
+    out = run(proto, {"x": feeds["x"], autodiff.seed_name: dy})
+    want = _torch_layer_norms(3, feeds, dy)
+    for name in ("x", "s", "b"):
+        np.testing.assert_allclose(out[autodiff.gradient_names[name]], want[name], rtol=1e-4, atol=1e-4)
+
+
+def test_tied_bias_summed_before_one_reduction_per_broadcast_shape():
+    # b is added to two (4, 6) tensors and to one (2, 4, 6) tensor: one ReduceSum for the two
+    # uses of one shape, one for the other (different reductions are never mixed)
+    x = R.standard_normal((4, 6)).astype(np.float32)
+    w = R.standard_normal((2, 4, 6)).astype(np.float32)
+    b = R.standard_normal(6).astype(np.float32)
+    nodes = [
+        helper.make_node("Add", ["x", "b"], ["p"]),
+        helper.make_node("Tanh", ["p"], ["q"]),
+        helper.make_node("Add", ["q", "b"], ["r"]),
+        helper.make_node("Add", ["w", "b"], ["t"]),
+        helper.make_node("Mul", ["r", "t"], ["y"]),
+    ]
+    model = make_model(nodes, {"x": x, "w": w, "b": b}, ["y"])
+    proto, _ = differentiate(model, of="y", wrt=["b"], seed="ones")
+    assert [n.op_type for n in proto.graph.node].count("ReduceSum") == 3  # + the Mul's own (2,4,6)->(4,6)
+    assert_gradients(model, {"x": x, "w": w, "b": b}, ["x", "w", "b"])

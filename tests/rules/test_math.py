@@ -5,6 +5,7 @@ import pytest
 from onnx import helper
 
 from helpers import assert_gradients, make_model, op_model, rng
+from onnx_autodiff.conformance.check import backward_model
 
 R = rng()
 BROADCAST_SHAPES = [((3, 4), (3, 4)), ((2, 3, 4), (4,)), ((4,), (2, 3, 4)), ((2, 1, 4), (3, 1))]
@@ -297,3 +298,18 @@ def test_pow_exponent_gradient_is_zero_where_the_base_is_zero():
     model = op_model("Pow", {"X": X, "Y": E})
     result = assert_gradients(model, {"X": X, "Y": E}, ["X", "Y"])
     assert np.all(np.isfinite(result.ad["Y"])) and result.ad["Y"][0] == 0
+
+
+def test_relu_multiplies_dy_by_the_mask():
+    """The documented convention: dX = dY·[X > 0], so a NaN or infinite dY where X <= 0 gives NaN
+    (IEEE 0·NaN, 0·inf), finite values are gated exactly."""
+    import onnxruntime as ort
+
+    x = np.array([-1.0, 0.0, 2.0, -3.0, 4.0], np.float32)
+    model = op_model("Relu", {"X": x})
+    grad, autodiff = backward_model(model, "out0", ["X"], seed="input")
+    dy = np.array([np.nan, np.inf, np.nan, 5.0, 3.0], np.float32)
+    session = ort.InferenceSession(grad.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    got = dict(zip(names, session.run(None, {"X": x, autodiff.seed_name: dy})))
+    np.testing.assert_array_equal(got[autodiff.gradient_names["X"]], [np.nan, np.nan, np.nan, 0.0, 3.0])

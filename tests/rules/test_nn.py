@@ -1,8 +1,9 @@
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
-from helpers import op_model, rng
+from helpers import make_model, op_model, rng
 from onnx_autodiff.conformance import check_vjp
 from onnx_autodiff.conformance.check import backward_model
 from onnx_autodiff.errors import RuleError
@@ -86,6 +87,11 @@ MATMUL_SHAPES = [
     ((3, 4), (2, 4, 5)),
     ((2, 3, 4), (4, 5)),
     ((2, 1, 2, 3), (1, 3, 3, 2)),
+    ((2, 3, 2, 4), (4, 5)),
+    ((4, 5), (2, 3, 5, 2)),
+    ((2, 3, 2, 4), (4,)),
+    ((4,), (2, 3, 4, 2)),
+    ((1, 3, 2, 4), (2, 3, 4, 5)),
 ]
 
 
@@ -98,6 +104,70 @@ def test_matmul(shape_a, shape_b):
 def test_matmul_old_opsets(opset):
     check("MatMul", {"A": f32(2, 3), "B": f32(2, 3, 2)}, opset=opset)
     check("MatMul", {"A": f32(3), "B": f32(2, 3, 2)}, opset=opset)
+    check("MatMul", {"A": f32(2, 2, 3), "B": f32(3)}, opset=opset)
+    check("MatMul", {"A": f32(2, 3), "B": f32(3, 4)}, opset=opset)
+    check("MatMul", {"A": f32(2, 2, 3), "B": f32(3, 4)}, opset=opset)
+
+
+def backward_op_types(inputs, opset=18, **kw):
+    """Op types of the nodes the MatMul rule emits (no cleanup)."""
+    model = op_model("MatMul", inputs, opset=opset, **kw)
+    proto, _ = backward_model(model, "out0", ["A", "B"], seed="input")
+    forward = {n.name for n in model.graph.node}
+    return sorted(n.op_type for n in proto.graph.node if n.name not in forward)
+
+
+@pytest.mark.parametrize(
+    "shape_a,shape_b,opset,expected",
+    [
+        # A linear layer: dW is one Einsum that sums the batch axes too, dA a MatMul by Wᵀ.
+        ((2, 3, 4), (4, 5), 18, ["Einsum", "MatMul", "Transpose"]),
+        ((4, 5), (2, 3, 5, 2), 18, ["Einsum", "MatMul", "Transpose"]),
+        ((3, 4), (4, 5), 18, ["Gemm", "Gemm"]),
+        ((3, 4), (4, 5), 11, ["Gemm", "Gemm"]),
+        ((4,), (2, 4, 3), 18, ["Einsum", "Einsum"]),
+        ((2, 3, 4), (4,), 18, ["Einsum", "Einsum"]),
+        # Batch axes on both sides: MatMul with a Transpose each (faster than Einsum there).
+        ((2, 3, 4), (2, 4, 5), 18, ["MatMul", "MatMul", "Transpose", "Transpose"]),
+        # No Einsum before opset 12: the MatMul form, with ReduceSum over the batch axes.
+        ((2, 3, 4), (4, 5), 11, ["MatMul", "MatMul", "ReduceSum", "Transpose", "Transpose"]),
+    ],
+)
+def test_matmul_formulation(shape_a, shape_b, opset, expected):
+    assert backward_op_types({"A": f32(*shape_a), "B": f32(*shape_b)}, opset) == expected
+
+
+def test_matmul_bfloat16_keeps_the_matmul_form():
+    """Einsum takes no bfloat16: the weight gradient falls back to MatMul and ReduceSum."""
+    a, b = f32(2, 3, 4), f32(4, 5)
+    model = op_model("MatMul", {"A": a, "B": b})
+    for value in [*model.graph.input, *model.graph.output]:
+        value.type.tensor_type.elem_type = onnx.TensorProto.BFLOAT16
+    proto, _ = backward_model(model, "out0", ["A", "B"], seed="input")
+    types = [n.op_type for n in proto.graph.node]
+    assert "Einsum" not in types and "ReduceSum" in types
+
+
+@pytest.mark.parametrize("shape_a,shape_b", [((2, 3, 4), (4, 5)), ((3, 4), (4,)), ((3, 4), (4, 5))])
+def test_matmul_float64(shape_a, shape_b):
+    inputs = {"A": f32(*shape_a).astype(np.float64), "B": f32(*shape_b).astype(np.float64)}
+    check("MatMul", inputs)
+
+
+@pytest.mark.parametrize(
+    "shape_a,shape_b",
+    [((2, 3, 4), (4, 5)), ((4, 5), (2, 5, 3)), ((3, 4), (4, 5)), ((4,), (2, 4, 3)),
+     ((2, 3, 4), (4,)), ((2, 3, 4), (2, 4, 5))],
+)
+def test_matmul_second_order(shape_a, shape_b):
+    """The backward graph (Einsum, Gemm, MatMul forms) differentiated again, seed included."""
+    a, b = f32(*shape_a), f32(*shape_b)
+    model = op_model("MatMul", {"A": a, "B": b})
+    y = _ort(model).run(None, {"A": a, "B": b})[0]
+    first, autodiff = backward_model(model, "out0", ["A", "B"], seed="input")
+    feeds = {"A": a, "B": b, autodiff.seed_name: f32(*y.shape)}
+    result = check_vjp(first, feeds, list(feeds))
+    assert result.ok, f"gradient mismatch\n{result}"
 
 
 @pytest.mark.parametrize(
@@ -109,6 +179,9 @@ def test_matmul_old_opsets(opset):
         ((3, 2, 4), (4,), {"A": ["N", 2, 4]}),
         ((4,), (3, 4, 2), {"B": ["N", 4, 2]}),
         ((3, 2, 4), (3, 4, 2), {"A": ["N", 2, 4], "B": ["N", 4, 2]}),
+        ((3, 2, 2, 4), (4, 5), {"A": ["N", "T", 2, 4]}),
+        ((2, 3), (3, 4), {"A": ["N", 3]}),
+        ((2, 4), (3, 4, 2), {"B": ["N", 4, 2]}),
     ],
 )
 def test_matmul_symbolic_batch(shape_a, shape_b, sym):
@@ -159,6 +232,20 @@ def conv_inputs(case, bias=True):
 def test_conv(case, bias):
     inputs, _, attrs = conv_inputs(case, bias)
     check("Conv", inputs, **attrs)
+
+
+@pytest.mark.parametrize("case,slices", [("2d", 0), ("2d_asym_pads", 0), ("2d_strides2", 1)])
+def test_conv_kernel_grad_slice_only_when_taps_overhang(case, slices):
+    """dW's Conv gives exactly the kernel's taps unless the strides leave windows short of X's end."""
+    inputs, _, attrs = conv_inputs(case, bias=False)
+    # dY computed by another node, as in a network: it carries no shape of its own.
+    nodes = [onnx.helper.make_node("Conv", ["X", "W"], ["y"], **attrs),
+             onnx.helper.make_node("Mul", ["y", "y"], ["out0"])]
+    model = make_model(nodes, inputs, ["out0"])
+    proto, _ = backward_model(model, "out0", ["W"], seed="input")
+    assert [n.op_type for n in proto.graph.node].count("Slice") == slices
+    result = check_vjp(model, inputs, ["W"])
+    assert result.ok, str(result)
 
 
 @pytest.mark.parametrize("case", ["2d_all", "1d_depthwise_dil2", "1d_same_upper_s3"])
@@ -309,6 +396,83 @@ def test_max_pool_symbolic_batch():
 
 def test_max_pool_overlap_before_opset16_refused():
     model = op_model("MaxPool", {"X": distinct(1, 1, 4, 4)}, kernel_shape=[2, 2], opset=13)
+    with pytest.raises(RuleError, match="needs opset 16"):
+        backward_model(model, "out0", ["X"], seed="input")
+
+
+# Windows apart along every axis: the gradient is one MaxUnpool.
+UNPOOL_CASES = {
+    "2d_k2s2": ((2, 3, 4, 6), {"kernel_shape": [2, 2], "strides": [2, 2]}, 18),
+    "2d_ceil_odd": ((1, 2, 5, 7), {"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 1}, 18),
+    "2d_stride_gt_kernel": ((1, 1, 7, 8), {"kernel_shape": [2, 2], "strides": [3, 3]}, 18),
+    "2d_pads": ((1, 2, 5, 5), {"kernel_shape": [2, 3], "strides": [2, 3], "pads": [1, 0, 0, 1]}, 18),
+    "2d_same_upper": ((1, 2, 5, 5), {"kernel_shape": [2, 2], "strides": [2, 2],
+                                     "auto_pad": "SAME_UPPER"}, 18),
+    "2d_dilations": ((1, 1, 7, 7), {"kernel_shape": [2, 2], "strides": [3, 3],
+                                    "dilations": [2, 2]}, 18),
+    "1d": ((2, 2, 9), {"kernel_shape": [3], "strides": [3]}, 18),
+    "3d": ((1, 2, 4, 4, 4), {"kernel_shape": [2, 2, 2], "strides": [2, 2, 2]}, 18),
+    "opset9": ((1, 2, 4, 4), {"kernel_shape": [2, 2], "strides": [2, 2]}, 9),
+    "opset10_ceil": ((1, 2, 5, 5), {"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 1}, 10),
+}
+
+
+def backward_types(op_type, inputs, wrt, **kw):
+    model = op_model(op_type, inputs, **kw)
+    proto, _ = backward_model(model, "out0", wrt, seed="input")
+    forward = {n.name for n in model.graph.node}
+    return [n.op_type for n in proto.graph.node if n.name not in forward]
+
+
+@pytest.mark.parametrize("case", list(UNPOOL_CASES))
+def test_max_pool_apart_windows_unpool(case):
+    x_shape, attrs, opset = UNPOOL_CASES[case]
+    x = distinct(*x_shape)
+    check("MaxPool", {"X": x}, opset=opset, **attrs)
+    types = backward_types("MaxPool", {"X": x}, ["X"], opset=opset, **attrs)
+    assert "MaxUnpool" in types and "ScatterElements" not in types
+
+
+def test_max_pool_unpool_symbolic_batch_and_indices_output():
+    x = distinct(3, 2, 4, 6)
+    check("MaxPool", {"X": x}, shapes={"X": ["N", "C", 4, 6]}, kernel_shape=[2, 2], strides=[2, 2])
+    check("MaxPool", {"X": x}, n_outputs=2, kernel_shape=[2, 2], strides=[2, 2])
+
+
+def test_max_pool_unpool_ties_go_to_first():
+    x = np.ones((1, 1, 4, 4), np.float32)
+    model = op_model("MaxPool", {"X": x}, kernel_shape=[2, 2], strides=[2, 2])
+    proto, autodiff = backward_model(model, "out0", ["X"], seed="input")
+    dy = np.arange(1, 5, dtype=np.float32).reshape(1, 1, 2, 2)
+    grad = _ort(proto).run(None, {"X": x, autodiff.seed_name: dy})[-1]
+    expected = np.zeros((1, 1, 4, 4), np.float32)
+    expected[0, 0, ::2, ::2] = dy[0, 0]
+    np.testing.assert_array_equal(grad, expected)
+
+
+@pytest.mark.parametrize("case", ["symbolic_spatial", "float64", "overhang_a_kernel"])
+def test_max_pool_apart_windows_scatter_fallback(case):
+    """No static spatial sizes, no onnxruntime MaxUnpool kernel for the type, or pads MaxUnpool
+    cannot take: the ScatterElements form."""
+    x, kw = distinct(1, 2, 4, 6), {"kernel_shape": [2, 2], "strides": [2, 2]}
+    if case == "symbolic_spatial":
+        kw["shapes"] = {"X": [1, 2, "H", "W"]}
+    elif case == "float64":
+        x = x.astype(np.float64)
+    else:  # the windows reach a whole kernel into the end padding
+        x, kw = distinct(1, 1, 4, 4), {"kernel_shape": [2, 2], "strides": [2, 2], "pads": [1] * 4}
+    check("MaxPool", {"X": x}, **kw)
+    types = backward_types("MaxPool", {"X": x}, ["X"], **kw)
+    assert "ScatterElements" in types and "MaxUnpool" not in types
+
+
+def test_max_pool_overlap_along_one_axis():
+    """Windows overlapping along one axis only share elements: a maximum in two windows gets
+    both gradients (ScatterElements with reduction='add', opset 16)."""
+    x = np.array([[[[0.0, 1.0], [5.0, 2.0], [3.0, 4.0]]]], np.float32)
+    kw = {"kernel_shape": [2, 2], "strides": [1, 2]}
+    check("MaxPool", {"X": x}, **kw)
+    model = op_model("MaxPool", {"X": x}, opset=13, **kw)
     with pytest.raises(RuleError, match="needs opset 16"):
         backward_model(model, "out0", ["X"], seed="input")
 
