@@ -4,8 +4,9 @@
         [--warmup 5] [--threads 2] [--source auto|torch|helper] [--analyze] [--tiny]
 
 For each model (GPT-style decoder with L blocks, a small CNN, an MLP 784-256-10, each ending in
-a mean cross-entropy) it differentiates the loss with respect to every float initializer
-(``autodiff_pass(of=loss, wrt=None)`` then ``cleanup_passes()``), checks once that the gradients
+a mean cross-entropy) it differentiates the loss with respect to every weight (float initializers
+of more than one element: ``autodiff_pass(of=loss, wrt=parameters(model))`` then
+``cleanup_passes()``), checks once that the gradients
 match PyTorch autograd, and prints one table: node counts, build seconds, onnxruntime and
 PyTorch milliseconds (2 intra-op threads each, median of ``--runs`` after warm-up, the runs of
 onnxruntime and PyTorch taking turns), the peak memory of onnxruntime and the ratios; then the
@@ -81,12 +82,19 @@ def make_case(name: str, config, source: str) -> Case:
     return Case(name, config, forward, inputs, f"torch.onnx.export(optimize={optimize})", module)
 
 
+def parameters(forward: onnx.ModelProto) -> list[str]:
+    """The trainable weights: float initializers of more than one element. The exporter's scalar
+    constants (the attention scale, the mask's fill value) are not parameters of the network."""
+    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16)
+    return [t.name for t in forward.graph.initializer if t.data_type in floats and np.prod(t.dims, dtype=np.int64) > 1]
+
+
 def differentiate(forward: onnx.ModelProto, registry: GradRegistry | None = None):
     """The fwd+bwd model, its gradient output names and the seconds of pass + cleanup."""
     model = ir.from_proto(forward)
     loss = forward.graph.output[0].name
     start = time.perf_counter()
-    grad = autodiff_pass(of=loss, wrt=None, registry=registry)
+    grad = autodiff_pass(of=loss, wrt=parameters(forward), registry=registry)
     grad(model)
     for cleanup in cleanup_passes():
         cleanup(model)
