@@ -2,9 +2,10 @@
 
 ``cleanup_passes()`` returns one :class:`CleanupPass`: bounded constant folding (onnxscript's
 folder), the local rewrites of :mod:`onnx_autodiff.passes.rewrites` (x·1, x+0, zero gradients,
-transpose pairs, Transpose→Gemm, no-op Reshape/Expand/Reduce/Squeeze/Unsqueeze/Cast, Identity),
-dead-node removal and, once those find nothing, common-subexpression elimination, repeated to a
-fixed point (so a second run changes nothing); then a topological sort. The rewrites decide from
+transpose pairs, Transpose→Gemm, Transposes into Einsum equations, Concat of merging Reshapes,
+no-op Reshape/Expand/Reduce/Squeeze/Unsqueeze/Cast, Identity), dead-node removal and, once those
+find nothing, common-subexpression elimination, repeated to a fixed point (so a second run changes
+nothing); then the main graph's Constant nodes become initializers, and a topological sort. The rewrites decide from
 shapes: onnx's shape inference runs first and again after each round that changed the graph
 (only where some value still lacks a shape).
 
@@ -104,6 +105,7 @@ class CleanupPass(ir.passes.InPlacePass):
             for value in protected:
                 if value.name not in model.graph.initializers:
                     model.graph.register_initializer(value)  # the caller may still feed it
+        _lift_constants(model)
         common.TopologicalSortPass()(model)
         _drop_folding_notes(model)
         return ir.passes.PassResult(model, modified=_fingerprint(model) != before)
@@ -215,6 +217,36 @@ def _remove_unused(model: ir.Model) -> bool:
         if not out.name and producer is not None and producer.graph is not None and len(producer.outputs) == 4:
             out.name = name
     return modified
+
+
+def _lift_constants(model: ir.Model) -> bool:
+    """Turn the main graph's Constant nodes into initializers (one node fewer each).
+
+    Only the main graph: before IR version 4 an initializer must also be a graph input, and
+    functions have no initializers. A Constant that is a graph output stays a node.
+    """
+    if (model.ir_version or 0) < 4:
+        return False
+    graph = model.graph
+    lifted = False
+    for node in list(graph):
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.attributes) != 1:
+            continue
+        out = node.outputs[0]
+        tensor = rewrites.constant(out)
+        if out.is_graph_output() or tensor is None or not out.name or out.name in graph.initializers:
+            continue
+        if out.const_value is not None:
+            tensor = out.const_value
+        else:
+            tensor = ir.tensor(tensor)
+        init = ir.Value(name=out.name, shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype),
+                        const_value=tensor)
+        out.replace_all_uses_with(init)
+        graph.remove(node, safe=True)
+        graph.register_initializer(init)
+        lifted = True
+    return lifted
 
 
 def _size(shape) -> int:

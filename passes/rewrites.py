@@ -374,6 +374,13 @@ def transpose(r: Rewriter, node: ir.Node):
     if perm == list(range(len(perm))):
         return x
     inner = x.producer()
+    terms = _einsum_terms(inner)
+    if terms is not None and len(terms[1]) == len(perm) and _only_use(x, r):
+        # Transpose(Einsum(..)->o) is the Einsum writing its output letters permuted.
+        inputs, out = terms
+        new = _node("Einsum", list(inner.inputs), r.fresh(node.outputs[0].name),
+                    equation=_equation(inputs, "".join(out[p] for p in perm)))
+        return new.outputs[0], [new]
     if inner is None or inner.op_type != "Transpose" or inner.domain != "":
         return None
     source = inner.inputs[0]
@@ -385,6 +392,96 @@ def transpose(r: Rewriter, node: ir.Node):
         return source
     new = _node("Transpose", [source], r.fresh(node.outputs[0].name), perm=composed)
     return new.outputs[0], [new]
+
+
+def _einsum_terms(node: ir.Node | None) -> tuple[list[str], str] | None:
+    """An Einsum's input terms and output term when its equation is explicit, without ellipsis."""
+    if node is None or node.op_type != "Einsum" or node.domain != "":
+        return None
+    equation = str(attr(node, "equation", "")).replace(" ", "")
+    lhs, arrow, out = equation.partition("->")
+    inputs = lhs.split(",")
+    if not arrow or "." in equation or len(inputs) != len(node.inputs):
+        return None
+    return inputs, out
+
+
+def _equation(inputs: list[str], out: str) -> str:
+    return ",".join(inputs) + "->" + out
+
+
+def _only_use(value: ir.Value, r: Rewriter) -> bool:
+    """Whether one node input reads ``value`` and nothing else does (no graph output either)."""
+    return len(value.uses()) == 1 and not value.is_graph_output() and value not in r.captured
+
+
+def _einsum_transposed_input(value: ir.Value, term: str) -> tuple[ir.Value, str] | None:
+    """(x, x's term) when ``value`` = Transpose(x) and every reader of it is an explicit Einsum,
+    which can then all read x with the letters permuted (the Transpose then has no reader left)."""
+    node = value.producer()
+    if node is None or node.op_type != "Transpose" or node.domain != "" or value.is_graph_output():
+        return None
+    perm = _perm(node, len(term))
+    if perm is None or len(perm) != len(term) or not value.uses():
+        return None
+    if any(_einsum_terms(use.node) is None for use in value.uses()):
+        return None
+    letters = [""] * len(term)
+    for i, p in enumerate(perm):
+        letters[p] = term[i]  # axis i of the Transpose is axis perm[i] of x
+    return node.inputs[0], "".join(letters)
+
+
+def einsum(r: Rewriter, node: ir.Node):
+    """Einsum(.., Transpose(x), ..) reads x with permuted letters, when only Einsums read the Transpose."""
+    terms = _einsum_terms(node)
+    if terms is None:
+        return None
+    inputs, out = terms
+    values, changed = list(node.inputs), False
+    for i, value in enumerate(values):
+        found = None if value is None or value in r.captured else _einsum_transposed_input(value, inputs[i])
+        if found is not None:
+            values[i], inputs[i] = found
+            changed = True
+    if not changed:
+        return None
+    new = _node("Einsum", values, r.fresh(node.outputs[0].name), equation=_equation(inputs, out))
+    return new.outputs[0], [new]
+
+
+def _merged_tail(value: ir.Value, axis: int, r: Rewriter) -> ir.Value | None:
+    """x when ``value`` = Reshape(x) only merges x's axes from ``axis`` on into one (and nothing
+    else reads ``value``)."""
+    node = value.producer()
+    if node is None or node.op_type != "Reshape" or node.domain != "" or not _only_use(value, r):
+        return None
+    x = node.inputs[0]
+    dx, dv = dims(x), dims(value)
+    if dx is None or dv is None or len(dv) != axis + 1 or len(dx) < axis + 2 or not _same(dx[:axis], dv[:axis]):
+        return None
+    return x
+
+
+def concat(r: Rewriter, node: ir.Node):
+    """Concat of Reshapes that merge the same trailing axes, along the merged axis, is one Reshape
+    of the Concat along the first merged axis (the backward of a fused q/k/v projection)."""
+    out = dims(node.outputs[0])
+    if r.opset < 5 or out is None or len(node.inputs) < 2 or attr(node, "axis") is None:
+        return None
+    axis = attr(node, "axis") % len(out)
+    if axis != len(out) - 1:
+        return None
+    sources = [None if v is None else _merged_tail(v, axis, r) for v in node.inputs]
+    if any(x is None for x in sources):
+        return None
+    tail = dims(sources[0])[axis + 1 :]  # the axes after the first merged one must agree
+    if not all(_same(dims(x)[axis + 1 :], tail) for x in sources) or len({x.dtype for x in sources}) != 1:
+        return None
+    shape = _node("Constant", [], r.fresh("merged_shape"), value=ir.tensor(np.array([0] * axis + [-1], np.int64)))
+    joined = _node("Concat", sources, r.fresh(node.outputs[0].name), axis=axis)
+    merged = _node("Reshape", [joined.outputs[0], shape.outputs[0]], r.fresh(node.outputs[0].name))
+    return merged.outputs[0], [shape, joined, merged]
 
 
 def _transposed_2d(value: ir.Value) -> ir.Value | None:
@@ -550,6 +647,8 @@ REWRITES: dict[str, Callable[[Rewriter, ir.Node], object]] = {
     "Sub": sub,
     "Sum": sum_,
     "Transpose": transpose,
+    "Einsum": einsum,
+    "Concat": concat,
     "MatMul": matmul,
     "Gemm": gemm,
     **{op: same_shape for op in _SAME_SHAPE_IDENTITY},

@@ -140,6 +140,87 @@ def test_transpose_into_matmul_becomes_gemm():
     assert attrs == [{"transA": 1, "transB": 1}, {"transA": 0, "transB": 0}]
 
 
+def _einsum_equations(model):
+    return [helper.get_node_attr_value(n, "equation").decode() for n in model.graph.node if n.op_type == "Einsum"]
+
+
+def test_transposes_fold_into_einsum_equations():
+    x = R.standard_normal((2, 3, 4)).astype(np.float32)
+    w = R.standard_normal((4, 5)).astype(np.float32)
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["t"], perm=[2, 0, 1]),  # [4, 2, 3], read by Einsums only
+        helper.make_node("Einsum", ["t", "w"], ["e"], equation="kab,kn->abn"),
+        helper.make_node("Transpose", ["e"], ["y"], perm=[2, 0, 1]),  # [5, 2, 3]: the output letters move
+        helper.make_node("Einsum", ["w", "t"], ["z"], equation="kn, kab -> nb"),  # the second reader
+        helper.make_node("Transpose", ["x"], ["u"], perm=[1, 0, 2]),  # also read by a Relu: stays
+        helper.make_node("Einsum", ["u"], ["s"], equation="bak->ak"),
+        helper.make_node("Relu", ["u"], ["r"]),
+    ]
+    _, after = cleaned_case(nodes, {"x": x, "w": w}, ["y", "z", "s", "r"], initializers=None)
+    assert ops(after).count("Transpose") == 1 and ops(after).count("Einsum") == 3
+    assert sorted(_einsum_equations(after)) == sorted(["abk,kn->nab", "kn,abk->nb", "bak->ak"])
+    assert clean(after).SerializeToString() == after.SerializeToString()
+
+
+def test_transpose_of_an_einsum_read_elsewhere_stays():
+    a = R.standard_normal((2, 3)).astype(np.float32)
+    b = R.standard_normal((3, 4)).astype(np.float32)
+    nodes = [
+        helper.make_node("Einsum", ["a", "b"], ["e"], equation="mk,kn->mn"),
+        helper.make_node("Transpose", ["e"], ["y"], perm=[1, 0]),
+        helper.make_node("Relu", ["e"], ["r"]),
+        helper.make_node("Einsum", ["a", "b"], ["f"], equation="...k,kn->...n"),  # ellipsis: left alone
+        helper.make_node("Transpose", ["f"], ["z"], perm=[1, 0]),
+    ]
+    _, after = cleaned_case(nodes, {"a": a, "b": b}, ["y", "r", "z"])
+    assert ops(after).count("Transpose") == 2
+
+
+def test_concat_of_merging_reshapes_becomes_one_reshape():
+    xs = {k: R.standard_normal((2, 3, 2, 4)).astype(np.float32) for k in ("p", "q", "r")}
+    nodes = [
+        *(helper.make_node("Reshape", [k, "shape"], [f"{k}2"]) for k in xs),
+        helper.make_node("Concat", ["p2", "q2", "r2"], ["y"], axis=-1),  # [N, 3, 24]
+        helper.make_node("Reshape", ["p", "shape"], ["s2"]),
+        helper.make_node("Concat", ["s2", "s2"], ["z"], axis=2),
+        helper.make_node("Relu", ["s2"], ["w"]),  # s2 has other readers: this Concat stays
+    ]
+    sym = {k: ["N", 3, 2, 4] for k in xs}
+    model = make_model(nodes, xs, ["y", "z", "w"], initializers={"shape": np.array([0, 3, 8], np.int64)}, shapes=sym)
+    after = clean(model)
+    assert ops(after).count("Concat") == 2 and ops(after).count("Reshape") == 2
+    assert_same_results(model, after, xs)
+    assert_same_results(model, after, {k: v[:1] for k, v in xs.items()})  # another batch size
+    assert clean(after).SerializeToString() == after.SerializeToString()
+
+
+def test_constant_nodes_become_initializers():
+    x = R.standard_normal((2, 3)).astype(np.float32)
+    c = helper.make_tensor("c", TensorProto.FLOAT, [3], [1.0, 2.0, 3.0])
+    branch = helper.make_graph([helper.make_node("Constant", [], ["k"], value_float=2.0)], "b", [],
+                               [helper.make_tensor_value_info("k", TensorProto.FLOAT, [])])
+    nodes = [
+        helper.make_node("Constant", [], ["cst"], value=c),
+        helper.make_node("Constant", [], ["axes"], value_ints=[1]),
+        helper.make_node("Add", ["x", "cst"], ["a"]),
+        helper.make_node("ReduceSum", ["a", "axes"], ["y"]),
+        helper.make_node("Constant", [], ["out"], value_int=7),  # a graph output: stays a node
+        helper.make_node("ReduceMax", ["x"], ["m"], keepdims=0),
+        helper.make_node("Greater", ["m", "zero"], ["cond"]),
+        helper.make_node("If", ["cond"], ["k"], then_branch=branch, else_branch=branch),
+    ]
+    zero = np.zeros((), np.float32)
+    model = make_model(nodes, {"x": x}, ["y", "out", "k"], initializers={"zero": zero},
+                       output_shapes={"k": []})
+    model.graph.output[1].type.tensor_type.elem_type = TensorProto.INT64
+    after = clean(model)
+    assert_same_results(model, after, {"x": x})
+    main = [(n.op_type, list(n.output)) for n in after.graph.node if n.op_type == "Constant"]
+    assert main == [("Constant", ["out"])]
+    assert {"cst", "axes"} <= {t.name for t in after.graph.initializer}
+    assert clean(after).SerializeToString() == after.SerializeToString()
+
+
 def test_shape_ops_that_do_nothing_vanish():
     x = R.standard_normal((2, 1, 4)).astype(np.float32)
     nodes = [

@@ -92,6 +92,9 @@ MATMUL_SHAPES = [
     ((2, 3, 2, 4), (4,)),
     ((4,), (2, 3, 4, 2)),
     ((1, 3, 2, 4), (2, 3, 4, 5)),
+    ((2, 3, 2, 4), (2, 3, 4, 5)),
+    ((2, 3, 2, 4), (3, 4, 5)),
+    ((3, 2, 4), (2, 3, 4, 5)),
 ]
 
 
@@ -127,8 +130,15 @@ def backward_op_types(inputs, opset=18, **kw):
         ((3, 4), (4, 5), 11, ["Gemm", "Gemm"]),
         ((4,), (2, 4, 3), 18, ["Einsum", "Einsum"]),
         ((2, 3, 4), (4,), 18, ["Einsum", "Einsum"]),
-        # Batch axes on both sides: MatMul with a Transpose each (faster than Einsum there).
-        ((2, 3, 4), (2, 4, 5), 18, ["MatMul", "MatMul", "Transpose", "Transpose"]),
+        # Batch axes on both sides, equal extents: one Einsum each, reading the operands in place
+        # (the cleanup folds neighbouring Transposes into the equations).
+        ((2, 3, 4), (2, 4, 5), 18, ["Einsum", "Einsum"]),
+        ((2, 3, 2, 4), (3, 4, 5), 18, ["Einsum", "Einsum"]),
+        # A size-1 batch axis broadcasts (explicit Einsum letters cannot): MatMul with a Transpose
+        # each, and ReduceSum over the broadcast axes.
+        ((2, 1, 3, 4), (5, 4, 2), 18,
+         ["Constant", "Constant", "MatMul", "MatMul", "ReduceSum", "ReduceSum", "Transpose", "Transpose"]),
+        ((2, 3, 4), (2, 4, 5), 11, ["MatMul", "MatMul", "Transpose", "Transpose"]),
         # No Einsum before opset 12: the MatMul form, with ReduceSum over the batch axes.
         ((2, 3, 4), (4, 5), 11, ["MatMul", "MatMul", "ReduceSum", "Transpose", "Transpose"]),
     ],
@@ -157,7 +167,7 @@ def test_matmul_float64(shape_a, shape_b):
 @pytest.mark.parametrize(
     "shape_a,shape_b",
     [((2, 3, 4), (4, 5)), ((4, 5), (2, 5, 3)), ((3, 4), (4, 5)), ((4,), (2, 4, 3)),
-     ((2, 3, 4), (4,)), ((2, 3, 4), (2, 4, 5))],
+     ((2, 3, 4), (4,)), ((2, 3, 4), (2, 4, 5)), ((2, 2, 3, 4), (2, 4, 3)), ((2, 1, 3, 4), (3, 4, 2))],
 )
 def test_matmul_second_order(shape_a, shape_b):
     """The backward graph (Einsum, Gemm, MatMul forms) differentiated again, seed included."""
@@ -182,6 +192,9 @@ def test_matmul_second_order(shape_a, shape_b):
         ((3, 2, 2, 4), (4, 5), {"A": ["N", "T", 2, 4]}),
         ((2, 3), (3, 4), {"A": ["N", 3]}),
         ((2, 4), (3, 4, 2), {"B": ["N", 4, 2]}),
+        ((3, 2, 2, 4), (3, 2, 4, 3), {"A": ["N", 2, 2, 4], "B": ["N", 2, 4, 3]}),  # one Einsum form
+        ((3, 2, 2, 4), (3, 2, 4, 3), {"A": ["N", 2, 2, 4], "B": ["M", 2, 4, 3]}),  # N, M may differ
+        ((3, 2, 4), (3, 4, 2), {"A": ["N", 2, 4]}),
     ],
 )
 def test_matmul_symbolic_batch(shape_a, shape_b, sym):
