@@ -451,6 +451,17 @@ def global_max_pool(op, node, dY):
 # Dropout, local response normalisation, Lp pooling, Col2Im, deformable convolution
 
 
+def _may_train(node: ir.Node) -> bool:
+    """Whether a Dropout (opset 12+) can run in training mode: its mode input is not a constant false."""
+    mode = node.inputs[2] if len(node.inputs) > 2 else None
+    if mode is None:
+        return False
+    fixed = shapes.constant_input(mode)
+    return fixed is None or bool(fixed.item())
+
+
+# In training mode the random mask cannot be recomputed: the forward node is given its mask output.
+@rule("Dropout", differentiable=("data",), since=12, saves=("mask",), when=_may_train)
 @rule("Dropout", differentiable=("data",))
 def dropout(op, node, dY, dMask=None):
     """Identity in inference mode; training: Y = X·mask/(1 − ratio), dX = dY·mask/(1 − ratio)."""

@@ -167,15 +167,24 @@ def test_dropout_opset6_training_uses_mask():
     assert "out1" in {i for n in proto.graph.node if n.op_type == "Mul" for i in n.input}
 
 
-@pytest.mark.parametrize("opset", [6, 13])
-def test_dropout_training_without_mask_refused(opset):
-    if opset == 6:
-        model = typed_like_x(op_model("Dropout", {"X": f32(2, 3)}, opset=6))
-    else:
-        inputs, init = dropout_inputs()
-        model = op_model("Dropout", inputs, initializers=init, opset=13)
+def test_dropout_training_without_mask_refused():
+    """Before opset 12 the rule cannot give the node a mask output: it refuses."""
+    model = typed_like_x(op_model("Dropout", {"X": f32(2, 3)}, opset=6))
     with pytest.raises(RuleError, match="mask output"):
         backward_model(model, "out0", ["X"], seed="input")
+
+
+@pytest.mark.parametrize("opset", [13, 22])
+def test_dropout_training_without_mask_gets_one(opset):
+    """The exporter's training Dropout has one output: the engine gives it its mask output."""
+    inputs, init = dropout_inputs(ratio=0.3)
+    model = op_model("Dropout", inputs, initializers=init, seed=5, opset=opset)
+    feeds = {k: v for k, v in inputs.items() if k not in init}
+    dy = f32(3, 8)
+    named, (grad,) = run_backward(model, feeds, ["X"], dy)
+    kept = named["out0"] != 0  # X has no zeros: the output says which elements were kept
+    assert kept.any() and not kept.all()
+    np.testing.assert_allclose(grad, dy * kept / 0.7, rtol=1e-6)
 
 
 # LRN
