@@ -394,12 +394,18 @@ def global_average_pool(op, node, dY):
     return {"X": op.Expand(op.Div(dY, size), op.Shape(X))}
 
 
+def _row_major(node: ir.Node) -> bool:
+    return shapes.attr(node, "storage_order", 0) == 0
+
+
+# The forward node is given its Indices output (row-major) rather than running MaxPool again.
+@rule("MaxPool", differentiable=("X",), since=8, saves=("Indices",), when=_row_major)
 @rule("MaxPool", differentiable=("X",), since=8)
 def max_pool(op, node, dY, dIndices=None):
     """Y[o] = max over the window; dX gets dY[o] at the window's first maximum (Indices)."""
     X = node.inputs[0]
     attrs = {k: shapes.attr(node, k) for k in node.attributes if k != "storage_order"}
-    if len(node.outputs) > 1 and shapes.attr(node, "storage_order", 0) == 0:
+    if len(node.outputs) > 1 and node.outputs[1].name and _row_major(node):
         indices = node.outputs[1]
     else:
         indices = op.MaxPool(X, _outputs=2, **attrs)[1]
