@@ -261,14 +261,16 @@ def scan_batched(op, node, *dYs):
     wanted = list(op.wanted_captures)
 
     # 1. The states entering every step, stacked (batch, T, ...) by a second forward Scan.
-    stash_body = op.child()
-    inputs = _fresh_inputs(stash_body, body.inputs)
-    outputs, _ = stash_body.inline(body, inputs)
-    stash_graph = stash_body.graph(inputs, [*outputs[:n_state], *inputs[:n_state]], name="scan_stash")
-    stash = op.Scan(None, *states, *xs, body=stash_graph, num_scan_inputs=n_in, directions=directions,
-                    _outputs=2 * n_state)
-    stash = stash if isinstance(stash, tuple) else (stash,)
-    stacked = list(stash[n_state:])
+    stacked = []
+    if n_state:  # (a Scan without states, such as the reversal below, needs no stash)
+        stash_body = op.child()
+        inputs = _fresh_inputs(stash_body, body.inputs)
+        outputs, _ = stash_body.inline(body, inputs)
+        stash_graph = stash_body.graph(inputs, [*outputs[:n_state], *inputs[:n_state]], name="scan_stash")
+        stash = op.Scan(None, *states, *xs, body=stash_graph, num_scan_inputs=n_in, directions=directions,
+                        _outputs=2 * n_state)
+        stash = stash if isinstance(stash, tuple) else (stash,)
+        stacked = list(stash[n_state:])
 
     # 2. A reverse Scan over the steps, per batch element.
     floats_s = [k for k in range(n_state) if body.inputs[k].dtype in FLOAT_TYPES]
