@@ -57,20 +57,6 @@ def _heads_last(op, x):
     return op.Reshape(op.Transpose(x, perm=[0, 2, 1, 3]), [0, 0, -1])
 
 
-def _extent(op, x, axis):
-    """x's extent along axis as an int when static, else a 1-element int64 value."""
-    d = shapes.dims(x)
-    if d is not None and isinstance(d[axis], int):
-        return d[axis]
-    return op.Slice(op.Shape(x), [axis], [axis + 1])
-
-
-def _shape4(op, *parts):
-    if all(isinstance(p, int) for p in parts):
-        return list(parts)
-    return op.Concat(*(op.const(np.array([p], np.int64)) if isinstance(p, int) else p for p in parts), axis=0)
-
-
 @rule("Attention", differentiable=("Q", "K", "V", "attn_mask", "past_key", "past_value"), since=23)
 def attention(op, node, *dys):
     """Y = softmax(softcap(scale·QKᵀ) + mask + causal)·V, with a kv cache and grouped heads."""
@@ -88,7 +74,7 @@ def attention(op, node, *dys):
         Q4, K4, V4 = (_heads_first(op, x, h) for x, h in ((Q, hq), (K, hkv), (V, hkv)))
     else:
         Q4, K4, V4 = Q, K, V
-        hq, hkv = _extent(op, Q, 1), _extent(op, K, 1)
+        hq, hkv = shapes.extent(op, Q, 1), shapes.extent(op, K, 1)
     Kp = K4 if past_k is None else op.Concat(past_k, K4, axis=2)
     Vp = V4 if past_v is None else op.Concat(past_v, V4, axis=2)
     total = _total(op, K4, past_k, Kp) if mask is not None else None
@@ -121,7 +107,7 @@ def attention(op, node, *dys):
 
     # Grouped view: query head h uses kv head h // group, so [B, Hq, Sq, *] -> [B, Hkv, group·Sq, *].
     grouped = not (isinstance(hq, int) and isinstance(hkv, int) and hq == hkv)
-    to_groups = (lambda x: op.Reshape(x, _shape4(op, 0, hkv, -1, 0))) if grouped else (lambda x: x)
+    to_groups = (lambda x: op.Reshape(x, shapes.shape_from(op, 0, hkv, -1, 0))) if grouped else (lambda x: x)
     Qg, Pg = to_groups(Q4), to_groups(P)
     if dY is not None and r == 3:
         dY = _heads_first(op, dY, hq)
@@ -163,7 +149,7 @@ def attention(op, node, *dys):
         if grad is None:
             continue
         if past is not None:
-            split = _extent(op, past, 2)
+            split = shapes.extent(op, past, 2)
             split = [split] if isinstance(split, int) else split
             grads[f"past_{'key' if name == 'K' else 'value'}"] = op.Slice(grad, [0], split, [2])
             grad = op.Slice(grad, split, [2**62], [2])
@@ -178,7 +164,7 @@ def _total(op, K4, past_k, Kp):
     k, past = shapes.dims(K4), shapes.dims(past_k) if past_k is not None else (0, 0, 0)
     if k is not None and past is not None and isinstance(k[2], int) and isinstance(past[2], int):
         return k[2] + past[2]
-    return _extent(op, Kp, 2)
+    return shapes.extent(op, Kp, 2)
 
 
 def _pad_mask(op, mask, total):
@@ -287,20 +273,20 @@ def flex_attention(op, node, dY):
     compute = ir.DataType(precision) if precision is not None else (
         Q.dtype if Q.dtype in (ir.DataType.FLOAT, ir.DataType.DOUBLE) else ir.DataType.FLOAT)
     score_mod, prob_mod = shapes.attr(node, "score_mod"), shapes.attr(node, "prob_mod")
-    hq, hkv = _extent(op, Q, 1), _extent(op, K, 1)
+    hq, hkv = shapes.extent(op, Q, 1), shapes.extent(op, K, 1)
     grouped = not (isinstance(hq, int) and isinstance(hkv, int) and hq == hkv)
 
     def build(f):
         scale = shapes.attr(node, "scale")
         if scale is None:
-            e = _extent(f, Q, 3)
+            e = shapes.extent(f, Q, 3)
             sqrt_scale = (float(e) ** -0.25 if isinstance(e, int)
                           else f.Pow(f.Cast(e, to=int(Q.dtype)), f.const(np.array(-0.25, Q.dtype.numpy()))))
         else:
             sqrt_scale = float(np.sqrt(np.float32(scale)))
         # Query head h reads kv head h // group: [B, Hq, L, *] viewed as [B, Hkv, group·L, *].
-        to_kv = (lambda x: f.Reshape(x, _shape4(f, 0, hkv, -1, 0))) if grouped else (lambda x: x)
-        to_q = (lambda x: f.Reshape(x, _shape4(f, 0, hq, -1, 0))) if grouped else (lambda x: x)
+        to_kv = (lambda x: f.Reshape(x, shapes.shape_from(f, 0, hkv, -1, 0))) if grouped else (lambda x: x)
+        to_q = (lambda x: f.Reshape(x, shapes.shape_from(f, 0, hq, -1, 0))) if grouped else (lambda x: x)
         kt = f.Transpose(f.Mul(K, sqrt_scale), perm=[0, 1, 3, 2])
         scores = to_q(f.MatMul(to_kv(f.Mul(Q, sqrt_scale)), kt))
         if compute != Q.dtype:

@@ -55,6 +55,21 @@ _REPEATED = frozenset({
 })
 
 
+def extent(op: OpBuilder, x: ir.Value, axis: int):
+    """x's extent along ``axis``: an int when static, else a 1-element int64 value."""
+    d = dims(x)
+    if d is not None and isinstance(d[axis], int):
+        return d[axis]
+    return op.Slice(op.Shape(x), [axis], [axis + 1])
+
+
+def shape_from(op: OpBuilder, *parts):
+    """An int64 shape from ints and 1-element int64 values (a list when all are ints)."""
+    if all(isinstance(p, int) for p in parts):
+        return list(parts)
+    return op.Concat(*(op.const(np.array([p], np.int64)) if isinstance(p, int) else p for p in parts), axis=0)
+
+
 def normalize_axis(axis: int, rank_: int) -> int:
     return axis + rank_ if axis < 0 else axis
 

@@ -41,21 +41,6 @@ def _vjp(op, node, names, build, dYs):
     return {name: g for (name, _), g in zip(xs, grads) if g is not None}
 
 
-def _dim(op, x, axis):
-    """x's extent along ``axis``: an int when static, else a 1-element int64 value."""
-    d = shapes.dims(x)
-    if d is not None and isinstance(d[axis], int):
-        return d[axis]
-    return op.Slice(op.Shape(x), [axis], [axis + 1])
-
-
-def _shape(op, *parts):
-    """An int64 shape from ints and 1-element int64 values."""
-    if all(isinstance(p, int) for p in parts):
-        return list(parts)
-    return op.Concat(*(op.const(np.array([p], np.int64)) if isinstance(p, int) else p for p in parts), axis=0)
-
-
 def _activation(node):
     act = shapes.attr(node, "activation", "none")
     act = act.decode() if isinstance(act, bytes) else act
@@ -82,7 +67,7 @@ def causal_conv_with_state(op, node, *dYs):
 
     def build(f):
         if past is None:
-            zeros = f.ConstantOfShape(_shape(f, _dim(f, X, 0), channels, k - 1),
+            zeros = f.ConstantOfShape(shapes.shape_from(f, shapes.extent(f, X, 0), channels, k - 1),
                                       value=ir.Tensor(np.zeros(1, X.dtype.numpy())))
             P = f.Concat(zeros, X, axis=2)
         else:
@@ -90,7 +75,7 @@ def causal_conv_with_state(op, node, *dYs):
         Y = f.Conv(P, W, B, group=channels, kernel_shape=[k])
         if act != "none":
             Y = f.Mul(Y, f.Sigmoid(Y))
-        length = _dim(f, X, 2)
+        length = shapes.extent(f, X, 2)
         present = f.Slice(P, [length] if isinstance(length, int) else length, [2**62], [2])
         return Y, present
 
