@@ -36,7 +36,6 @@ from onnx_autodiff.errors import RuleError
 from onnx_autodiff.rules import shapes
 from onnx_autodiff.rules.builder import FLOAT_TYPES
 from onnx_autodiff.rules.math import gate
-from onnx_autodiff.rules.recurrent import _infer_shapes
 from onnx_autodiff.rules.registry import rule
 
 def _padded(values, n):
@@ -302,7 +301,7 @@ def flex_attention(op, node, dY):
 
     fwd = op.child()
     Y = build(fwd)
-    _infer_shapes(fwd.nodes, [Q, K, V], op.opset)
+    shapes.infer_shapes(fwd.nodes, [Q, K, V], op.opset)
     grads = fwd.differentiate(list(fwd.nodes), [(Y, dY)], [Q, K, V])
     op.nodes.extend(fwd.nodes)
     return {name: g for name, g in zip(("Q", "K", "V"), grads) if g is not None}

@@ -136,35 +136,6 @@ def _cell(op, kind, h, c, xw, mask, weights, functions, clip, hidden, node):
     return h_new, c_new, y
 
 
-def _infer_shapes(nodes, inputs, opset):
-    """Shapes every value ``nodes`` (and their subgraphs) define, by onnx shape inference: the
-    templates of the broadcasting ops and MatMul need ranks (the builder leaves shapes unset)."""
-    graph = onnx.helper.make_graph([ir.serde.serialize_node(n) for n in nodes], "decomposition",
-                                   [ir.serde.serialize_value(v) for v in inputs], [])
-    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
-    found = {}
-
-    def collect(g):
-        found.update((info.name, info) for info in (*g.value_info, *g.output))
-        for n in g.node:
-            for a in n.attribute:
-                if a.type == onnx.AttributeProto.GRAPH:
-                    collect(a.g)
-
-    collect(onnx.shape_inference.infer_shapes(model).graph)
-    pending = list(nodes)
-    while pending:
-        n = pending.pop()
-        for out in n.outputs:
-            info = found.get(out.name)
-            if info is not None and out.shape is None and info.type.tensor_type.HasField("shape"):
-                typed = ir.serde.deserialize_value_info_proto(info, None)
-                out.type, out.shape = typed.type, typed.shape
-        for a in n.attributes.values():
-            if a.type == ir.AttributeType.GRAPH:
-                pending.extend(a.value)
-
-
 def decompose(op, node):
     """Emits ``node`` (RNN, GRU or LSTM) in standard ops; returns (Y, Y_h, Y_c), Y_c None but for LSTM."""
     kind, start = node.op_type, len(op.nodes)
@@ -270,7 +241,7 @@ def decompose(op, node):
     if layout:
         Y = op.Transpose(Y, perm=[2, 0, 1, 3])
         Y_h, Y_c = (None if v is None else op.Transpose(v, perm=[1, 0, 2]) for v in (Y_h, Y_c))
-    _infer_shapes(op.nodes[start:], [v for v in node.inputs if v is not None], op.opset)
+    shapes.infer_shapes(op.nodes[start:], [v for v in node.inputs if v is not None], op.opset)
     return Y, Y_h, Y_c
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from onnx_autodiff.errors import RuleError
@@ -278,3 +279,32 @@ def _reduce_dynamic_by_reshape(op: OpBuilder, grad: ir.Value, x: ir.Value, ry: i
     pairs = [op.unsqueeze(v, [1]) for v in (x_shape, op.Div(grad_shape, divisor))]
     split = op.Reshape(grad, op.Reshape(op.Concat(*pairs, axis=1), [-1]))
     return op.reduce_sum(split, list(range(1, 2 * rx, 2)), keepdims=False)
+
+
+def infer_shapes(nodes: Sequence[ir.Node], inputs: Sequence[ir.Value], opset: int) -> None:
+    """Shapes every value ``nodes`` (and their subgraphs) define, by onnx shape inference: the
+    templates of the broadcasting ops and MatMul need ranks (the builder leaves shapes unset)."""
+    graph = onnx.helper.make_graph([ir.serde.serialize_node(n) for n in nodes], "decomposition",
+                                   [ir.serde.serialize_value(v) for v in inputs], [])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
+    found = {}
+
+    def collect(g):
+        found.update((info.name, info) for info in (*g.value_info, *g.output))
+        for n in g.node:
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    collect(a.g)
+
+    collect(onnx.shape_inference.infer_shapes(model).graph)
+    pending = list(nodes)
+    while pending:
+        n = pending.pop()
+        for out in n.outputs:
+            info = found.get(out.name)
+            if info is not None and out.shape is None and info.type.tensor_type.HasField("shape"):
+                typed = ir.serde.deserialize_value_info_proto(info, None)
+                out.type, out.shape = typed.type, typed.shape
+        for a in n.attributes.values():
+            if a.type == ir.AttributeType.GRAPH:
+                pending.extend(a.value)
