@@ -12,7 +12,6 @@ output zeros, a reverse direction running backwards from that entry's last step)
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 
 from onnx_autodiff.errors import RuleError
