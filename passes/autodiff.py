@@ -219,6 +219,9 @@ class Backward:
             return
         if len(node.outputs) <= max(indices):
             node.resize_outputs(max(indices) + 1)
+            for output in node.outputs:  # outputs between the old last and a saved one stay absent
+                if output.name is None:
+                    output.name = ""
         stem = node.outputs[0].name or node.name or node.op_type
         for i, saved in zip(indices, rule.saves):
             if not node.outputs[i].name:

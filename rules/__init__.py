@@ -41,12 +41,16 @@ def register_gradient(
     *,
     differentiable: Sequence[str] = (),
     opsets: tuple[int, int] | None = None,
-    broadcast: bool = False,
+    broadcast: bool | Sequence[str] = False,
     when: Callable[[ir.Node], bool] | None = None,
     inputs: Sequence[str] | None = None,
+    captures: bool = False,
+    saves: Sequence[str] = (),
     registry: GradRegistry | None = None,
 ) -> Callable[[Backward], Backward]:
-    """Decorator adding (or overriding) the rule of ``domain::op_type`` in ``registry``.
+    """Decorator adding (or overriding) the rule of ``domain::op_type`` in ``registry``; the
+    options are those of :class:`GradRule` (``saves`` gives the forward node optional outputs the
+    rule reads, ``broadcast`` may name the inputs whose gradients come back unreduced).
 
     The default is the shipped registry, so the rule applies to every later pass::
 
@@ -64,4 +68,6 @@ def register_gradient(
         broadcast=broadcast,
         when=when,
         inputs=inputs,
+        captures=captures,
+        saves=saves,
     )

@@ -527,6 +527,23 @@ def test_saved_outputs_must_be_named_by_the_schema():
         differentiate(model, of="y", wrt=["x"], registry=registry, seed="ones")
 
 
+def test_register_gradient_passes_saves_on():
+    from onnx_autodiff import register_gradient
+
+    registry = default_registry().copy()
+    seen = []
+
+    @register_gradient("LayerNormalization", differentiable=("X",), saves=("InvStdDev",), registry=registry)
+    def layer_norm(op, node, dY, *rest):
+        seen.append([v.name for v in node.outputs])
+        return {"X": op.Mul(dY, node.outputs[2])}  # a stand-in reading the saved output
+
+    model, _ = _layer_norms(1)
+    proto, _ = differentiate(model, of="y0", wrt=["x"], registry=registry, seed="ones")
+    ln = next(n for n in proto.graph.node if n.op_type == "LayerNormalization")
+    assert len(seen) == 1 and len(seen[0]) == 3 and seen[0][2] == ln.output[2] != ""
+
+
 def test_tied_layer_norm_parameters_are_reduced_once():
     # three LayerNormalizations share s and b: the unreduced contributions are summed first
     model, feeds = _layer_norms(3)
