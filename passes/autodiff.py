@@ -318,26 +318,18 @@ class Backward:
 
 def _infer_output_types(node: ir.Node, opset: int, outputs: Sequence[ir.Value]) -> None:
     """Sets the type (and shape, when inferred) of the node's ``outputs`` from the op's schema."""
+    from onnx_autodiff.passes.inference import infer_node_types
+
     try:
         schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
-        proto = ir.serde.serialize_node(node)
-        known = {v.name: _type_proto(v) for v in node.inputs if v is not None and v.type is not None}
-        inferred = onnx.shape_inference.infer_node_outputs(schema, proto, known)
-    except Exception:  # noqa: BLE001 - without a type the rule still works in its input's type
+    except onnx.defs.SchemaError:  # without a type the rule still works in its input's type
         return
+    inferred = infer_node_types(node, schema, [v for v in node.inputs if v is not None and v.type is not None])
     for value in outputs:
         found = inferred.get(value.name)
         if found is not None and found.HasField("tensor_type"):
             value.type = ir.serde.deserialize_type_proto_for_type(found)
             value.shape = ir.serde.deserialize_type_proto_for_shape(found)
-
-
-def _type_proto(value: ir.Value) -> onnx.TypeProto:
-    proto = onnx.TypeProto()
-    ir.serde.serialize_type_into(proto, value.type)
-    if value.shape is not None:
-        ir.serde.serialize_shape_into(proto, value.shape)
-    return proto
 
 
 def infer_shapes(model: ir.Model) -> None:

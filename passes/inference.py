@@ -84,7 +84,10 @@ def _carried_shapes(node: ir.Node) -> int:
     return filled
 
 
-def _infer_node(node: ir.Node, schema, inputs, outer, imports) -> int:
+def infer_node_types(node: ir.Node, schema, inputs, outer=(), imports=None) -> dict[str, onnx.TypeProto]:
+    """onnx's inference of one node's outputs (name → TypeProto) from the types of ``inputs`` and
+    ``outer`` (values its subgraphs read) and the values of its small constant integer inputs;
+    empty when onnx cannot infer them."""
     types = {v.name: ir.serde.serialize_value(v).type for v in (*inputs, *outer)}
     data = {}
     for v in inputs:
@@ -93,11 +96,15 @@ def _infer_node(node: ir.Node, schema, inputs, outer, imports) -> int:
             if array is not None:
                 data[v.name] = onnx.numpy_helper.from_array(np.asarray(array, v.dtype.numpy()), v.name)
     try:
-        inferred = onnx.shape_inference.infer_node_outputs(
+        return onnx.shape_inference.infer_node_outputs(
             schema, ir.serde.serialize_node(node), types, data, opset_imports=imports
         )
     except Exception:  # noqa: BLE001 - inference is a help: an op it cannot infer keeps no shape
-        return 0
+        return {}
+
+
+def _infer_node(node: ir.Node, schema, inputs, outer, imports) -> int:
+    inferred = infer_node_types(node, schema, inputs, outer, imports)
     filled = 0
     for out in node.outputs:
         found = inferred.get(out.name)
