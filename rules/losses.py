@@ -34,22 +34,28 @@ def _sum_over_softmax_axes(op, node, t, legacy: bool):
     return op.Reshape(op.Expand(op.reduce_sum(flat, [1]), op.Shape(flat)), op.Shape(t))
 
 
-def _finite(op, Y):
+def _finite(op, node, Y):
     """Y with NaN read as 0: a row of -inf logits (a fully masked attention row) gives NaN, and
-    0·NaN would turn the zero gradient that masking sends there into NaN."""
-    if op.opset < 9:
+    0·NaN would turn the zero gradient that masking sends there into NaN.
+
+    Not when a Where makes the logits (the mask applied to the scores, as exporters write it):
+    a row can then be all -inf only where the mask covers it, and Where's gradient selects zero
+    for those positions whatever the NaN, so the guard would only cost two full-size passes.
+    """
+    producer = node.inputs[0].producer()
+    if op.opset < 9 or (producer is not None and producer.op_type == "Where" and producer.domain in ("", "ai.onnx")):
         return Y
     return op.Where(op.IsNaN(Y), op.const(0.0, like=Y), Y)
 
 
 def _softmax(op, node, dY, legacy):
-    Y = _finite(op, node.outputs[0])
+    Y = _finite(op, node, node.outputs[0])
     dYY = op.Mul(dY, Y)
     return {"input": op.Sub(dYY, op.Mul(Y, _sum_over_softmax_axes(op, node, dYY, legacy)))}
 
 
 def _log_softmax(op, node, dY, legacy):
-    probabilities = _finite(op, op.Exp(node.outputs[0]))
+    probabilities = _finite(op, node, op.Exp(node.outputs[0]))
     return {"input": op.Sub(dY, op.Mul(probabilities, _sum_over_softmax_axes(op, node, dY, legacy)))}
 
 

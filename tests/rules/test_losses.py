@@ -270,3 +270,41 @@ def test_fully_masked_row_gives_zero_gradient_not_nan(op_type):
     dy = np.ones_like(x)
     grad = dict(zip([o.name for o in proto.graph.output], session.run(None, {"x": x, autodiff.seed_name: dy})))["grad_x"]
     assert np.all(np.isfinite(grad)) and np.all(grad[1] == 0)
+
+
+@pytest.mark.parametrize("op_type", ["Softmax", "LogSoftmax"])
+def test_where_masked_logits_skip_the_nan_guard_and_stay_finite(op_type):
+    """Logits masked by a Where (as exporters write attention): no IsNaN guard is emitted, and a
+    fully masked row still gets a zero gradient, since Where's gradient selects zero there."""
+    import onnxruntime as ort
+    from onnx import helper
+
+    from helpers import make_model
+    from onnx_autodiff.conformance.check import backward_model
+
+    x = np.array([[0.5, -1.0, 2.0], [0.3, 0.1, -0.2]], np.float32)
+    mask = np.array([[False, True, False], [True, True, True]])
+    nodes = [helper.make_node("Where", ["mask", "ninf", "x"], ["s"]),
+             helper.make_node(op_type, ["s"], ["p"], axis=-1),
+             helper.make_node("IsNaN", ["p"], ["bad"]),
+             helper.make_node("Where", ["bad", "zero", "p"], ["y"])]
+    model = make_model(nodes, {"x": x}, ["y"], initializers={
+        "zero": np.array(0.0, np.float32), "ninf": np.array(-np.inf, np.float32), "mask": mask})
+    proto, autodiff = backward_model(model, "y", ["x"], seed="input")
+    assert sum(n.op_type == "IsNaN" for n in proto.graph.node) == 1  # the forward's own
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    dy = np.array([[1.0, 2.0, -1.0], [1.0, 1.0, 1.0]], np.float32)
+    grad = dict(zip([o.name for o in proto.graph.output], session.run(None, {"x": x, autodiff.seed_name: dy})))["grad_x"]
+    assert np.all(grad[1] == 0) and np.all(np.isfinite(grad)) and grad[0, 1] == 0
+    # The unmasked row against central differences in float64.
+    keep = [0, 2]
+    z = x[0, keep].astype(np.float64)
+
+    def f(v):  # the masked logit is -inf: its probability is 0, its log-probability -inf - lse(v)
+        lse = v.max() + np.log(np.exp(v - v.max()).sum())
+        if op_type == "Softmax":
+            return float(dy[0, keep] @ np.exp(v - lse))
+        return float(dy[0, keep] @ (v - lse) - dy[0, 1] * lse)
+
+    fd = [(f(z + h) - f(z - h)) / 2e-6 for h in np.eye(2) * 1e-6]
+    np.testing.assert_allclose(grad[0, keep], fd, rtol=1e-4, atol=1e-5)

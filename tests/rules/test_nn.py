@@ -123,16 +123,16 @@ def backward_op_types(inputs, opset=18, **kw):
 @pytest.mark.parametrize(
     "shape_a,shape_b,opset,expected",
     [
-        # A linear layer: dW is one Einsum that sums the batch axes too, dA a MatMul by Wᵀ.
-        ((2, 3, 4), (4, 5), 18, ["Einsum", "MatMul", "Transpose"]),
+        # A linear layer: dW is one Gemm over the flattened batch, dA a MatMul by Wᵀ.
+        ((2, 3, 4), (4, 5), 18, ["Constant", "Constant", "Gemm", "MatMul", "Reshape", "Reshape", "Transpose"]),
         ((4, 5), (2, 3, 5, 2), 18, ["Einsum", "MatMul", "Transpose"]),
         ((3, 4), (4, 5), 18, ["Gemm", "Gemm"]),
         ((3, 4), (4, 5), 11, ["Gemm", "Gemm"]),
         ((4,), (2, 4, 3), 18, ["Einsum", "Einsum"]),
         ((2, 3, 4), (4,), 18, ["Einsum", "Einsum"]),
-        # Batch axes on both sides, equal extents: one Einsum each, reading the operands in place
-        # (the cleanup folds neighbouring Transposes into the equations).
-        ((2, 3, 4), (2, 4, 5), 18, ["Einsum", "Einsum"]),
+        # Batch axes on both sides, equal extents and ranks: MatMul by the other's swap (which
+        # onnxruntime fuses); with unequal ranks one Einsum each, summing the extra batch axes.
+        ((2, 3, 4), (2, 4, 5), 18, ["MatMul", "MatMul", "Transpose", "Transpose"]),
         ((2, 3, 2, 4), (3, 4, 5), 18, ["Einsum", "Einsum"]),
         # A size-1 batch axis broadcasts (explicit Einsum letters cannot): MatMul with a Transpose
         # each, and ReduceSum over the broadcast axes.
