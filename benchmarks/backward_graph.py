@@ -5,13 +5,17 @@
 
 For each model (GPT-style decoder with L blocks, a small CNN, an MLP 784-256-10, each ending in
 a mean cross-entropy) it differentiates the loss with respect to every weight (float initializers
-of more than one element: ``autodiff_pass(of=loss, wrt=parameters(model))`` then
-``cleanup_passes()``), checks once that the gradients
-match PyTorch autograd, and prints one table: node counts, build seconds, onnxruntime and
-PyTorch milliseconds (2 intra-op threads each, median of ``--runs`` after warm-up, onnxruntime
-and PyTorch taking turns in blocks of five calls), the peak memory of onnxruntime and the ratios; then the
-same runs in process CPU time, which other load on the machine disturbs less. ``--analyze`` adds, per model, where the backward nodes
-and the onnxruntime kernel time go (by op type and by the forward op whose rule emitted them). ``--tiny`` shrinks every model to run in seconds (what the test uses).
+of more than one element, BatchNormalization's running statistics excepted:
+``autodiff_pass(of=loss, wrt=parameters(model))`` then ``cleanup_passes()``), checks once that
+the gradients match PyTorch autograd, and prints one table: node counts, build seconds,
+onnxruntime and PyTorch milliseconds (2 intra-op threads each, median of ``--runs`` after
+warm-up, onnxruntime and PyTorch taking turns in blocks of five calls), the peak memory of
+onnxruntime and the ratios; then the same runs in process CPU time, which other load on the
+machine disturbs less. "outlined nodes" counts the same graph after ``OutlinePass`` (each
+rule's backward nodes one call of a model-local function, which onnxruntime inlines at load:
+the same kernels). ``--analyze`` adds, per model, where the backward nodes and the onnxruntime
+kernel time go (by op type and by the forward op whose rule emitted them). ``--tiny`` shrinks
+every model to run in seconds (what the test uses).
 
 Models come from ``torch.onnx.export(dynamo=True)`` when torch is installed, else from the
 equivalent onnx.helper builders in ``models.py`` (``--source`` forces one).
@@ -39,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import models
 from onnx_autodiff.rules import GradRegistry, default_registry
 
-from onnx_autodiff import autodiff_pass, cleanup_passes
+from onnx_autodiff import OutlinePass, autodiff_pass, cleanup_passes
 
 THREADS = 2
 RULE_TAG = "benchmark.rule"  # node metadata key: the forward op type whose rule emitted the node
@@ -243,8 +247,11 @@ def measure(case: Case, args) -> dict:
     model, gradient_names, build = differentiate(case.forward)
     proto = ir.to_proto(model)
     onnx.checker.check_model(proto, full_check=True)
+    outlined = ir.from_proto(proto)
+    OutlinePass()(outlined)
     row = {"model": case.name, "fwd nodes": len(case.forward.graph.node),
-           "fwd+bwd nodes": len(proto.graph.node), "build s": build}
+           "fwd+bwd nodes": len(proto.graph.node), "outlined nodes": len(outlined.graph),
+           "build s": build}
     fwd_session = ort_session(case.forward, threads=args.threads)
     grad_session = ort_session(proto, threads=args.threads)
     names = [o.name for o in proto.graph.output]
@@ -283,7 +290,8 @@ def torch_steps(case: Case, args) -> dict:
 
 
 COLUMNS = [
-    ("model", "{}"), ("fwd nodes", "{:d}"), ("fwd+bwd nodes", "{:d}"), ("build s", "{:.2f}"),
+    ("model", "{}"), ("fwd nodes", "{:d}"), ("fwd+bwd nodes", "{:d}"), ("outlined nodes", "{:d}"),
+    ("build s", "{:.2f}"),
     ("ort fwd ms", "{:.2f}"), ("ort fwd+bwd ms", "{:.2f}"), ("torch fwd+bwd ms", "{:.2f}"),
     ("torch fwd ms", "{:.2f}"), ("ort fwd MB", "{:.0f}"), ("ort fwd+bwd MB", "{:.0f}"),
     ("ort f+b / torch f+b", "{:.2f}"), ("ort bwd / ort fwd", "{:.2f}"), ("max rel err", "{:.1e}"),
@@ -333,7 +341,8 @@ def print_anchors(rows: list[dict], layers: list[int]) -> None:
     for row in rows:
         marks = []
         if row["model"] == "GPT L=8":
-            marks.append(f"nodes {row['fwd+bwd nodes']} {'<=' if row['fwd+bwd nodes'] <= 800 else '>'} 800")
+            for key in ("fwd+bwd nodes", "outlined nodes"):
+                marks.append(f"{key} {row[key]} {'<=' if row[key] <= 800 else '>'} 800")
         if "ort f+b / torch f+b" in row:
             ratio = row["ort f+b / torch f+b"]
             marks.append(f"time {ratio:.2f}x PyTorch ({'met' if ratio <= 1.0 else 'missed'})")

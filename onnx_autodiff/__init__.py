@@ -11,6 +11,7 @@ from onnx_autodiff.errors import (
 from onnx_autodiff.passes import (
     AutodiffPass,
     GradientOpLoweringPass,
+    OutlinePass,
     autodiff_pass,
     cleanup_passes,
     gradient_of_function,
@@ -48,6 +49,7 @@ __all__ = [
     "JvpPass",
     "GradRule",
     "MissingRuleError",
+    "OutlinePass",
     "NotDifferentiableError",
     "RuleError",
     "UnknownValueError",

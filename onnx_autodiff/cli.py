@@ -71,7 +71,7 @@ def cmd_grad(args) -> int:
     of = args.of or _single_output(model)
     start = time.perf_counter()
     autodiff = AutodiffPass(of=of, wrt=args.wrt or None)
-    passes = [autodiff] if args.no_cleanup else [autodiff, *cleanup_passes()]
+    passes = [autodiff] if args.no_cleanup else [autodiff, *cleanup_passes(outline=args.outline)]
     result = ir.passes.PassManager(passes)(model)
     proto = ir.to_proto(result.model)
     seconds = time.perf_counter() - start
@@ -193,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     grad.add_argument("--of", help="the value to differentiate (default: the single graph output)")
     grad.add_argument("--wrt", nargs="+", help="variables (default: every floating-point initializer)")
     grad.add_argument("--no-cleanup", action="store_true", help="skip the cleanup passes")
+    grad.add_argument("--outline", action="store_true",
+                      help="group each rule's backward nodes into one call of a model-local function")
     grad.set_defaults(run=cmd_grad)
     for name, meaning in (
         ("jvp", "add tangent inputs t_<x> and the output jvp_<of> (forward mode)"),

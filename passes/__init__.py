@@ -4,10 +4,12 @@ from onnx_autodiff.passes.autodiff import AutodiffPass, autodiff_pass
 from onnx_autodiff.passes.cleanup import cleanup_passes
 from onnx_autodiff.passes.functions import gradient_of_function, gradient_of_nodes
 from onnx_autodiff.passes.gradient_op import GradientOpLoweringPass
+from onnx_autodiff.passes.outline import OutlinePass
 
 __all__ = [
     "AutodiffPass",
     "GradientOpLoweringPass",
+    "OutlinePass",
     "autodiff_pass",
     "cleanup_passes",
     "gradient_of_function",

@@ -21,8 +21,14 @@ from onnx_autodiff.errors import (
     describe_node,
 )
 from onnx_autodiff.passes.cleanup import record_differentiated
+from onnx_autodiff.passes.rewrites import GRAD_OF
 from onnx_autodiff.rules import GradRegistry, GradRule, default_registry, shapes
 from onnx_autodiff.rules.builder import FLOAT_TYPES, Namer, OpBuilder
+
+
+def grad_of_tag(node: ir.Node) -> str:
+    """The GRAD_OF metadata of the backward nodes a rule emits for ``node``."""
+    return f"{node.op_type}:{node.name or node.outputs[0].name}"
 
 
 @contextlib.contextmanager
@@ -274,6 +280,7 @@ class Backward:
         opset = self.opset_of(node)
         targets = self._targets(rule, node, reached)
         self.op.wanted_captures = [value for index, value in targets if index is None]
+        start = len(self.op.nodes)
         try:
             result = rule.backward(self.op, node, *dys)
         except AutodiffError as error:
@@ -285,6 +292,9 @@ class Backward:
             ) from error
         if not isinstance(result, dict):
             raise RuleError(f"the rule of {describe_node(node, opset)} must return a dict of gradients")
+        tag = grad_of_tag(node)
+        for emitted in self.op.nodes[start:]:  # a nested rule's nodes keep their own tag
+            emitted.metadata_props.setdefault(GRAD_OF, tag)
         unknown = sorted(k for k in result if isinstance(k, str) and k not in rule.differentiable)
         if unknown:
             raise RuleError(

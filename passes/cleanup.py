@@ -270,6 +270,15 @@ def _fingerprint(model: ir.Model) -> tuple:
 
 
 def cleanup_passes(*, keep: Sequence[str] = (), fold: bool = True, fold_limit: int = FOLD_LIMIT,
-                   cse: bool = True) -> list[ir.passes.PassBase]:
-    """Passes to run after :class:`AutodiffPass` (see :class:`CleanupPass` for the options)."""
-    return [CleanupPass(keep=keep, fold=fold, fold_limit=fold_limit, cse=cse)]
+                   cse: bool = True, outline: bool = False) -> list[ir.passes.PassBase]:
+    """Passes to run after :class:`AutodiffPass` (see :class:`CleanupPass` for the options).
+
+    ``outline=True`` ends with :class:`~onnx_autodiff.passes.outline.OutlinePass`: each rule's
+    backward nodes become one call of a model-local function of standard ops.
+    """
+    passes: list[ir.passes.PassBase] = [CleanupPass(keep=keep, fold=fold, fold_limit=fold_limit, cse=cse)]
+    if outline:
+        from onnx_autodiff.passes.outline import OutlinePass
+
+        passes.append(OutlinePass())
+    return passes

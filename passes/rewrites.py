@@ -7,6 +7,10 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import onnx_ir as ir
 
+# Node metadata "<op type>:<forward node>": the forward node whose rule emitted a backward node
+# (set by the engine, kept by the rewrites, read by OutlinePass and by readers of the graph).
+GRAD_OF = "onnx_autodiff.grad_of"
+
 # Dims of a value: a tuple of int (static) or str (named symbolic) or None (unknown) per axis.
 Dims = tuple
 
@@ -224,6 +228,9 @@ class Rewriter:
             return  # the output of an inner graph that reads it from outside: leave as it is
         if new_nodes:
             graph.insert_before(node, new_nodes)
+            tag = node.metadata_props.get(GRAD_OF)
+            for made in new_nodes if tag is not None else ():
+                made.metadata_props.setdefault(GRAD_OF, tag)
         if value.type is None:
             value.type = old.type
         if value.shape is None and old.shape is not None:

@@ -67,6 +67,26 @@ def test_grad_with_explicit_of_wrt_and_no_cleanup(scaled_model, tmp_path):
     assert [o.name for o in onnx.load(str(out)).graph.output] == ["y", "grad_x", "grad_W"]
 
 
+def test_grad_outline_writes_function_calls_with_the_same_gradients(tmp_path):
+    x = np.array([[0.5, -1.0, 2.0], [1.5, 0.25, -0.75]], np.float32)
+    model = write_model(
+        tmp_path / "m.onnx",
+        [helper.make_node("Softmax", ["x"], ["p"], axis=-1), helper.make_node("Mul", ["p", "x"], ["y"])],
+        [("x", TensorProto.FLOAT, [2, 3])],
+        [("y", TensorProto.FLOAT, [2, 3])],
+    )
+    plain, outlined = tmp_path / "plain.onnx", tmp_path / "outlined.onnx"
+    assert main(["grad", model, "-o", str(plain), "--wrt", "x"]) == 0
+    assert main(["grad", model, "-o", str(outlined), "--wrt", "x", "--outline"]) == 0
+    a, b = onnx.load(str(plain)), onnx.load(str(outlined))
+    onnx.checker.check_model(b, full_check=True)
+    assert "SoftmaxGrad" in [f.name for f in b.functions] and len(b.graph.node) < len(a.graph.node)
+    feeds = {"x": x, "dy": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    run = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+           for m in (a, b)]
+    np.testing.assert_allclose(run[1][1], run[0][1], rtol=1e-6)
+
+
 def test_missing_rule_exits_1_with_one_line_and_writes_nothing(tmp_path, capsys):
     model = write_model(
         tmp_path / "m.onnx",
