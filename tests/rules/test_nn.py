@@ -4,6 +4,7 @@ import onnxruntime as ort
 import pytest
 
 from helpers import make_model, op_model, rng
+from onnx_autodiff.rules import nn as nn_rules
 from onnx_autodiff.conformance import check_vjp
 from onnx_autodiff.conformance.check import backward_model
 from onnx_autodiff.errors import RuleError
@@ -248,8 +249,9 @@ def test_conv(case, bias):
 
 
 @pytest.mark.parametrize("case,slices", [("2d", 0), ("2d_asym_pads", 0), ("2d_strides2", 1)])
-def test_conv_kernel_grad_slice_only_when_taps_overhang(case, slices):
+def test_conv_kernel_grad_slice_only_when_taps_overhang(case, slices, monkeypatch):
     """dW's Conv gives exactly the kernel's taps unless the strides leave windows short of X's end."""
+    monkeypatch.setattr(nn_rules, "COLUMNS_LIMIT", 0)  # the Conv form, as for large inputs
     inputs, _, attrs = conv_inputs(case, bias=False)
     # dY computed by another node, as in a network: it carries no shape of its own.
     nodes = [onnx.helper.make_node("Conv", ["X", "W"], ["y"], **attrs),
@@ -259,6 +261,20 @@ def test_conv_kernel_grad_slice_only_when_taps_overhang(case, slices):
     assert [n.op_type for n in proto.graph.node].count("Slice") == slices
     result = check_vjp(model, inputs, ["W"])
     assert result.ok, str(result)
+
+
+@pytest.mark.parametrize("case", ["1d_stride2_pads", "2d_asym_pads", "2d_dilations2", "2d_same_lower", "3d"])
+@pytest.mark.parametrize("limit", ["columns", "conv"])
+def test_conv_kernel_grad_by_columns_and_by_conv(case, limit, monkeypatch):
+    """Both dW formulations agree with finite differences; the columns form is the one used for
+    small static inputs, the Conv form past COLUMNS_LIMIT."""
+    if limit == "conv":
+        monkeypatch.setattr(nn_rules, "COLUMNS_LIMIT", 0)
+    inputs, _, attrs = conv_inputs(case, bias=False)
+    proto, _ = backward_model(op_model("Conv", inputs, **attrs), "out0", ["W"], seed="input")
+    types = [n.op_type for n in proto.graph.node]
+    assert (types.count("Conv") == 2 and "ReduceSum" in types) == (limit == "columns")
+    check("Conv", inputs, wrt=["W"], **attrs)
 
 
 @pytest.mark.parametrize("case", ["2d_all", "1d_depthwise_dil2", "1d_same_upper_s3"])
