@@ -45,7 +45,7 @@ class OutlinePass(ir.passes.InPlacePass):
         by_body: dict[bytes, ir.Function] = {}
         modified = False
         for tag, nodes in groups.items():
-            if len(nodes) < self.min_nodes or not _outlinable(nodes, position):
+            if len(nodes) < self.min_nodes or not _outlinable(graph, nodes, position):
                 continue
             _outline(model, tag.split(":", 1)[0], nodes, by_body)
             modified = True
@@ -55,10 +55,13 @@ class OutlinePass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=modified)
 
 
-def _outlinable(nodes: list[ir.Node], position: dict[ir.Node, int]) -> bool:
-    """No subgraphs, and no path from the group through other nodes back into it."""
+def _outlinable(graph: ir.Graph, nodes: list[ir.Node], position: dict[ir.Node, int]) -> bool:
+    """No subgraphs, no value read inside another node's subgraph (a path this walk would not
+    see), and no path from the group through other nodes back into it."""
     if any(attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
            for node in nodes for attr in node.attributes.values()):
+        return False
+    if any(user.graph is not graph for n in nodes for out in n.outputs for user, _ in out.uses()):
         return False
     group = set(nodes)
     last = max(position[n] for n in nodes)

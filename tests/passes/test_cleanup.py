@@ -12,7 +12,7 @@ from helpers import make_model, rng
 from onnx import TensorProto, helper, numpy_helper
 from onnx_autodiff.passes.cleanup import DIFFERENTIATED_KEY
 
-from onnx_autodiff import autodiff_pass, cleanup_passes
+from onnx_autodiff import OutlinePass, autodiff_pass, cleanup_passes
 
 R = rng(11)
 
@@ -550,13 +550,19 @@ def _check_cases(step: int, minimum: int):
             raw, cleaned, feeds = pair()
             assert clean(raw).SerializeToString() == cleaned.SerializeToString(), "not deterministic"
             assert clean(cleaned).SerializeToString() == cleaned.SerializeToString(), "not idempotent"
-            expected, got = run(raw, feeds), run(cleaned, feeds)
-            assert list(got) == list(expected), "output names differ"
-            for name, value in expected.items():
-                finite = value[np.isfinite(value)] if value.dtype.kind == "f" else value
-                scale = max(1.0, float(np.max(np.abs(finite)))) if finite.size else 1.0
-                np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5 * scale, equal_nan=True,
-                                           err_msg=name)
+            outlined = ir.from_proto(cleaned)
+            OutlinePass()(outlined)
+            outlined = ir.to_proto(outlined)
+            onnx.checker.check_model(outlined, full_check=True)
+            expected = run(raw, feeds)
+            for after in (cleaned, outlined):
+                got = run(after, feeds)
+                assert list(got) == list(expected), "output names differ"
+                for name, value in expected.items():
+                    finite = value[np.isfinite(value)] if value.dtype.kind == "f" else value
+                    scale = max(1.0, float(np.max(np.abs(finite)))) if finite.size else 1.0
+                    np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-5 * scale, equal_nan=True,
+                                               err_msg=name)
         except Exception as error:  # noqa: BLE001 - collect every failing case, then report
             failures.append(f"{case.name}: {type(error).__name__}: {str(error).strip()[:300]}")
         compared += 1
@@ -566,7 +572,8 @@ def _check_cases(step: int, minimum: int):
 
 
 def test_conformance_sample_gives_the_same_gradients_with_and_without_cleanup():
-    """Also checks, on each case, that cleanup is deterministic and idempotent."""
+    """Also checks, on each case, that cleanup is deterministic and idempotent, and that the
+    outlined graph (OutlinePass after cleanup) is valid and gives the same gradients."""
     _check_cases(step=12, minimum=40)
 
 

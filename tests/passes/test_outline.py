@@ -139,3 +139,20 @@ def test_outlined_call_takes_graph_inputs_and_initializers_and_may_be_a_graph_ou
     expected, got = run(proto, {"x": x}), run(out, {"x": x})
     for name in expected:
         np.testing.assert_array_equal(got[name], expected[name])
+
+
+def test_a_group_whose_value_an_if_branch_reads_stays_inline():
+    """Neg → (If reading it in its branch) → Add, Neg and Add tagged alike: the path back runs
+    through a subgraph, which the walk does not follow; such groups are kept inline."""
+    x = np.ones((2,), np.float32)
+    branch = helper.make_graph([helper.make_node("Exp", ["a"], ["e"])], "branch", [],
+                               [helper.make_tensor_value_info("e", onnx.TensorProto.FLOAT, [2])])
+    nodes = [helper.make_node("Neg", ["x"], ["a"]),
+             helper.make_node("If", ["cond"], ["c"], then_branch=branch, else_branch=branch),
+             helper.make_node("Add", ["a", "c"], ["d"])]
+    model = ir.from_proto(make_model(nodes, {"x": x}, ["d"], initializers={"cond": np.array(True)}))
+    for node in model.graph:
+        if node.op_type in ("Neg", "Add"):
+            node.metadata_props[GRAD_OF] = "Test:n"
+    assert not OutlinePass()(model).modified
+    onnx.checker.check_model(ir.to_proto(model), full_check=True)
