@@ -19,9 +19,8 @@ from __future__ import annotations
 import hashlib
 
 import onnx_ir as ir
-from onnx_ir.passes import common
-
 from onnx_autodiff.passes.rewrites import GRAD_OF
+from onnx_ir.passes import common
 
 DOMAIN = "onnx_autodiff.grad"
 
@@ -97,7 +96,7 @@ def _outline(model: ir.Model, op_type: str, nodes: list[ir.Node], by_body: dict[
     graph.remove(nodes)
     params = [ir.Value(name=f"x{i}", type=v.type, shape=v.shape) for i, v in enumerate(inputs)]
     call_outputs = []
-    for i, out in enumerate(outputs):
+    for out in outputs:
         outer = ir.Value(name=out.name, type=out.type, shape=out.shape)
         for user, index in list(out.uses()):
             if user not in group:
