@@ -11,7 +11,9 @@ the gradients match PyTorch autograd, and prints one table: node counts, build s
 onnxruntime and PyTorch milliseconds (2 intra-op threads each, median of ``--runs`` after
 warm-up, onnxruntime and PyTorch taking turns in blocks of five calls), the peak memory of
 onnxruntime and the ratios; then the same runs in process CPU time, which other load on the
-machine disturbs less. "outlined nodes" counts the same graph after ``OutlinePass`` (each
+machine disturbs less. A second table times the same steps with the weights fed as graph
+inputs, as a training loop runs them (onnxruntime then neither pre-packs the weights for its
+matrix products nor folds them into fused convolutions). "outlined nodes" counts the same graph after ``OutlinePass`` (each
 rule's backward nodes one call of a model-local function, which onnxruntime inlines at load:
 the same kernels). ``--analyze`` adds, per model, where the backward nodes and the onnxruntime
 kernel time go (by op type and by the forward op whose rule emitted them). ``--tiny`` shrinks
@@ -259,8 +261,16 @@ def measure(case: Case, args) -> dict:
     if case.module is not None:
         row["max rel err"], row["params checked"], row["loss err"] = check_against_torch(
             case, results, gradient_names)
+    params = parameters(case.forward)
+    fed_fwd, weights = weights_fed(case.forward, params)
+    fed_grad, _ = weights_fed(proto, params)
+    fed_inputs = {**case.inputs, **weights}
+    fed_fwd_session = ort_session(fed_fwd, threads=args.threads)
+    fed_grad_session = ort_session(fed_grad, threads=args.threads)
     steps = {"ort fwd": lambda: fwd_session.run(None, case.inputs),
-             "ort fwd+bwd": lambda: grad_session.run(None, case.inputs)}
+             "ort fwd+bwd": lambda: grad_session.run(None, case.inputs),
+             "ort fwd fed": lambda: fed_fwd_session.run(None, fed_inputs),
+             "ort fwd+bwd fed": lambda: fed_grad_session.run(None, fed_inputs)}
     if case.module is not None:
         steps.update(torch_steps(case, args))
     for name, (wall, cpu) in median_ms(steps, args.warmup, args.runs).items():
@@ -268,6 +278,28 @@ def measure(case: Case, args) -> dict:
     row["ort fwd MB"] = peak_rss_mb(case.forward, case.inputs, args.threads)
     row["ort fwd+bwd MB"] = peak_rss_mb(proto, case.inputs, args.threads)
     return row
+
+
+def weights_fed(proto: onnx.ModelProto, params: list[str]) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """The model with the parameters turned from initializers into graph inputs, and their values.
+
+    What a training loop runs: it feeds new weights every step, so onnxruntime can neither
+    pre-pack them for its matrix products nor fold them into its fused convolutions, in the
+    forward-only model as in the fwd+bwd one.
+    """
+    fed = onnx.ModelProto()
+    fed.CopyFrom(proto)
+    weights, kept = {}, []
+    for tensor in fed.graph.initializer:
+        if tensor.name in params:
+            weights[tensor.name] = onnx.numpy_helper.to_array(tensor)
+            fed.graph.input.append(onnx.helper.make_tensor_value_info(
+                tensor.name, tensor.data_type, list(tensor.dims)))
+        else:
+            kept.append(tensor)
+    del fed.graph.initializer[:]
+    fed.graph.initializer.extend(kept)
+    return fed, weights
 
 
 def torch_steps(case: Case, args) -> dict:
@@ -303,12 +335,27 @@ def print_table(rows: list[dict]) -> None:
         if "torch fwd+bwd ms" in row:
             row["ort f+b / torch f+b"] = row["ort fwd+bwd ms"] / row["torch fwd+bwd ms"]
         row["ort bwd / ort fwd"] = (row["ort fwd+bwd ms"] - row["ort fwd ms"]) / row["ort fwd ms"]
-    cells = [[fmt.format(row[key]) if key in row else "n/a" for key, fmt in COLUMNS] for row in rows]
-    print("| " + " | ".join(key for key, _ in COLUMNS) + " |")
-    print("|" + "|".join("---" if i == 0 else "---:" for i in range(len(COLUMNS))) + "|")
+        if "ort fwd fed ms" in row:
+            if "torch fwd+bwd ms" in row:
+                row["fed f+b / torch f+b"] = row["ort fwd+bwd fed ms"] / row["torch fwd+bwd ms"]
+            row["fed bwd / fed fwd"] = (row["ort fwd+bwd fed ms"] - row["ort fwd fed ms"]) / row["ort fwd fed ms"]
+    print_markdown(rows, COLUMNS)
+    print("\nThe same steps with the weights fed as graph inputs, as a training loop runs them "
+          "(onnxruntime neither pre-packs nor folds them then):")
+    print_markdown(rows, FED_COLUMNS)
+
+
+def print_markdown(rows: list[dict], columns) -> None:
+    cells = [[fmt.format(row[key]) if key in row else "n/a" for key, fmt in columns] for row in rows]
+    print("| " + " | ".join(key for key, _ in columns) + " |")
+    print("|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|")
     for line in cells:
         print("| " + " | ".join(line) + " |")
 
+
+FED_COLUMNS = [("model", "{}"), ("ort fwd fed ms", "{:.2f}"), ("ort fwd+bwd fed ms", "{:.2f}"),
+               ("torch fwd+bwd ms", "{:.2f}"), ("fed f+b / torch f+b", "{:.2f}"),
+               ("fed bwd / fed fwd", "{:.2f}")]
 
 CPU_COLUMNS = [("model", "{}"), ("ort fwd cpu", "{:.1f}"), ("ort fwd+bwd cpu", "{:.1f}"),
                ("torch fwd+bwd cpu", "{:.1f}"), ("torch fwd cpu", "{:.1f}"),
@@ -348,6 +395,12 @@ def print_anchors(rows: list[dict], layers: list[int]) -> None:
             marks.append(f"time {ratio:.2f}x PyTorch ({'met' if ratio <= 1.0 else 'missed'})")
         ratio = row["ort bwd / ort fwd"]
         marks.append(f"bwd {ratio:.2f}x fwd ({'met' if ratio <= 2.5 else 'missed'})")
+        if "fed f+b / torch f+b" in row:
+            ratio = row["fed f+b / torch f+b"]
+            marks.append(f"weights fed: time {ratio:.2f}x PyTorch ({'met' if ratio <= 1.0 else 'missed'})")
+        if "fed bwd / fed fwd" in row:
+            ratio = row["fed bwd / fed fwd"]
+            marks.append(f"bwd {ratio:.2f}x fwd ({'met' if ratio <= 2.5 else 'missed'})")
         print(f"  {row['model']}: " + "; ".join(marks))
 
 
