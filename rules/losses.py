@@ -43,7 +43,8 @@ def _finite(op, node, Y):
     for those positions whatever the NaN, so the guard would only cost two full-size passes.
     """
     producer = node.inputs[0].producer()
-    if op.opset < 9 or (producer is not None and producer.op_type == "Where" and producer.domain in ("", "ai.onnx")):
+    masked = producer is not None and producer.op_type == "Where" and producer.domain in ("", "ai.onnx")
+    if op.opset < 9 or masked:
         return Y
     return op.Where(op.IsNaN(Y), op.const(0.0, like=Y), Y)
 

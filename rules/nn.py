@@ -115,8 +115,8 @@ def _matmul_one_batched(op, A, B, dY, ra, rb):
     if ra == 2 and rb > 2:
         dB = op.MatMul(shapes.swap_last2(op, A, ra), dY)
     elif ra > 2 and k_n is not None and op.opset >= 11:
-        # A linear layer's weight: flattening the batch axes makes it one Gemm, which onnxruntime
-        # runs on every thread (its Einsum runs on one).
+        # A linear layer's weight: flattening the batch axes makes it one Gemm (onnxruntime's
+        # Einsum took 1.1–1.5x as long on the GPT benchmark's layers).
         dB = op.Gemm(_reshape(op, A, [-1, k_n[0]]), _reshape(op, dY, [-1, k_n[1]]), transA=1)
     else:
         dB = op.Einsum(A, dY, equation=f"{ta},{ty}->{tb}")
@@ -137,10 +137,10 @@ def _matmul_batched(op, A, B, dY, ra, rb):
     """Batch axes on both sides with equal extents (attention's Q·Kᵀ and P·V).
 
     Equal ranks: MatMul with the other operand's last two axes swapped; onnxruntime fuses such a
-    Transpose into the product (FusedMatMul) and runs it on every thread, where its Einsum runs
-    these small batched products on one (measured: 1.1–1.7 ms against 0.3–0.4 ms per product in
-    the GPT benchmark's attention). Otherwise Einsum, which sums the batch axes only one operand
-    has inside the product.
+    Transpose into the product (FusedMatMul), where its Einsum transposes and multiplies these
+    small batched products far more slowly (measured: 1.1–1.7 ms against 0.3–0.4 ms per product
+    in the GPT benchmark's attention). Otherwise Einsum, which sums the batch axes only one
+    operand has inside the product.
     """
     if ra == rb:
         return {"A": op.MatMul(dY, shapes.swap_last2(op, B, rb)),
