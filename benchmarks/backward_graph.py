@@ -1,7 +1,7 @@
 """Backward-graph benchmark: size, build time, run time and memory of fwd+bwd graphs next to PyTorch.
 
     python benchmarks/backward_graph.py [--layers 1 8] [--models gpt cnn mlp] [--runs 20]
-        [--warmup 5] [--threads 2] [--source auto|torch|helper] [--analyze] [--tiny]
+        [--warmup 5] [--threads 2] [--source auto|torch|helper] [--analyze] [--tiny] [--repeat N]
 
 For each model (GPT-style decoder with L blocks, a small CNN, an MLP 784-256-10, each ending in
 a mean cross-entropy) it differentiates the loss with respect to every weight (float initializers
@@ -17,7 +17,8 @@ matrix products nor folds them into fused convolutions). "outlined nodes" counts
 rule's backward nodes one call of a model-local function, which onnxruntime inlines at load:
 the same kernels). ``--analyze`` adds, per model, where the backward nodes and the onnxruntime
 kernel time go (by op type and by the forward op whose rule emitted them). ``--tiny`` shrinks
-every model to run in seconds (what the test uses).
+every model to run in seconds (what the test uses). ``--repeat N`` measures in N fresh processes
+and prints each ratio's median and range.
 
 Models come from ``torch.onnx.export(dynamo=True)`` when torch is installed, else from the
 equivalent onnx.helper builders in ``models.py`` (``--source`` forces one).
@@ -523,7 +524,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", choices=["auto", "torch", "helper"], default="auto")
     parser.add_argument("--analyze", action="store_true", help="node and time breakdown per model")
     parser.add_argument("--tiny", action="store_true", help="smallest configurations (seconds)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="measure in N fresh processes; print each ratio's median and range")
+    parser.add_argument("--json", help=argparse.SUPPRESS)  # where a repeated run writes its rows
     args = parser.parse_args(argv)
+    if args.repeat > 1:
+        return repeat_in_processes(args)
     source = args.source
     if source == "auto":
         source = "torch" if torch_available() else "helper"
@@ -568,7 +574,40 @@ def main(argv: list[str] | None = None) -> int:
     if args.analyze:
         for case in cases:
             analyze(case, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows))
     print(f"\nTotal {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+RATIOS = ["ort f+b / torch f+b", "ort bwd / ort fwd", "fed f+b / torch f+b", "fed bwd / fed fwd"]
+
+
+def repeat_in_processes(args) -> int:
+    """Run the measurement ``args.repeat`` times, each in a fresh process, and print the median
+    and range of every ratio: step times on this machine vary more from one process to the next
+    (PyTorch's CNN step: 19 to 33 ms) than within one, so one run cannot say "reliably"."""
+    child = ["--layers", *map(str, args.layers), "--models", *args.models, "--runs", str(args.runs),
+             "--warmup", str(args.warmup), "--threads", str(args.threads), "--source", args.source]
+    child += ["--tiny"] if args.tiny else []
+    runs = []
+    with tempfile.TemporaryDirectory() as folder:
+        for i in range(args.repeat):
+            path = os.path.join(folder, f"run{i}.json")
+            subprocess.run([sys.executable, __file__, *child, "--json", path], check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            runs.append(json.loads(Path(path).read_text()))
+            print(f"run {i + 1}/{args.repeat} done", flush=True)
+    print(f"\nMedian (min–max) over {args.repeat} fresh processes:")
+    print("| model | fwd+bwd nodes | outlined nodes | " + " | ".join(RATIOS) + " |")
+    print("|---|---:|---:|" + "---:|" * len(RATIOS))
+    for k, row in enumerate(runs[0]):
+        cells = []
+        for key in RATIOS:
+            values = [run[k][key] for run in runs if key in run[k]]
+            cells.append(f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
+                         if values else "n/a")
+        print(f"| {row['model']} | {row['fwd+bwd nodes']} | {row['outlined nodes']} | " + " | ".join(cells) + " |")
     return 0
 
 

@@ -67,3 +67,14 @@ def test_benchmark_runs_on_the_tiny_models(source, capsys):
         assert re.search(r"\| LayerNormalization \| 3 \| \d+ \|", out)  # the rule attribution
         assert re.search(r"\| Conv \| 2 \| \d+ \|", out)
         assert "onnxruntime profile of the fwd+bwd graph" in out
+
+
+def test_repeat_summarises_the_ratios_of_fresh_processes(capsys):
+    bench = load("backward_graph")
+    argv = ["--tiny", "--models", "mlp", "--source", "helper", "--runs", "1", "--warmup", "0", "--repeat", "2"]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Median (min–max) over 2 fresh processes" in out
+    row = table_rows(out)["MLP 784-256-10 (tiny)"]
+    low, high = re.search(r"\(([\d.]+)–([\d.]+)\)", row["ort bwd / ort fwd"]).groups()
+    assert 0 < float(low) <= float(high)
