@@ -584,21 +584,26 @@ RATIOS = ["ort f+b / torch f+b", "ort bwd / ort fwd", "fed f+b / torch f+b", "fe
 
 
 def repeat_in_processes(args) -> int:
-    """Run the measurement ``args.repeat`` times, each in a fresh process, and print the median
-    and range of every ratio: step times on this machine vary more from one process to the next
-    (PyTorch's CNN step: 19 to 33 ms) than within one, so one run cannot say "reliably"."""
-    child = ["--layers", *map(str, args.layers), "--models", *args.models, "--runs", str(args.runs),
-             "--warmup", str(args.warmup), "--threads", str(args.threads), "--source", args.source]
-    child += ["--tiny"] if args.tiny else []
+    """Run the measurement ``args.repeat`` times, each model in a fresh process, and print the
+    median and range of every ratio: step times on this machine vary more from one process to the
+    next (PyTorch's CNN step: 19 to 33 ms), and with what ran before in the process, than within
+    one, so one run cannot say "reliably"."""
+    common = ["--runs", str(args.runs), "--warmup", str(args.warmup), "--threads", str(args.threads),
+              "--source", args.source] + (["--tiny"] if args.tiny else [])
+    models_ = [["--models", "gpt", "--layers", str(n)] for n in args.layers if "gpt" in args.models]
+    models_ += [["--models", name] for name in ("cnn", "mlp") if name in args.models]
     runs = []
     with tempfile.TemporaryDirectory() as folder:
         for i in range(args.repeat):
-            path = os.path.join(folder, f"run{i}.json")
-            subprocess.run([sys.executable, __file__, *child, "--json", path], check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            runs.append(json.loads(Path(path).read_text()))
+            rows = []
+            for which in models_:
+                path = os.path.join(folder, "rows.json")
+                subprocess.run([sys.executable, __file__, *which, *common, "--json", path], check=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                rows += json.loads(Path(path).read_text())
+            runs.append(rows)
             print(f"run {i + 1}/{args.repeat} done", flush=True)
-    print(f"\nMedian (min–max) over {args.repeat} fresh processes:")
+    print(f"\nMedian (min–max) over {args.repeat} runs, each model in a fresh process:")
     print("| model | fwd+bwd nodes | outlined nodes | " + " | ".join(RATIOS) + " |")
     print("|---|---:|---:|" + "---:|" * len(RATIOS))
     for k, row in enumerate(runs[0]):

@@ -74,7 +74,7 @@ def test_repeat_summarises_the_ratios_of_fresh_processes(capsys):
     argv = ["--tiny", "--models", "mlp", "--source", "helper", "--runs", "1", "--warmup", "0", "--repeat", "2"]
     assert bench.main(argv) == 0
     out = capsys.readouterr().out
-    assert "Median (min–max) over 2 fresh processes" in out
+    assert "Median (min–max) over 2 runs, each model in a fresh process" in out
     row = table_rows(out)["MLP 784-256-10 (tiny)"]
     low, high = re.search(r"\(([\d.]+)–([\d.]+)\)", row["ort bwd / ort fwd"]).groups()
     assert 0 < float(low) <= float(high)
