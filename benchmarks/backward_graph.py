@@ -47,6 +47,7 @@ import models
 from onnx_autodiff.rules import GradRegistry, default_registry
 
 from onnx_autodiff import OutlinePass, autodiff_pass, cleanup_passes
+from onnx_autodiff.demo import feedable
 
 THREADS = 2
 RULE_TAG = "benchmark.rule"  # node metadata key: the forward op type whose rule emitted the node
@@ -288,19 +289,8 @@ def weights_fed(proto: onnx.ModelProto, params: list[str]) -> tuple[onnx.ModelPr
     pre-pack them for its matrix products nor fold them into its fused convolutions, in the
     forward-only model as in the fwd+bwd one.
     """
-    fed = onnx.ModelProto()
-    fed.CopyFrom(proto)
-    weights, kept = {}, []
-    for tensor in fed.graph.initializer:
-        if tensor.name in params:
-            weights[tensor.name] = onnx.numpy_helper.to_array(tensor)
-            fed.graph.input.append(onnx.helper.make_tensor_value_info(
-                tensor.name, tensor.data_type, list(tensor.dims)))
-        else:
-            kept.append(tensor)
-    del fed.graph.initializer[:]
-    fed.graph.initializer.extend(kept)
-    return fed, weights
+    weights = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer if t.name in params}
+    return feedable(proto, params), weights
 
 
 def torch_steps(case: Case, args) -> dict:

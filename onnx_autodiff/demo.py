@@ -72,7 +72,7 @@ def run_demo(steps: int = 60, learning_rate: float = 0.5, out=print) -> int:
 
     X, labels = blobs()
     weights = {t.name: numpy_helper.to_array(t).copy() for t in forward.graph.initializer}
-    session = ort.InferenceSession(_feedable(training, params).SerializeToString(), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(feedable(training, params).SerializeToString(), providers=["CPUExecutionProvider"])
     grad_names = [autodiff.gradient_names[p] for p in params]
 
     def step(batch):
@@ -108,7 +108,7 @@ def run_demo(steps: int = 60, learning_rate: float = 0.5, out=print) -> int:
     return 0 if ok else 1
 
 
-def _feedable(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+def feedable(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
     """The model with the initializers ``names`` turned into inputs, so each step feeds new weights."""
     fed = onnx.ModelProto()
     fed.CopyFrom(model)
