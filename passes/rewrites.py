@@ -388,6 +388,8 @@ def transpose(r: Rewriter, node: ir.Node):
         new = _node("Einsum", list(inner.inputs), r.fresh(node.outputs[0].name),
                     equation=_equation(inputs, "".join(out[p] for p in perm)))
         return new.outputs[0], [new]
+    if inner is not None and inner.op_type == "MatMul" and inner.domain == "":
+        return _transposed_matmul(r, node, perm)
     if inner is None or inner.op_type != "Transpose" or inner.domain != "":
         return None
     source = inner.inputs[0]
@@ -399,6 +401,34 @@ def transpose(r: Rewriter, node: ir.Node):
         return source
     new = _node("Transpose", [source], r.fresh(node.outputs[0].name), perm=composed)
     return new.outputs[0], [new]
+
+
+def _transposed_matmul(r: Rewriter, node: ir.Node, perm: list[int]):
+    """Transpose(MatMul(a, b)) swapping the last two axes is MatMul(bᵀ, aᵀ), when a or b is itself
+    the only use of a Transpose the new one composes with: no more nodes, and the transposes are
+    on the inputs, where runtimes fuse them into the product."""
+    product = node.inputs[0].producer()
+    a, b = product.inputs
+    rank = len(perm)
+    swap = [*range(rank - 2), rank - 1, rank - 2]
+    if rank < 2 or perm != swap or not _only_use(node.inputs[0], r):
+        return None
+    if dims(a) is None or dims(b) is None or len(dims(a)) != rank or len(dims(b)) != rank:
+        return None
+
+    def absorbs(value: ir.Value) -> bool:
+        producer = value.producer()
+        return producer is not None and producer.op_type == "Transpose" and producer.domain == "" and _only_use(value, r)
+
+    if not (absorbs(a) or absorbs(b)):
+        return None
+    ta = _node("Transpose", [a], r.fresh(a.name), perm=swap)
+    tb = _node("Transpose", [b], r.fresh(b.name), perm=swap)
+    new = _node("MatMul", [tb.outputs[0], ta.outputs[0]], r.fresh(node.outputs[0].name))
+    tag = product.metadata_props.get(GRAD_OF)
+    for made in (ta, tb, new) if tag is not None else ():
+        made.metadata_props[GRAD_OF] = tag  # still the product's gradient
+    return new.outputs[0], [ta, tb, new]
 
 
 def _einsum_terms(node: ir.Node | None) -> tuple[list[str], str] | None:
@@ -472,13 +502,14 @@ def _merged_tail(value: ir.Value, axis: int, r: Rewriter) -> ir.Value | None:
 
 def concat(r: Rewriter, node: ir.Node):
     """Concat of Reshapes that merge the same trailing axes, along the merged axis, is one Reshape
-    of the Concat along the first merged axis (the backward of a fused q/k/v projection)."""
+    of the Concat along the first merged axis (the backward of a fused q/k/v projection); a Concat
+    of Transposes is one Transpose of a Concat (:func:`_concat_of_transposes`)."""
     out = dims(node.outputs[0])
     if r.opset < 5 or out is None or len(node.inputs) < 2 or attr(node, "axis") is None:
         return None
     axis = attr(node, "axis") % len(out)
     if axis != len(out) - 1:
-        return None
+        return _concat_of_transposes(r, node, axis)
     sources = [None if v is None else _merged_tail(v, axis, r) for v in node.inputs]
     if any(x is None for x in sources):
         return None
@@ -489,6 +520,37 @@ def concat(r: Rewriter, node: ir.Node):
     joined = _node("Concat", sources, r.fresh(node.outputs[0].name), axis=axis)
     merged = _node("Reshape", [joined.outputs[0], shape.outputs[0]], r.fresh(node.outputs[0].name))
     return merged.outputs[0], [shape, joined, merged]
+
+
+def _concat_of_transposes(r: Rewriter, node: ir.Node, axis: int):
+    """Concat(Transpose(x_i, p_i)) = Transpose(Concat(Transpose(x_i, r_i)), p) for the most common
+    perm p, r_i = p_i after p⁻¹ (no node where that is the identity): one Transpose of the joined
+    tensor instead of one per input, when that leaves fewer Transposes (the backward of attention
+    heads split from one projection)."""
+    perms, sources = [], []
+    for value in node.inputs:
+        producer = None if value is None else value.producer()
+        if producer is None or producer.op_type != "Transpose" or producer.domain != "" or not _only_use(value, r):
+            return None
+        perms.append(_perm(producer, len(dims(node.outputs[0]))))
+        sources.append(producer.inputs[0])
+    if any(p is None or len(p) != len(perms[0]) for p in perms):
+        return None
+    common = max(perms, key=lambda p: (perms.count(p), -perms.index(p)))
+    inverse = [common.index(k) for k in range(len(common))]
+    residues = [[p[inverse[k]] for k in range(len(p))] for p in perms]
+    identity = list(range(len(common)))
+    if sum(residue != identity for residue in residues) + 1 >= len(perms):
+        return None
+    made, inputs = [], []
+    for source, residue in zip(sources, residues):
+        if residue != identity:
+            made.append(_node("Transpose", [source], r.fresh(source.name), perm=residue))
+            source = made[-1].outputs[0]
+        inputs.append(source)
+    joined = _node("Concat", inputs, r.fresh(node.outputs[0].name), axis=common[axis])
+    result = _node("Transpose", [joined.outputs[0]], r.fresh(node.outputs[0].name), perm=common)
+    return result.outputs[0], [*made, joined, result]
 
 
 def _transposed_2d(value: ir.Value) -> ir.Value | None:

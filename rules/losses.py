@@ -138,7 +138,7 @@ def _nll_backward(op, node, logp, dL):
     chosen = op.Equal(labels, _class_ids(op, scores, r))
     if ignore_index is not None:
         chosen = op.And(chosen, op.Not(op.Equal(labels, op.const(np.int64(ignore_index)))))
-    pick = _float(op, chosen, logp)  # (N, C, d...): one-hot of the label, zero rows where ignored
+    pick = _float(op, chosen, scores)  # (N, C, d...): one-hot of the label, zero rows where ignored
     trailing = [1] * (r - 2)
     class_weights = None
     if weights is not None:
@@ -182,11 +182,16 @@ def softmax_cross_entropy_loss(op, node, dL, dLogProb=None):
     """
     scores = node.inputs[0]
     has_log_prob = len(node.outputs) > 1 and node.outputs[1].name
-    logp = node.outputs[1] if has_log_prob else _log_softmax_axis1(op, scores, node.inputs[1])
+    weighted = len(node.inputs) > 2 and node.inputs[2] is not None
+    if has_log_prob or weighted or op.opset < 13:
+        logp = node.outputs[1] if has_log_prob else _log_softmax_axis1(op, scores, node.inputs[1])
+        probabilities = op.Exp(logp)
+    else:  # the log-probabilities themselves are not needed
+        logp, probabilities = None, op.Softmax(scores, axis=1)
     d_logp, d_weights = (dLogProb, None) if dL is None else _nll_backward(op, node, logp, dL)
     if dL is not None and dLogProb is not None:
         d_logp = op.Add(d_logp, dLogProb)
-    d_scores = op.Sub(d_logp, op.Mul(op.Exp(logp), op.reduce_sum(d_logp, [1])))
+    d_scores = op.Sub(d_logp, op.Mul(probabilities, op.reduce_sum(d_logp, [1])))
     return {"scores": d_scores, "weights": d_weights}
 
 

@@ -81,6 +81,19 @@ def _per_channel(op, v, rank):
     return op.unsqueeze(v, list(range(1, rank - 1))) if rank > 2 else v
 
 
+def _standardized(op, node, x, axes):
+    """x̂ by a LayerNormalization with unit scale: one fused pass instead of Sub and Mul.
+
+    None when the normalised dims are not static (the unit scale is a constant of their shape).
+    """
+    d = shapes.dims(x)
+    if d is None or not all(isinstance(d[a], int) for a in axes) or x.dtype is None:
+        return None
+    ones = op.const(np.ones([d[a] for a in axes]), dtype=x.dtype)
+    return op.LayerNormalization(x, ones, axis=axes[0], epsilon=shapes.attr(node, "epsilon", 1e-5),
+                                 stash_type=shapes.attr(node, "stash_type", 1))
+
+
 @rule("LayerNormalization", differentiable=("X", "Scale", "B"), since=17,
       broadcast=("Scale", "B"), saves=("Mean", "InvStdDev"))
 def layer_normalization(op, node, dY, dMean=None, dInvStdDev=None):
@@ -94,7 +107,7 @@ def layer_normalization(op, node, dY, dMean=None, dInvStdDev=None):
     # The engine gave the node its statistics outputs (saves=): no recomputation.
     _, mean, inv = node.outputs[:3]
     inv = _cast(op, inv, work)
-    xhat = op.Mul(op.Sub(x, _cast(op, mean, work)), inv)
+    xhat = _standardized(op, node, x, axes) or op.Mul(op.Sub(x, _cast(op, mean, work)), inv)
     grads, dx = {}, None
     if dY is not None:
         dy = _cast(op, dY, work)

@@ -121,6 +121,8 @@ def _flat_index(op, indices, d):
         flat = known.reshape(-1).astype(np.int64)
         return op.const(np.where(flat < 0, flat + (d if isinstance(d, int) else 0), flat))
     flat = op.Reshape(op.Cast(indices, to=ir.DataType.INT64), [-1])
+    if op.opset >= 10:
+        return op.Mod(flat, d)  # integer Mod takes the divisor's sign: [-d, d) maps onto [0, d)
     if op.opset >= 9:
         return op.Where(op.Less(flat, 0), op.Add(flat, d), flat)
     # No Where, and Less takes floats only, before opset 9: add d times the negativity mask.

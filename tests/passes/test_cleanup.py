@@ -194,6 +194,44 @@ def test_concat_of_merging_reshapes_becomes_one_reshape():
     assert clean(after).SerializeToString() == after.SerializeToString()
 
 
+def test_concat_of_transposes_becomes_one_transpose():
+    # Attention heads: q, v arrive as [N, H, T, D] and k as [N, H, D, T]; each went back by its own
+    # Transpose to [N, T, H, D] before the Concat over heads.
+    q, v = (R.standard_normal((2, 3, 4, 5)).astype(np.float32) for _ in range(2))
+    k = R.standard_normal((2, 3, 5, 4)).astype(np.float32)
+    nodes = [
+        helper.make_node("Transpose", ["q"], ["qt"], perm=[0, 2, 1, 3]),
+        helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 3, 1, 2]),
+        helper.make_node("Transpose", ["v"], ["vt"], perm=[0, 2, 1, 3]),
+        helper.make_node("Concat", ["qt", "kt", "vt"], ["y"], axis=2),  # [N, T, 3H, D]
+        helper.make_node("Transpose", ["s"], ["a"], perm=[1, 0, 2, 3]),
+        helper.make_node("Transpose", ["s"], ["b"], perm=[0, 1, 3, 2]),
+        helper.make_node("Concat", ["a", "b"], ["z"], axis=0),  # two perms, two inputs: no gain, stays
+    ]
+    s = R.standard_normal((2, 2, 3, 3)).astype(np.float32)
+    _, after = cleaned_case(nodes, {"q": q, "k": k, "v": v, "s": s}, ["y", "z"])
+    # one Transpose after the new Concat, one for k's residue (swap of the last two), z's two
+    assert ops(after).count("Transpose") == 4 and ops(after).count("Concat") == 2
+    assert clean(after).SerializeToString() == after.SerializeToString()
+
+
+def test_transpose_of_a_matmul_moves_onto_its_inputs():
+    a = R.standard_normal((2, 3, 4, 5)).astype(np.float32)
+    b = R.standard_normal((2, 3, 4, 6)).astype(np.float32)
+    nodes = [
+        helper.make_node("Transpose", ["a"], ["at"], perm=[0, 1, 3, 2]),  # composes with the new one
+        helper.make_node("MatMul", ["at", "b"], ["p"]),  # [2, 3, 5, 6]
+        helper.make_node("Transpose", ["p"], ["y"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["b", "c"], ["q"]),  # inputs not transposed: no gain, stays
+        helper.make_node("Transpose", ["q"], ["z"], perm=[0, 1, 3, 2]),
+    ]
+    c = R.standard_normal((2, 3, 6, 2)).astype(np.float32)
+    _, after = cleaned_case(nodes, {"a": a, "b": b, "c": c}, ["y", "z"])
+    # y = MatMul(bᵀ, a): one Transpose (of b) instead of two; z's product keeps its Transpose
+    assert ops(after).count("Transpose") == 2 and ops(after).count("MatMul") == 2
+    assert clean(after).SerializeToString() == after.SerializeToString()
+
+
 def test_constant_nodes_become_initializers():
     x = R.standard_normal((2, 3)).astype(np.float32)
     c = helper.make_tensor("c", TensorProto.FLOAT, [3], [1.0, 2.0, 3.0])

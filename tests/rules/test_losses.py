@@ -17,10 +17,11 @@ def _scores(shape):
 
 def _labels(shape, ignore_index=None, dtype=np.int64):
     labels = R.integers(0, C, shape).astype(dtype)
+    flat = labels.reshape(-1)
     if ignore_index is not None:
-        flat = labels.reshape(-1)
         flat[::3] = ignore_index  # some labels ignored, most not
-        flat[1] = 0 if ignore_index != 0 else 1  # never all ignored
+    # Two classes always counted: with one, a mean over weights would not depend on them.
+    flat[1], flat[2] = [c for c in range(C) if c != ignore_index][:2]
     return labels
 
 
