@@ -399,6 +399,10 @@ def transpose(r: Rewriter, node: ir.Node):
     composed = [first[p] for p in perm]
     if composed == list(range(len(composed))):
         return source
+    if not _only_use(x, r):
+        # The inner Transpose stays for its other readers: composing saves no node, and would
+        # turn a swap of the last two axes, which runtimes fuse into a MatMul, into a copy.
+        return None
     new = _node("Transpose", [source], r.fresh(node.outputs[0].name), perm=composed)
     return new.outputs[0], [new]
 

@@ -124,6 +124,24 @@ def test_transpose_pairs_compose_or_cancel():
     assert list(transpose.attribute[0].ints) == [1, 2, 0]
 
 
+def test_a_transpose_read_elsewhere_is_not_composed_into_the_next():
+    # Composing would save no node (the inner one stays for its Relu) and would turn a swap of the
+    # last two axes, which runtimes fuse into the MatMul, into a copy.
+    x = R.standard_normal((2, 3, 4)).astype(np.float32)
+    w = R.standard_normal((2, 4, 5)).astype(np.float32)
+    nodes = [
+        helper.make_node("Transpose", ["x"], ["t"], perm=[0, 2, 1]),  # [2, 4, 3]
+        helper.make_node("Relu", ["t"], ["r"]),
+        helper.make_node("Transpose", ["t"], ["s"], perm=[0, 2, 1]),  # back to x: cancels
+        helper.make_node("Transpose", ["t"], ["u"], perm=[1, 0, 2]),  # [4, 2, 3]: stays as it is
+        helper.make_node("MatMul", ["s", "w"], ["y"]),
+    ]
+    _, after = cleaned_case(nodes, {"x": x}, ["r", "u", "y"], initializers={"w": w})
+    perms = {n.output[0]: list(n.attribute[0].ints) for n in after.graph.node if n.op_type == "Transpose"}
+    assert sorted(perms.values()) == [[0, 2, 1], [1, 0, 2]]
+    assert next(n for n in after.graph.node if n.op_type == "MatMul").input[0] == "x"
+
+
 def test_transpose_into_matmul_becomes_gemm():
     a = R.standard_normal((4, 3)).astype(np.float32)
     b = R.standard_normal((5, 4)).astype(np.float32)
