@@ -3,7 +3,8 @@
 They share one backward: for x̂ standardised over axes A (N elements) and g = ∂L/∂x̂,
 ``dX = inv · (g - mean_A(g) - x̂ · mean_A(g · x̂))`` (:func:`_standardize_backward`).
 LayerNormalization reads the statistics from the forward node (the engine adds the outputs it
-lacks); the others recompute them in the backward graph. The backward
+lacks) and gets x̂ from one unit-scale LayerNormalization (one fused pass, not Sub and Mul); the
+others recompute them in the backward graph. The backward
 runs in X's type, widened to float32 for 16-bit X when ``stash_type`` asks for float (never
 narrowed: float64 X stays float64 even though stash_type=1 computes its forward in float32).
 """
