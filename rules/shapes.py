@@ -236,17 +236,18 @@ def unbroadcast(op: OpBuilder, grad: ir.Value, x: ir.Value, broadcast_like: ir.V
 
 
 _COLUMN_SUM_TYPES = (ir.DataType.FLOAT, ir.DataType.DOUBLE)
+COLUMN_SUM_ROWS = 1 << 16  # at most this many rows: the vector of ones is stored in the model
 
 
 def _reduce_static(op: OpBuilder, grad: ir.Value, lead: list[int], inner: list[int], y_dims) -> ir.Value:
     if not lead and not inner:
         return grad
-    if not inner and len(y_dims) == len(lead) + 1 and all(isinstance(d, int) for d in y_dims) \
+    rows = int(np.prod(y_dims[:-1])) if all(isinstance(d, int) for d in y_dims) else None
+    if not inner and len(y_dims) == len(lead) + 1 and rows is not None and rows <= COLUMN_SUM_ROWS \
             and grad.dtype in _COLUMN_SUM_TYPES and op.opset >= 5:
         # A bias: the column sums of grad seen as a matrix, by a product with ones (onnxruntime's
         # ReduceSum over leading axes took 2-4x as long); its Reshape is the one a linear
         # layer's weight gradient already made.
-        rows = int(np.prod(y_dims[:-1]))
         ones = op.const(np.ones(rows), dtype=grad.dtype)
         return op.MatMul(ones, op.Reshape(grad, [-1, y_dims[-1]]))
     if not inner:

@@ -561,6 +561,23 @@ def test_tied_layer_norm_parameters_are_reduced_once():
         np.testing.assert_allclose(out[autodiff.gradient_names[name]], want[name], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("limit,reduction", [(1 << 16, "MatMul"), (11, "ReduceSum")])
+def test_bias_column_sums_by_ones_up_to_a_row_limit(monkeypatch, limit, reduction):
+    # (3, 4) rows of a bias's gradient: a product with a stored vector of ones, or beyond the
+    # limit (that vector would bloat the model) a ReduceSum; the same gradient either way
+    from onnx_autodiff.rules import shapes
+
+    monkeypatch.setattr(shapes, "COLUMN_SUM_ROWS", limit)
+    x = R.standard_normal((3, 4, 5)).astype(np.float32)
+    b = R.standard_normal(5).astype(np.float32)
+    model = make_model([helper.make_node("Add", ["x", "b"], ["p"]), helper.make_node("Tanh", ["p"], ["y"])],
+                       {"x": x, "b": b}, ["y"])
+    proto, _ = differentiate(model, of="y", wrt=["b"], seed="ones")
+    ops = [n.op_type for n in proto.graph.node]
+    assert reduction in ops and ({"MatMul", "ReduceSum"} - {reduction}).isdisjoint(ops)
+    assert_gradients(model, {"x": x, "b": b}, ["b"])
+
+
 def test_tied_bias_summed_before_one_reduction_per_broadcast_shape():
     # b is added to two (4, 6) tensors and to one (2, 4, 6) tensor: one ReduceSum for the two
     # uses of one shape, one for the other (different reductions are never mixed)
