@@ -605,7 +605,7 @@ def repeat_in_processes(args) -> int:
             values = [run[k][key] for run in runs if key in run[k]]
             cells.append(f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
                          if values else "n/a")
-        outlined = f"{row['outlined nodes']} (+{row.get('function nodes', 0)})"
+        outlined = f"{row['outlined nodes']} (+{row['function nodes']})"
         print(f"| {row['model']} | {row['fwd+bwd nodes']} | {outlined} | " + " | ".join(cells) + " |")
     return 0
 

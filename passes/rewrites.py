@@ -531,19 +531,20 @@ def _concat_of_transposes(r: Rewriter, node: ir.Node, axis: int):
     perm p, r_i = p_i after p⁻¹ (no node where that is the identity): one Transpose of the joined
     tensor instead of one per input, when that leaves fewer Transposes (the backward of attention
     heads split from one projection)."""
+    rank = len(dims(node.outputs[0]))
     perms, sources = [], []
     for value in node.inputs:
         producer = None if value is None else value.producer()
         if producer is None or producer.op_type != "Transpose" or producer.domain != "" or not _only_use(value, r):
             return None
-        perms.append(_perm(producer, len(dims(node.outputs[0]))))
+        perms.append(_perm(producer, rank))
         sources.append(producer.inputs[0])
-    if any(p is None or len(p) != len(perms[0]) for p in perms):
+    if any(p is None or len(p) != rank for p in perms):
         return None
     common = max(perms, key=lambda p: (perms.count(p), -perms.index(p)))
-    inverse = [common.index(k) for k in range(len(common))]
-    residues = [[p[inverse[k]] for k in range(len(p))] for p in perms]
-    identity = list(range(len(common)))
+    inverse = [common.index(k) for k in range(rank)]
+    residues = [[p[inverse[k]] for k in range(rank)] for p in perms]
+    identity = list(range(rank))
     if sum(residue != identity for residue in residues) + 1 >= len(perms):
         return None
     made, inputs = [], []
