@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff.errors import BatchError, TrainingError
+from onnx_autodiff.rules.builder import Namer
 from onnx_autodiff.training.artifacts import TrainingArtifacts
 from onnx_autodiff.training.values import npz_bytes, shape_text, write_atomically
 
@@ -19,6 +21,49 @@ _ORT_TYPES = {
     "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
     "tensor(bool)": np.bool_, "tensor(int16)": np.int16, "tensor(uint16)": np.uint16,
 }
+
+
+def _names(graph: onnx.GraphProto) -> set[str]:
+    """Every value name of ``graph`` and of its subgraphs."""
+    names = {v.name for v in (*graph.input, *graph.output, *graph.value_info)} | {t.name for t in graph.initializer}
+    for node in graph.node:
+        names.update(node.input)
+        names.update(node.output)
+        for attribute in node.attribute:
+            for sub in (*attribute.graphs, *([attribute.g] if attribute.HasField("g") else [])):
+                names |= _names(sub)
+    return names
+
+
+def _with_finite_flag(proto: onnx.ModelProto, names: Sequence[str]) -> tuple[bytes, str | None]:
+    """``proto`` serialised with one more output: a float32 scalar, the sum of every element of the
+    floating-point outputs ``names`` (None: nothing to check). One NaN or Inf makes it non-finite, so
+    a step is checked on the device without copying the new values to the host; a finite sum that
+    overflows does too, which the caller rules out on the host (rare, so the usual step stays cheap)."""
+    types = {v.name: v.type.tensor_type.elem_type for v in proto.graph.output}
+    floats = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
+    names = [n for n in names if types.get(n) in floats]
+    if not names:
+        return proto.SerializeToString(), None
+    namer = Namer(_names(proto.graph), prefix="finite")
+    extra, sums = onnx.GraphProto(), []
+
+    def cast(value: str) -> str:
+        extra.node.append(helper.make_node("Cast", [value], [namer.fresh(f"{value}.float")], to=TensorProto.FLOAT))
+        return extra.node[-1].output[0]
+
+    for name in names:
+        dtype = types[name]
+        if dtype in (TensorProto.FLOAT16, TensorProto.BFLOAT16):  # summed in float32
+            name = cast(name)
+        extra.node.append(helper.make_node("ReduceSum", [name], [namer.fresh(f"{name}.sum")], keepdims=0))
+        total = extra.node[-1].output[0]
+        sums.append(cast(total) if dtype == TensorProto.DOUBLE else total)
+    flag = namer.fresh("finite_check")
+    extra.node.append(helper.make_node("Sum", sums, [flag]))
+    extra.output.append(helper.make_tensor_value_info(flag, TensorProto.FLOAT, []))
+    # serialised messages concatenate as a merge (repeated fields append): no copy of a large model
+    return proto.SerializeToString() + onnx.ModelProto(graph=extra).SerializeToString(), flag
 
 
 def default_providers() -> list[str]:
@@ -36,12 +81,14 @@ class _Runner:
         import onnxruntime as ort
 
         self.trainer, self.layout, self.kind = trainer, layout, kind
-        self.session = ort.InferenceSession(
-            proto.SerializeToString(), sess_options=trainer.session_options, providers=trainer.providers
-        )
+        self.carry = [tuple(entry) for entry in layout.get("carry", [])]
+        # the new parameters, buffers and accumulators: a non-finite gradient makes them non-finite
+        state = set(trainer.artifacts.checkpoint) - set(trainer.layout["params"]) - set(trainer.layout["buffers"])
+        self.checked = [(key, out) for key, _, out in self.carry if key not in state]
+        serialised, self.flag = _with_finite_flag(proto, [out for _, out in self.checked])
+        self.session = ort.InferenceSession(serialised, sess_options=trainer.session_options, providers=trainer.providers)
         meta = {i.name: i for i in self.session.get_inputs()}
         self.batch = [(name, _ORT_TYPES.get(meta[name].type), meta[name].shape) for name in layout["batch"]]
-        self.carry = [tuple(entry) for entry in layout.get("carry", [])]
         self.reads = [tuple(entry) for entry in layout.get("reads", [])]
         self.scalars = {
             key: (name, _ORT_TYPES[meta[name].type], self._scalar(_ORT_TYPES[meta[name].type]))
@@ -49,6 +96,7 @@ class _Runner:
         }
         self.loss = layout.get("loss")
         self.loss_value = self._scalar(np.float32) if self.loss and kind != "eval" else None
+        self.flag_value = self._scalar(np.float32) if self.flag else None
         self.bindings: dict[tuple, object] = {}
 
     def _scalar(self, dtype):
@@ -93,6 +141,9 @@ class _Runner:
                                 f"batch input '{name}' has shape {array.shape}, but its axis {axis} ({want}) must match "
                                 f"'{seen[1]}', where {want} = {seen[0]}"
                             )
+            if array.ndim and array.shape[0] == 0:
+                raise BatchError(f"batch input '{name}' has shape {array.shape}: the batch is empty; "
+                                 f"the {self.kind} model needs at least one example")
             feeds.append((name, np.ascontiguousarray(array)))
         return feeds
 
@@ -112,10 +163,21 @@ class _Runner:
                 binding.bind_ortvalue_input(name, value)
             if self.loss_value is not None:
                 binding.bind_ortvalue_output(self.loss, self.loss_value)
+            if self.flag_value is not None:
+                binding.bind_ortvalue_output(self.flag, self.flag_value)
             self.bindings[signature] = binding
         return binding
 
-    def run(self, batch, scalars: Mapping[str, float]) -> float | None:
+    def _finite(self) -> bool:
+        """Whether the new values just written are all finite."""
+        if self.flag_value is None or math.isfinite(float(self.flag_value.numpy())):
+            return True
+        # their sum is not finite: a NaN or Inf, or (rarely) finite values whose sum overflows
+        return all(np.isfinite(self.trainer._value(key, spare=True).numpy()).all() for key, _ in self.checked)
+
+    def run(self, batch, scalars: Mapping[str, float]) -> tuple[float | None, bool]:
+        """Runs the model; keeps its new values only when the loss and they are finite.
+        Returns the loss and whether they were."""
         from onnxruntime import OrtValue
 
         feeds = self.feeds(batch) if self.batch else []
@@ -134,9 +196,12 @@ class _Runner:
         except Exception as error:  # noqa: BLE001 - onnxruntime raises its own types
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise TrainingError(f"the {self.kind} step failed on onnxruntime; nothing was updated: {first}") from error
+        loss = float(self.loss_value.numpy()) if self.loss_value is not None else None
+        if (loss is not None and not math.isfinite(loss)) or not self._finite():
+            return loss, False
         for key, _, _ in self.carry:
             self.trainer._swap(key)
-        return float(self.loss_value.numpy()) if self.loss_value is not None else None
+        return loss, True
 
 
 class Trainer:
@@ -146,12 +211,26 @@ class Trainer:
     labels) and returns the loss; ``accumulate(batch)`` / ``apply()`` do the same in micro-batches
     (artifacts built with ``gradient_accumulation=True``); ``evaluate(batch)`` runs the eval model;
     ``export()`` returns the inference model with the trained initializers.
+
+    A step whose loss or gradients are not finite (NaN or ±Inf; checked in the graph on the new
+    parameters, buffers and accumulators, which a non-finite gradient makes non-finite) keeps
+    nothing of the step: with ``nonfinite="raise"`` (the default) it raises a
+    :class:`TrainingError` naming the step; with ``nonfinite="skip"`` it returns the loss and counts
+    the step in ``skipped_steps`` (not in ``step_count``), as AMP's gradient scaler does; a
+    non-finite micro-batch then makes ``apply()`` skip the whole step. A checkpoint holding NaN or
+    Inf is refused.
     """
 
     def __init__(self, artifacts: TrainingArtifacts | str | os.PathLike, lr: float | None = None,
-                 providers: Sequence | None = None, session_options=None, checkpoint: Mapping | None = None) -> None:
+                 providers: Sequence | None = None, session_options=None, checkpoint: Mapping | None = None,
+                 nonfinite: str = "raise") -> None:
         import onnxruntime as ort
 
+        if nonfinite not in ("raise", "skip"):
+            raise TrainingError(f"nonfinite must be 'raise' or 'skip', not {nonfinite!r}")
+        self.nonfinite = nonfinite
+        self.skipped_steps = 0
+        self._poisoned = False  # skip mode: a pending micro-batch was not finite
         if not isinstance(artifacts, TrainingArtifacts):
             artifacts = TrainingArtifacts.load(artifacts)
         self.artifacts = artifacts
@@ -187,6 +266,10 @@ class Trainer:
                 current.shape(), _ORT_TYPES[current.data_type()], self.device, 0
             )
         return pair[index]
+
+    def _host(self, key: str) -> np.ndarray:
+        # a copy: on the CPU, OrtValue.numpy() is a view of a buffer that later steps overwrite
+        return np.array(self._value(key).numpy(), copy=True)
 
     def _parity(self, key: str) -> int:
         if key not in self._values:
@@ -230,8 +313,14 @@ class Trainer:
         """One optimiser step on ``batch``; returns the loss (before the update)."""
         if self._micro_batches:
             raise TrainingError("accumulated gradients are pending: call apply() before step()")
-        loss = self._runner("train").run(batch, {"lr": self.lr if lr is None else lr, "step": self.step_count + 1})
-        self.step_count += 1
+        runner, number = self._runner("train"), self.step_count + 1
+        loss, finite = runner.run(batch, {"lr": self.lr if lr is None else lr, "step": number})
+        if finite:
+            self.step_count += 1
+        elif self.nonfinite == "skip":
+            self.skipped_steps += 1
+        else:
+            raise self._not_finite(f"step {number}", loss, runner, batch)
         return loss
 
     def accumulate(self, batch) -> float:
@@ -241,7 +330,10 @@ class Trainer:
             for (acc, _, _), (param, _) in zip(runner.carry, runner.reads):
                 value = self._value(param)
                 self._set(acc, np.zeros(value.shape(), _ORT_TYPES[value.data_type()]))
-        loss = runner.run(batch, {})
+        loss, finite = runner.run(batch, {})
+        if not finite and self.nonfinite == "raise":
+            raise self._not_finite(f"micro-batch {self._micro_batches + 1} of step {self.step_count + 1}", loss, runner, batch)
+        self._poisoned |= not finite
         self._micro_batches += 1
         return loss
 
@@ -249,11 +341,31 @@ class Trainer:
         """One optimiser step with the mean of the accumulated gradients."""
         if self._micro_batches == 0:
             raise TrainingError("apply() needs accumulate() first: no gradient has been accumulated")
-        scalars = {"lr": self.lr if lr is None else lr, "step": self.step_count + 1,
-                   "grad_scale": 1.0 / self._micro_batches}
-        self._runner("apply").run(None, scalars)
-        self.step_count += 1
+        runner, number = self._runner("apply"), self.step_count + 1
+        scalars = {"lr": self.lr if lr is None else lr, "step": number, "grad_scale": 1.0 / self._micro_batches}
+        finite = not self._poisoned and runner.run(None, scalars)[1]
+        if not finite and self.nonfinite == "raise":
+            raise self._not_finite(f"step {number}", None, runner, None)
+        if finite:
+            self.step_count += 1
+        else:
+            self.skipped_steps += 1
         self._micro_batches = 0
+        self._poisoned = False
+
+    def _not_finite(self, what: str, loss: float | None, runner: _Runner, batch) -> TrainingError:
+        """The error for a step that was not kept, naming what was not finite."""
+        if loss is None or math.isfinite(loss):
+            cause = ("the update is not finite: " if loss is None else f"the loss is {loss:g} but ")
+            cause += "a gradient (or the new value of a parameter) is NaN or Inf"
+        else:
+            cause = f"the loss is {loss}"
+        feeds = runner.feeds(batch) if batch is not None else []
+        bad = [f"'{name}'" for name, array in feeds
+               if np.issubdtype(array.dtype, np.inexact) and not np.isfinite(array).all()]
+        if bad:
+            cause += f"; batch input {', '.join(bad)} holds NaN or Inf"
+        return TrainingError(f"{what}: {cause}. Nothing was updated; Trainer(..., nonfinite='skip') skips such steps instead")
 
     def evaluate(self, batch) -> dict[str, np.ndarray]:
         """The eval model on ``batch`` (inputs and labels): {"loss": ..., model outputs...}."""
@@ -282,26 +394,35 @@ class Trainer:
     # state
 
     def parameters(self) -> dict[str, np.ndarray]:
-        return {name: self._value(name).numpy() for name in self.layout["params"]}
+        return {name: self._host(name) for name in self.layout["params"]}
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Parameters, optimiser state and buffers as numpy arrays, with ``__step__``."""
-        state = {key: self._value(key).numpy() for key in self.artifacts.checkpoint}
+        state = {key: self._host(key) for key in self.artifacts.checkpoint}
         state["__step__"] = np.array(self.step_count, np.int64)
         return state
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        """Loads parameters, optimiser state and buffers; checks every value before changing any."""
         missing = sorted(set(self.artifacts.checkpoint) - set(state))
         if missing:
             raise TrainingError(f"the checkpoint lacks {missing}")
-        for key in self.artifacts.checkpoint:
-            want = self.artifacts.checkpoint[key]
+        arrays = {}
+        for key, want in self.artifacts.checkpoint.items():
             array = np.asarray(state[key])
             if array.shape != want.shape:
                 raise TrainingError(f"checkpoint value '{key}' has shape {array.shape}, not {want.shape}")
-            self._set(key, array.astype(want.dtype, copy=False))
+            with np.errstate(over="ignore"):
+                arrays[key] = array.astype(want.dtype, copy=False)
+            if np.issubdtype(want.dtype, np.inexact) and not np.isfinite(arrays[key]).all():
+                bad = arrays[key].size - int(np.count_nonzero(np.isfinite(arrays[key])))
+                raise TrainingError(f"checkpoint value '{key}' holds {bad} NaN or Inf of its {arrays[key].size} values: "
+                                    "refusing to load it (a diverged run or a damaged file); load an earlier checkpoint")
+        for key, array in arrays.items():
+            self._set(key, array)
         self.step_count = int(state.get("__step__", 0))
         self._micro_batches = 0
+        self._poisoned = False
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         write_atomically(os.fspath(path), npz_bytes(self.state_dict()))
