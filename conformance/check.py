@@ -48,9 +48,10 @@ def backward_model(
     wrt: Sequence[str],
     registry: GradRegistry | None = None,
     seed: str = "auto",
+    upgrade_opset: bool = True,
 ) -> tuple[onnx.ModelProto, AutodiffPass]:
     """The model with gradient outputs appended, checked with ``full_check=True``."""
-    autodiff = AutodiffPass(of=of, wrt=list(wrt), registry=registry, seed=seed)
+    autodiff = AutodiffPass(of=of, wrt=list(wrt), registry=registry, seed=seed, upgrade_opset=upgrade_opset)
     result = autodiff(ir.from_proto(model))
     proto = ir.to_proto(result.model)
     onnx.checker.check_model(proto, full_check=True)

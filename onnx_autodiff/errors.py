@@ -23,6 +23,15 @@ class RuleError(AutodiffError):
     """A rule refused a node (unsupported attribute or shape) or returned something malformed."""
 
 
+class OpsetTooOldError(RuleError):
+    """A rule's gradient needs a newer default-domain opset than the model imports; ``needed`` is
+    the lowest that serves (the passes then convert the model: :mod:`onnx_autodiff.passes.opsets`)."""
+
+    def __init__(self, message: str, needed: int | None = None) -> None:
+        super().__init__(message)
+        self.needed = needed
+
+
 class UnsupportedModelError(AutodiffError):
     """The model itself cannot be processed (cycle, missing opset, malformed graph)."""
 
@@ -35,8 +44,9 @@ def describe_node(node, opset: int | None) -> str:
 
 
 class TrainingError(AutodiffError):
-    """The training configuration cannot be built (unknown loss or optimiser, bad option, model)."""
+    """Training cannot be set up or a step cannot be taken (unknown loss or optimiser, bad option or
+    model, a checkpoint that does not fit, a step whose loss or update is not finite)."""
 
 
-class BatchError(AutodiffError):
-    """A batch fed to a Trainer does not match the model (missing input, wrong shape or type)."""
+class BatchError(TrainingError):
+    """A batch fed to a Trainer does not match the model (missing input, wrong shape or type, empty)."""

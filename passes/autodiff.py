@@ -21,6 +21,8 @@ from onnx_autodiff.errors import (
     describe_node,
 )
 from onnx_autodiff.passes.cleanup import record_differentiated
+from onnx_autodiff.passes.opsets import build_upgrading
+from onnx_autodiff.passes.parameters import default_parameters, listed as _listed
 from onnx_autodiff.passes.rewrites import GRAD_OF
 from onnx_autodiff.rules import GradRegistry, GradRule, default_registry, shapes
 from onnx_autodiff.rules.builder import FLOAT_TYPES, Namer, OpBuilder
@@ -177,16 +179,35 @@ class Backward:
                 totals[value] = shapes.accumulate(self.op, reduced, like=value)
             return totals.get(value)
 
+        # Every node without a rule is reported at once. Those inside subgraphs show up only when
+        # the rule holding them runs, so with subgraphs on the path the walk goes on to find them.
+        missing = [self._missing_entry(node) for node in active if rules[node] is None]
+        if missing and not any(_subgraphs(node) for node in active):
+            raise _missing_rules_error(missing, seeds, xs)
         for node in reversed(active):
             rule = rules[node]
-            if rule is None:
-                self._missing_rule(node, seeds, xs)
+            if rule is None:  # stand-in gradients, so that the walk reaches the subgraphs before it
+                for value in (*node.inputs, *captured_values(node)):
+                    if value is not None and value in reached:
+                        contributions.setdefault(value, []).append((shapes.zeros_like(self.op, value), None))
+                continue
             dys = [total(out) for out in node.outputs]
             if all(g is None for g in dys):
                 continue
-            self._save_outputs(rule, node)
-            for value, grad, unreduced in self._call_rule(rule, node, dys, reached):
+            try:
+                self._save_outputs(rule, node)
+                found = list(self._call_rule(rule, node, dys, reached))
+            except MissingRuleError as error:  # raised by the differentiation of a subgraph
+                missing += self._nested_missing(node, error)
+                continue
+            except AutodiffError:
+                if missing:  # the gradients are discarded anyway: the missing rules come first
+                    continue
+                raise
+            for value, grad, unreduced in found:
                 contributions.setdefault(value, []).append((grad, node.outputs[0] if unreduced else None))
+        if missing:
+            raise _missing_rules_error(missing, seeds, xs)
         return [total(x) for x in xs]
 
     def _reduce_contributions(self, value: ir.Value, items) -> list[ir.Value]:
@@ -283,8 +304,12 @@ class Backward:
         start = len(self.op.nodes)
         try:
             result = rule.backward(self.op, node, *dys)
+        except MissingRuleError:  # the caller names the nodes and where they are
+            raise
         except AutodiffError as error:
-            raise type(error)(f"{describe_node(node, opset)}: {error}") from error
+            named = type(error)(f"{describe_node(node, opset)}: {error}")
+            named.__dict__.update(vars(error))  # keeps what the error carries (the opset it needs)
+            raise named from error
         except Exception as error:  # a rule bug must still name the node
             raise RuleError(
                 f"the gradient rule of {describe_node(node, opset)} failed: "
@@ -313,17 +338,58 @@ class Backward:
             if grad is not None:
                 yield value, grad, index is not None and rule.unreduced(names[index])
 
-    def _missing_rule(self, node: ir.Node, seeds, xs: Sequence[ir.Value]) -> None:
+    def _missing_entry(self, node: ir.Node, where: str = "") -> tuple[tuple, str, str]:
+        """(name, op type, domain, opset) of a node without a rule, the phrase naming it alone and
+        its label in a list (``where`` says which subgraph holds it)."""
         opset = self.opset_of(node)
-        domain = f", domain={node.domain!r}" if node.domain else ""
-        ys = ", ".join(f"'{y.name}'" for y, _ in seeds)
-        raise MissingRuleError(
-            f"no gradient rule for {describe_node(node, opset)}, which lies on the path from "
-            f"{[x.name for x in xs]} to {ys}. Register one with "
-            f"@onnx_autodiff.register_gradient({node.op_type!r}{domain}, differentiable=(...)), "
-            "or declare it non-differentiable with default_registry().not_differentiable("
-            f"{node.op_type!r}{domain})"
+        label = f"'{node.name}'" if node.name else f"<unnamed, computing '{node.outputs[0].name}'>"
+        return (node.name, node.op_type, node.domain, opset), describe_node(node, opset) + where, label + where
+
+    def _nested_missing(self, holder: ir.Node, error: MissingRuleError) -> list[tuple[tuple, str, str]]:
+        """The nodes of ``holder``'s subgraphs that ``error`` reports: the rule differentiated
+        renamed copies of them, so the originals of those op types are named instead."""
+        kinds = {(op_type, domain) for _, op_type, domain, _ in error.nodes}
+        holder_name = f"'{holder.name or holder.outputs[0].name}' ({holder.op_type})"
+        where = f" in a subgraph of {holder_name}"
+        found = [
+            self._missing_entry(inner, where)
+            for graph in _subgraphs(holder)
+            for inner in ir.traversal.RecursiveGraphIterator(graph)
+            if (inner.op_type, inner.domain) in kinds
+            and self.registry.lookup(inner, self.opset_of(inner)) is None
+        ]
+        where = f" in the nodes the rule of {holder_name} differentiates"  # its own decomposition
+        return found or [(key, phrase + where, label + where) for key, phrase, label in error._entries]
+
+
+def _missing_rules_error(entries: list[tuple[tuple, str, str]], seeds, xs) -> MissingRuleError:
+    """One error naming every node without a rule (``entries`` from ``_missing_entry``), on one
+    line: for several, grouped by op type."""
+    path = f"the path from {[x.name for x in xs]} to {', '.join(repr(y.name) for y, _ in seeds)}"
+    _, op_type, domain, _ = entries[0][0]
+    domain = f", domain={domain!r}" if domain else ""
+    how = (
+        f"@onnx_autodiff.register_gradient({op_type!r}{domain}, differentiable=(...)), or declare it "
+        f"non-differentiable with default_registry().not_differentiable({op_type!r}{domain})"
+    )
+    if len(entries) == 1:
+        message = f"no gradient rule for {entries[0][1]}, which lies on {path}. Register one with {how}"
+    else:
+        groups: dict[tuple, list[str]] = {}
+        for (_, *kind), _, label in entries:
+            groups.setdefault(tuple(kind), []).append(label)
+        listed = "; ".join(
+            f"op {t} (domain {d or 'ai.onnx'}, opset {v}) at {', '.join(labels)}"
+            for (t, d, v), labels in groups.items()
         )
+        message = (
+            f"no gradient rule for {len(entries)} nodes on {path}: {listed}. Register one rule per "
+            f"op type, e.g. {how}"
+        )
+    error = MissingRuleError(message)
+    error.nodes = [key for key, _, _ in entries]
+    error._entries = entries
+    return error
 
 
 def _infer_output_types(node: ir.Node, opset: int, outputs: Sequence[ir.Value]) -> None:
@@ -356,9 +422,10 @@ def infer_shapes(model: ir.Model) -> None:
 
 
 def _infer_model_shapes(model: ir.Model) -> None:
-    try:
-        proto = onnx.shape_inference.infer_shapes(ir.to_proto(model), strict_mode=False, data_prop=True)
-    except Exception:  # noqa: BLE001 - inference is a help, not a requirement
+    from onnx_autodiff.passes.inference import onnx_inferred
+
+    proto = onnx_inferred(ir.to_proto(model))
+    if proto is None:
         return
     inferred = ir.serde.deserialize_model(proto)
     for graph, inferred_graph in zip(model.graphs(), inferred.graphs()):
@@ -395,6 +462,30 @@ def _check_differentiable(value: ir.Value, role: str) -> None:
         )
 
 
+def choose_variables(
+    model: ir.Model, wrt: Sequence[str] | None, registry: GradRegistry
+) -> tuple[list[ir.Value], list[str]]:
+    """The values named by ``wrt``, or the model's default parameters when it is None; and the
+    float initializers that the default left out."""
+    graph = model.graph
+    if wrt is None:
+        default = default_parameters(model, registry)
+        left_out = list(default.left_out)
+        if not default.parameters:
+            constants = f" (it left out {_listed(left_out)})" if left_out else ""
+            raise UnknownValueError(
+                "wrt was not given and the graph has no floating-point initializer that the "
+                f"default treats as a parameter{constants}: name the variables with wrt"
+            )
+        return default.parameters, left_out
+    xs = [find_value(graph, name, "wrt") for name in wrt]
+    for x in xs:
+        _check_differentiable(x, "wrt")
+    if len(set(xs)) != len(xs):
+        raise UnknownValueError(f"wrt names a value twice: {wrt}")
+    return xs, []
+
+
 def is_scalar(value: ir.Value) -> bool:
     shape = shapes.static_shape(value)
     return shape is not None and int(np.prod(shape, dtype=np.int64)) == 1
@@ -404,11 +495,15 @@ class AutodiffPass(ir.passes.InPlacePass):
     """Appends to the model the gradient of ``of`` with respect to each of ``wrt``.
 
     Every forward output stays; one graph output ``grad_<x>`` per x follows, in the order given.
-    ``wrt=None`` takes every floating-point initializer. ``seed`` is "auto" (1 for a one-element
+    ``wrt=None`` takes the model's parameters (:func:`onnx_autodiff.passes.parameters.default_parameters`:
+    not the exponents, epsilons, scale factors and masks an exporter stored; ``left_out`` lists
+    those). ``seed`` is "auto" (1 for a one-element
     ``of``, else a new graph input ``dy`` shaped like ``of``), "input" (always ``dy``) or "ones"
     (the gradient of the sum of ``of``'s elements). ``unreachable`` is "zeros" (an x that ``of``
-    does not depend on gets zeros) or "raise". After the pass, ``seed_name`` and
-    ``gradient_names`` report the names chosen.
+    does not depend on gets zeros) or "raise". When a rule needs a newer opset than the model
+    imports, the model is converted with onnx.version_converter (one warning line on the logger of
+    :mod:`onnx_autodiff.passes.opsets`); ``upgrade_opset=False`` refuses instead. After the pass,
+    ``seed_name`` and ``gradient_names`` report the names chosen.
     """
 
     def __init__(
@@ -419,6 +514,7 @@ class AutodiffPass(ir.passes.InPlacePass):
         seed: str = "auto",
         unreachable: str = "zeros",
         infer_shapes: bool = True,
+        upgrade_opset: bool = True,
     ) -> None:
         super().__init__()
         if seed not in ("auto", "input", "ones"):
@@ -431,16 +527,21 @@ class AutodiffPass(ir.passes.InPlacePass):
         self.seed = seed
         self.unreachable = unreachable
         self.infer_shapes = infer_shapes
+        self.upgrade_opset = upgrade_opset
         self.seed_name: str | None = None
         self.gradient_names: dict[str, str] = {}
+        self.left_out: list[str] = []
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        return build_upgrading(model, self._build, self.upgrade_opset)
+
+    def _build(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         if self.infer_shapes:
             infer_shapes(model)
         y = find_value(graph, self.of, "of")
         _check_differentiable(y, "of")
-        xs = self._variables(graph)
+        xs = self._variables(model)
         # Tells the cleanup passes never to fold these (a training loop feeds new values of them).
         record_differentiated(model, [x.name for x in xs])
         namer = Namer.for_graph(graph)
@@ -462,19 +563,8 @@ class AutodiffPass(ir.passes.InPlacePass):
             model.opset_imports.setdefault(domain, version)
         return ir.passes.PassResult(model, modified=True)
 
-    def _variables(self, graph: ir.Graph) -> list[ir.Value]:
-        if self.wrt is None:
-            xs = [v for v in graph.initializers.values() if v.dtype in FLOAT_TYPES]
-            if not xs:
-                raise UnknownValueError(
-                    "wrt was not given and the graph has no floating-point initializer"
-                )
-            return xs
-        xs = [find_value(graph, name, "wrt") for name in self.wrt]
-        for x in xs:
-            _check_differentiable(x, "wrt")
-        if len(set(xs)) != len(xs):
-            raise UnknownValueError(f"wrt names a value twice: {self.wrt}")
+    def _variables(self, model: ir.Model) -> list[ir.Value]:
+        xs, self.left_out = choose_variables(model, self.wrt, self.registry)
         return xs
 
     def _seed(self, op: OpBuilder, graph: ir.Graph, y: ir.Value, namer: Namer) -> ir.Value:

@@ -23,7 +23,6 @@ import json
 import re
 from collections.abc import Iterable, Sequence
 
-import onnx
 import onnx_ir as ir
 from onnx_autodiff.passes import rewrites
 from onnx_ir.passes import common
@@ -151,9 +150,10 @@ def infer_shapes(model: ir.Model) -> None:
                if (v.shape is None or v.type is None) and v.name}
     if not missing:
         return
-    try:
-        proto = onnx.shape_inference.infer_shapes(ir.to_proto(model), strict_mode=False, data_prop=True)
-    except Exception:  # noqa: BLE001 - inference is a help: without it fewer rewrites apply
+    from onnx_autodiff.passes.inference import onnx_inferred
+
+    proto = onnx_inferred(ir.to_proto(model))
+    if proto is None:  # without shapes fewer rewrites apply
         return
     for info in (*proto.graph.value_info, *proto.graph.output):
         value = missing.get(info.name)

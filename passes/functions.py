@@ -8,7 +8,14 @@ import onnx
 import onnx_ir as ir
 
 from onnx_autodiff.errors import UnknownValueError, UnsupportedModelError
-from onnx_autodiff.passes.autodiff import Backward, _check_differentiable, find_value, gradient_outputs
+from onnx_autodiff.passes.autodiff import (
+    Backward,
+    _check_differentiable,
+    captured_values,
+    find_value,
+    gradient_outputs,
+    infer_shapes,
+)
 from onnx_autodiff.rules import GradRegistry, default_registry
 from onnx_autodiff.rules.builder import Namer
 
@@ -25,11 +32,14 @@ def gradient_of_nodes(
     opset_imports: dict[str, int] | None = None,
     name: str | None = None,
     domain: str = DOMAIN,
+    value_info: Sequence[onnx.ValueInfoProto] = (),
 ) -> onnx.FunctionProto:
     """The function [xs..., zs..., dy] -> [grad_x1, ...] computing dy·∂y/∂x through ``nodes``.
 
     ``zs`` are the other values the nodes read; ``opset_imports`` defaults to the installed
-    onnx's default-domain version.
+    onnx's default-domain version. ``value_info`` gives types and shapes of inputs or other
+    values (a model's ``graph.input``, say): rules that need ranks (MatMul's) get them from there,
+    completed through the nodes by shape inference.
     """
     opsets = dict(opset_imports or {"": onnx.defs.onnx_opset_version()})
     function = onnx.helper.make_function(
@@ -39,6 +49,7 @@ def gradient_of_nodes(
         [y],
         list(nodes),
         [onnx.helper.make_opsetid(d, v) for d, v in opsets.items()],
+        value_info=list(value_info),
     )
     return gradient_of_function(function, xs, y, zs, registry, name=name, domain=domain)
 
@@ -57,9 +68,12 @@ def gradient_of_function(
 
     Initializers of a model or graph may be named in ``xs`` or ``zs`` like inputs; those not
     named become Constant nodes, so the function is self-contained. It recomputes every forward
-    value the backward nodes need.
+    value the backward nodes need. Shapes are inferred and completed as by the pass (a function's
+    types come from its ``value_info``).
     """
-    graph, opsets = _as_ir_graph(fn)
+    model = _as_ir_model(fn)
+    infer_shapes(model)
+    graph, opsets = model.graph, dict(model.opset_imports)
     variables = [find_value(graph, x, "xs") for x in xs]
     for x in variables:
         _check_differentiable(x, "xs")
@@ -87,27 +101,27 @@ def gradient_of_function(
     return ir.serde.serialize_function(function)
 
 
-def _as_ir_graph(fn) -> tuple[ir.Graph, dict[str, int]]:
+def _as_ir_model(fn) -> ir.Model:
     if isinstance(fn, onnx.FunctionProto):
         if fn.attribute or fn.attribute_proto:
             raise UnsupportedModelError(
                 f"function '{fn.name}' has attributes: differentiate a call site's body instead"
             )
+        infos = {info.name: info for info in fn.value_info}
+        signature = {*fn.input, *fn.output}
         body = onnx.helper.make_graph(
             list(fn.node),
             fn.name,
-            [onnx.ValueInfoProto(name=n) for n in fn.input],
-            [onnx.ValueInfoProto(name=n) for n in fn.output],
+            [infos.get(n, onnx.ValueInfoProto(name=n)) for n in fn.input],
+            [infos.get(n, onnx.ValueInfoProto(name=n)) for n in fn.output],
+            value_info=[info for name, info in infos.items() if name not in signature],
         )
-        opsets = {o.domain: o.version for o in fn.opset_import}
-        model = onnx.helper.make_model(body, opset_imports=list(fn.opset_import))
-        return ir.serde.deserialize_model(model).graph, opsets
+        return ir.serde.deserialize_model(onnx.helper.make_model(body, opset_imports=list(fn.opset_import)))
     if isinstance(fn, onnx.GraphProto):
-        graph = ir.serde.deserialize_graph(fn)
-        return graph, dict(graph.opset_imports) or {"": onnx.defs.onnx_opset_version()}
+        default = [onnx.helper.make_opsetid("", onnx.defs.onnx_opset_version())]
+        return ir.serde.deserialize_model(onnx.helper.make_model(fn, opset_imports=default))
     if isinstance(fn, onnx.ModelProto):
-        model = ir.serde.deserialize_model(fn)
-        return model.graph, dict(model.opset_imports)
+        return ir.serde.deserialize_model(fn)
     raise TypeError(f"expected a FunctionProto, GraphProto or ModelProto, not {type(fn).__name__}")
 
 
@@ -132,7 +146,8 @@ def _needed_nodes(nodes: list[ir.Node], results, inputs) -> list[ir.Node]:
     for node in reversed(nodes):
         if any(out in needed for out in node.outputs):
             keep.append(node)
-            needed.update(v for v in node.inputs if v is not None)
+            # Values its subgraphs read count too (an If's branch VJP reads the seed's expansion).
+            needed.update(v for v in (*node.inputs, *captured_values(node)) if v is not None)
     keep.reverse()
     produced = {out for node in keep for out in node.outputs}
     missing = [v.name for v in needed if v not in produced and v not in set(inputs)]

@@ -149,3 +149,52 @@ def _schema(op_type: str, opset: int):
         return onnx.defs.get_schema(op_type, opset, "")
     except onnx.defs.SchemaError:
         return None
+
+
+def onnx_inferred(proto: onnx.ModelProto) -> onnx.ModelProto | None:
+    """``proto`` typed by onnx's shape inference (with data propagation, not strict), with the
+    dimension names it made up for sequence elements forgotten; None where inference fails."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
+    except Exception:  # noqa: BLE001 - inference is a help, not a requirement
+        return None
+    forget_element_names(inferred)
+    return inferred
+
+
+def forget_element_names(proto: onnx.ModelProto) -> None:
+    """Clears the dimension names onnx's inference made up ("unk__3") for sequences' element
+    types, wherever they appear in ``proto`` (an output of that inference).
+
+    A sequence has one element type: where its elements' extents differ (SplitToSequence into 7
+    and 8 columns) that type's dimension is unknown, and inference names it. Every SequenceAt then
+    reads a tensor of that one name, which claims all elements are equal; onnxruntime then plans to
+    reuse one element's buffer for another ("Shape mismatch attempting to re-use buffer").
+    """
+    infos = [info for graph in _graphs(proto.graph) for info in (*graph.input, *graph.output, *graph.value_info)]
+    made_up = {d.dim_param for info in infos for d, in_sequence in _tensor_dims(info.type)
+               if in_sequence and d.dim_param.startswith("unk__")}
+    for info in infos if made_up else ():
+        for d, _ in _tensor_dims(info.type):
+            if d.dim_param in made_up:
+                d.ClearField("dim_param")
+
+
+def _graphs(graph: onnx.GraphProto):
+    yield graph
+    for node in graph.node:
+        for attribute in node.attribute:
+            for sub in [attribute.g] if attribute.HasField("g") else attribute.graphs:
+                yield from _graphs(sub)
+
+
+def _tensor_dims(kind: onnx.TypeProto, in_sequence: bool = False) -> list:
+    """(dim, whether inside a sequence) for the dims of the tensor types within ``kind``."""
+    field = kind.WhichOneof("value")
+    if field == "tensor_type":
+        return [(d, in_sequence) for d in kind.tensor_type.shape.dim]
+    if field == "sequence_type":
+        return _tensor_dims(kind.sequence_type.elem_type, True)
+    if field == "optional_type":
+        return _tensor_dims(kind.optional_type.elem_type, in_sequence)
+    return []

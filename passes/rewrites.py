@@ -418,7 +418,7 @@ def _transposed_matmul(r: Rewriter, node: ir.Node, perm: list[int]):
     if rank < 2 or perm != swap or not _only_use(node.inputs[0], r):
         return None
     if dims(a) is None or dims(b) is None or len(dims(a)) != rank or len(dims(b)) != rank:
-        return None
+        return None  # a 1-D operand would make a Transpose feed a product with a vector (_vector_product)
 
     def absorbs(value: ir.Value) -> bool:
         producer = value.producer()
@@ -572,6 +572,9 @@ def _transposed_2d(value: ir.Value) -> ir.Value | None:
 def matmul(r: Rewriter, node: ir.Node):
     a, b = node.inputs
     out = node.outputs[0]
+    vector = _vector_product(r, a, b, out)
+    if vector is not None:
+        return vector
     if r.opset < 11 or out.dtype not in _GEMM_TYPES:
         return None
     if dims(a) is None or dims(b) is None or len(dims(a)) != 2 or len(dims(b)) != 2:
@@ -581,6 +584,18 @@ def matmul(r: Rewriter, node: ir.Node):
         return None
     new = _node("Gemm", [ta or a, tb or b], r.fresh(out.name), transA=int(ta is not None), transB=int(tb is not None))
     return new.outputs[0], [new]
+
+
+def _vector_product(r: Rewriter, a: ir.Value, b: ir.Value, out: ir.Value):
+    """MatMul(Mᵀ, v) is MatMul(v, M) and MatMul(v, Mᵀ) is MatMul(M, v) for a 1-D v: no Transpose
+    of a matrix feeding a product with a vector, which onnxruntime 1.32's MatmulTransposeFusion
+    turns into a FusedMatMul that miscomputes the first form."""
+    for transposed, vector, first in ((a, b, True), (b, a, False)):
+        matrix = _transposed_2d(transposed)
+        if matrix is not None and dims(vector) is not None and len(dims(vector)) == 1:
+            new = _node("MatMul", [vector, matrix] if first else [matrix, vector], r.fresh(out.name))
+            return new.outputs[0], [new]
+    return None
 
 
 def gemm(r: Rewriter, node: ir.Node):

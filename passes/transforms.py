@@ -20,10 +20,12 @@ from onnx_autodiff.passes.autodiff import (
     AutodiffPass,
     Backward,
     _check_differentiable,
+    choose_variables,
     find_value,
     infer_shapes,
     is_scalar,
 )
+from onnx_autodiff.passes.opsets import build_upgrading
 from onnx_autodiff.rules import GradRegistry, default_registry, shapes
 from onnx_autodiff.rules.builder import Namer, OpBuilder
 
@@ -31,20 +33,29 @@ from onnx_autodiff.rules.builder import Namer, OpBuilder
 class _TransformPass(ir.passes.InPlacePass):
     """Shared set-up: find ``of`` and ``wrt``, build on the engine, add inputs and outputs."""
 
-    def __init__(self, of: str, wrt: Sequence[str] | str | None = None, registry: GradRegistry | None = None):
+    def __init__(
+        self, of: str, wrt: Sequence[str] | str | None = None, registry: GradRegistry | None = None,
+        upgrade_opset: bool = True,
+    ):
         super().__init__()
+        self.upgrade_opset = upgrade_opset  # as AutodiffPass's: convert a model whose rules need a newer opset
         self.of = of
         self.wrt = [wrt] if isinstance(wrt, str) else (None if wrt is None else list(wrt))
         self.registry = registry if registry is not None else default_registry()
         self.input_names: dict[str, str] = {}
         self.output_names: dict[str, str] = {}
+        self.left_out: list[str] = []
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        # The second sweep adds the first one's nodes to the graph: convert the model as it was.
+        return build_upgrading(model, self._build, self.upgrade_opset, pristine=True)
+
+    def _build(self, model: ir.Model) -> ir.passes.PassResult:
         infer_shapes(model)
         graph = model.graph
         y = find_value(graph, self.of, "of")
         _check_differentiable(y, "of")
-        xs = AutodiffPass(self.of, self.wrt)._variables(graph)
+        xs, self.left_out = choose_variables(model, self.wrt, self.registry)
         namer = Namer.for_graph(graph)
         backward = Backward(graph, self.registry, model.opset_imports, namer)
         self.model = model
@@ -138,41 +149,48 @@ class JacobianPass(_TransformPass):
     of elements of ``of`` may be known only at run time (a symbolic batch).
     """
 
-    def __init__(self, of, wrt=None, registry=None, chunk: int = 1):
-        super().__init__(of, wrt, registry)
+    def __init__(self, of, wrt=None, registry=None, chunk: int = 1, upgrade_opset: bool = True):
+        super().__init__(of, wrt, registry, upgrade_opset)
         if chunk < 1:
             raise ValueError(f"chunk must be at least 1, not {chunk}")
         self.chunk = chunk
 
     def build(self, backward, graph, y, xs, namer):
         op = backward.op
+        shapes.require_opset(op, 11, "the jacobian's Loop without loop-carried values and its OneHot seeds")
         size = op.Size(y)
         chunk = op.const(np.array(self.chunk, np.int64))
         trips = op.Div(op.Sub(op.Add(size, chunk), op.const(np.array(1, np.int64))), chunk)
         body = op.child()
         step = ir.Value(name=namer.fresh(), type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
         go = ir.Value(name=namer.fresh(), type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
+        # OneHot has no bfloat16 values: such seeds are made in float and cast.
+        bfloat16 = y.dtype == ir.DataType.BFLOAT16
+        values = body.const(np.array([0.0, 1.0], np.float32), like=None if bfloat16 else y)
         rows: list[list[ir.Value]] = [[] for _ in xs]
         for k in range(self.chunk):
             index = body.Add(body.Mul(step, chunk), body.const(np.array(k, np.int64)))
-            hot = body.OneHot(body.unsqueeze(index, [0]), size, body.const(np.array([0.0, 1.0]), like=y), axis=-1)
-            seed = body.Reshape(hot, body.Shape(y))
+            hot = body.OneHot(body.unsqueeze(index, [0]), size, values, axis=-1)
+            seed = _reshape(body, body.Cast(hot, to=int(y.dtype)) if bfloat16 else hot, body.Shape(y))
             inner = Backward(list(graph), backward.registry, backward.opsets, namer, body)
             for row, x, g in zip(rows, xs, inner.gradients(y, xs, seed)):
                 g = shapes.zeros_like(body, x) if g is None else g
                 row.append(body.unsqueeze(g, [0]))
         stacked = [r[0] if len(r) == 1 else body.Concat(*r, axis=0) for r in rows]
         loop_body = body.graph([step, go], [body.const(np.array(True)), *stacked], name="jacobian_rows")
-        results = op.Loop(trips, None, body=loop_body, _outputs=len(xs))
+        # An explicit condition: a trailing empty input is dropped by onnx-ir's unused-node removal
+        # (which cleanup runs), and a Loop needs its second input's place.
+        results = op.Loop(trips, op.const(np.array(True)), body=loop_body, _outputs=len(xs))
         results = results if isinstance(results, tuple) else (results,)
         outputs = []
         for x, r in zip(xs, results):
             shape = op.Concat(op.Shape(y), op.Shape(x), axis=0)
             # Each iteration stacked `chunk` rows: flatten them, keep the first size(y), reshape.
-            flat = op.Reshape(r, op.Concat(op.const(np.array([-1], np.int64)), op.Shape(x), axis=0))
+            count = op.unsqueeze(op.Mul(trips, chunk), [0])
+            flat = _reshape(op, r, op.Concat(count, op.Shape(x), axis=0))
             rows_kept = op.Slice(flat, op.const(np.array([0], np.int64)), op.unsqueeze(size, [0]),
                                  op.const(np.array([0], np.int64)))
-            jac = op.Reshape(rows_kept, shape)
+            jac = _reshape(op, rows_kept, shape)
             out = self._output(op, namer, x.name, f"jac_{x.name}", jac, x)
             y_dims, x_dims = shapes.dims(y), shapes.dims(x)
             out.shape = None if y_dims is None or x_dims is None else ir.Shape(
@@ -180,6 +198,12 @@ class JacobianPass(_TransformPass):
             )
             outputs.append(out)
         return [], outputs
+
+
+def _reshape(op: OpBuilder, x: ir.Value, shape: ir.Value) -> ir.Value:
+    """x reshaped to a run-time shape whose zeros are extents (an empty ``of`` or x), where the
+    opset has allowzero (14)."""
+    return op.Reshape(x, shape, allowzero=1) if op.opset >= 14 else op.Reshape(x, shape)
 
 
 def _functional(transform: ir.passes.InPlacePass, model):

@@ -85,11 +85,8 @@ def zeros(op, x):
 
 
 def needs_opset7(op, node, *dYs):
-    raise RuleError(
-        f"{node.op_type} before opset 7 uses legacy broadcasting, which these gradient templates do "
-        "not emit (and onnxruntime does not run); convert the model first with "
-        "onnx.version_converter.convert_version(model, 13)"
-    )
+    """Before opset 7 these ops broadcast the legacy way, which the templates do not emit."""
+    shapes.require_opset(op, 7, f"the gradient of {node.op_type} (numpy broadcasting)")
 
 
 _LEGACY = {

@@ -30,12 +30,6 @@ def _slice(op, x, starts, ends, axes):
     return op.Slice(x, starts=list(starts), ends=list(ends), axes=list(axes))
 
 
-def _need_opset(op, opset: int, why: str) -> None:
-    if op.opset < opset:
-        raise RuleError(f"{why} needs opset {opset} or later (the model has {op.opset}); "
-                        "convert it with onnx.version_converter")
-
-
 def _reshape(op, x, shape):
     if op.opset >= 5:
         return op.Reshape(x, list(shape))
@@ -287,7 +281,7 @@ def _kernel_grad_taps(g: _Geometry, x_like, dy_like) -> list[int] | None:
 def _fit_to(op, y, like, pad_end):
     """y (the transposed convolution, pads at the end not cropped) zero-padded by ``pad_end`` and
     cut to like's shape at run time."""
-    _need_opset(op, 11, "a convolution with symbolic spatial dimensions")
+    shapes.require_opset(op, 11, "a convolution with symbolic spatial dimensions")
     if any(pad_end):
         y = op.Pad(y, [0] * (len(pad_end) + 2) + [0, 0, *pad_end])
     return op.Slice(y, [0] * (len(pad_end) + 2), op.Shape(like))
@@ -402,7 +396,7 @@ def _pooled_size(g: _Geometry, spatial, ceil_mode) -> list[int]:
 def average_pool(op, node, dY):
     """Y[o] = Σ_window(o) X / divisor(o); dX = the window-sum adjoint of dY / divisor."""
     X = node.inputs[0]
-    _need_opset(op, 7, "AveragePool's gradient")
+    shapes.require_opset(op, 7, "AveragePool's gradient")
     g = _Geometry(node, X, None)
     g.resolve_same()
     ns, spatial = g.ns, g.need_spatial("AveragePool's gradient")
@@ -426,7 +420,7 @@ def average_pool(op, node, dY):
 def global_average_pool(op, node, dY):
     """Y[n, c] = mean of X[n, c] over the spatial axes."""
     X = node.inputs[0]
-    _need_opset(op, 8, "GlobalAveragePool's gradient (Expand)")
+    shapes.require_opset(op, 8, "GlobalAveragePool's gradient (Expand)")
     spatial = shapes.static_shape(X)
     if spatial is not None:
         size = op.const(float(np.prod(spatial[2:])), like=dY)
@@ -461,7 +455,7 @@ def max_pool(op, node, dY, dIndices=None):
         return {"X": op.MaxUnpool(dY, indices, op.Shape(X), kernel_shape=g.kernel,
                                   strides=g.strides, pads=[0] * g.ns + overhang)}
     why = "MaxPool's gradient (ScatterElements, with reduction='add' when windows overlap)"
-    _need_opset(op, 16 if overlapping else 11, why)
+    shapes.require_opset(op, 16 if overlapping else 11, why)
     # Indices are offsets into X flattened whole (batch and channel included).
     zeros = shapes.zeros_like(op, op.Reshape(X, [-1]))
     flat = op.ScatterElements(zeros, op.Reshape(indices, [-1]), op.Reshape(dY, [-1]), axis=0,
@@ -488,7 +482,7 @@ def _unpool_overhang(g: _Geometry, ceil_mode) -> list[int] | None:
 def global_max_pool(op, node, dY):
     """Y[n, c] = max of X[n, c] over the spatial axes; dX gets dY at the first maximum."""
     X = node.inputs[0]
-    _need_opset(op, 11, "GlobalMaxPool's gradient (ScatterElements)")
+    shapes.require_opset(op, 11, "GlobalMaxPool's gradient (ScatterElements)")
     rows = _reshape(op, X, [0, 0, -1])
     first = op.ArgMax(rows, axis=2, keepdims=1)
     dX = op.ScatterElements(shapes.zeros_like(op, rows), first, _reshape(op, dY, [0, 0, 1]), axis=2)
@@ -558,7 +552,7 @@ def lrn(op, node, dY):
     """Y = X·S^−β, S = bias + α/size·Σ X² over channels c − ⌊(size−1)/2⌋ … c + ⌈(size−1)/2⌉;
     dX = dY·S^−β − 2αβ/size·X·window_sumᵀ(dY·Y/S)."""
     X, Y = node.inputs[0], node.outputs[0]
-    _need_opset(op, 7, "LRN's gradient (numpy broadcasting)")
+    shapes.require_opset(op, 7, "LRN's gradient (numpy broadcasting)")
     size = shapes.attr(node, "size")
     alpha, beta = shapes.attr(node, "alpha", 1e-4), shapes.attr(node, "beta", 0.75)
     bias = shapes.attr(node, "bias", 1.0)
@@ -572,7 +566,7 @@ def lrn(op, node, dY):
 
 def _lp_weight(op, X, p):
     """∂|x|^p/∂x / p = sign(x)·|x|^(p−1)."""
-    _need_opset(op, 7, "the gradient of Lp pooling (numpy broadcasting)")
+    shapes.require_opset(op, 7, "the gradient of Lp pooling (numpy broadcasting)")
     if p == 2:
         return X
     if op.opset < 9:  # no Sign yet: x·|x|^(p−2), undefined at x = 0 when p < 2

@@ -171,7 +171,7 @@ def decompose(op, node):
             zero, one = op.const(np.array(0, np.int64)), op.const(np.array(1, np.int64))
             t = op.Range(zero, op.Gather(op.Shape(X), zero), one)
         else:
-            raise RuleError(f"{kind} with sequence_lens and a symbolic sequence length needs opset 11")
+            shapes.require_opset(op, 11, f"{kind} with sequence_lens and a symbolic sequence length")
         # mask[t, b, 0]: step t lies within entry b's sequence.
         lens = op.Cast(lens, to=int(ir.DataType.INT64))
         mask = op.unsqueeze(op.Less(op.unsqueeze(t, [1]), op.unsqueeze(lens, [0])), [2])

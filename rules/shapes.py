@@ -8,10 +8,17 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from onnx_autodiff.errors import RuleError
+from onnx_autodiff.errors import OpsetTooOldError, RuleError
 from onnx_autodiff.rules.builder import OpBuilder
 
 Dim = int | str | None
+
+
+def require_opset(op: OpBuilder, needed: int, why: str) -> None:
+    """Refuse, naming ``why``, when the model's default-domain opset is below ``needed`` (the passes
+    then convert the model to ``needed``)."""
+    if op.opset < needed:
+        raise OpsetTooOldError(f"{why} needs opset {needed} or later (the model has {op.opset})", needed)
 
 
 def dims(value: ir.Value) -> tuple[Dim, ...] | None:

@@ -480,9 +480,7 @@ def roi_align(op, node, dY):
     if shapes.attr(node, "mode", "avg") != "avg":
         raise RuleError("RoiAlign: mode 'max' (a max over weighted corner values) is not supported; "
                         "only mode 'avg' is")
-    if op.opset < 11:
-        raise RuleError("RoiAlign's gradient needs opset 11 or later (Range, float Equal); convert "
-                        "the model with onnx.version_converter")
+    shapes.require_opset(op, 11, "RoiAlign's gradient (Range, float Equal)")
     x_dims = shapes.dims(X)
     if x_dims is None or not all(isinstance(d, int) for d in x_dims[2:]):
         raise RuleError("RoiAlign: the gradient needs static spatial sizes of X")

@@ -90,9 +90,8 @@ def _scatter_axis(op, g, idx, d, axis: int, rank: int, add: bool):
     Repeated indices sum (add=True): ScatterElements/ScatterND with reduction="add" from opset
     16, before that a one-hot matrix product.
     """
-    if op.opset < 11:
-        if not add or not isinstance(d, int):
-            raise RuleError(f"this gradient needs opset 11 or later (the model has {op.opset})")
+    if not add or not isinstance(d, int):
+        shapes.require_opset(op, 11, "this gradient")
     if op.opset >= 16 or not add:
         shape_g = op.Shape(g)
         d_vec = [d] if isinstance(d, int) else op.Reshape(d, [1])
@@ -223,10 +222,8 @@ def concat(op, node, dY):
     if len(inputs) == 1:
         return {"inputs": [dY]}
     sizes = _cat(op, *(_dims(op, x, axis, axis + 1) for x in inputs))
-    if isinstance(sizes, ir.Value) and op.opset < 13:
-        raise RuleError(
-            f"splitting the gradient by run-time sizes needs opset 13 (the model has {op.opset}): "
-            "the inputs' extents along the Concat axis are not static")
+    if isinstance(sizes, ir.Value):  # the inputs' extents along the Concat axis are not static
+        shapes.require_opset(op, 13, "splitting the gradient by run-time sizes")
     return {"inputs": list(op.split(dY, sizes, axis, count=len(inputs)))}
 
 
@@ -271,8 +268,7 @@ def slice_(op, node, dY):
             for a, rg in ranges.items():
                 pads[a], pads[a + r] = rg.start, dims[a] - max(rg.stop, rg.start)
             return {"data": _pad(op, dY, pads, "constant")}
-    if op.opset < 11:
-        raise RuleError(f"this Slice gradient needs opset 11 or later (the model has {op.opset})")
+    shapes.require_opset(op, 11, "this Slice gradient")
     g = dY
     for i, a in enumerate(axes):
         d = _dim(op, X, a)
@@ -330,7 +326,7 @@ def pad(op, node, dY):
             arange = op.const(np.arange(d, dtype=np.float32))
             idx = op.Cast(_pad(op, arange, pads_a, mode), to=ir.DataType.INT64)
         else:
-            raise RuleError(f"Pad with mode {mode} on a dynamic axis needs opset 11 or later")
+            shapes.require_opset(op, 11, f"Pad with mode {mode} on a dynamic axis")
         g = _scatter_axis(op, g, idx, d, a, r, add=True)
     return {"data": g}
 
@@ -450,8 +446,7 @@ def _as_float(op, mask, *likes):
     dtype = next((v.dtype for v in likes if v.dtype is not None), None)
     if dtype is not None:
         return op.Cast(mask, to=int(dtype))
-    if op.opset < 15:
-        raise RuleError(f"the gradient's dtype is unknown and CastLike needs opset 15 (the model has {op.opset})")
+    shapes.require_opset(op, 15, "the gradient's dtype is unknown and CastLike")
     return op.CastLike(mask, likes[0])
 
 
@@ -476,8 +471,7 @@ def _scatter_nd_add_onehot(op, X, idx, g, n: int):
 def compress(op, node, dY):
     """Y = the slices of X (flattened if no axis) where condition is true; dX scatters dY back"""
     X, condition = node.inputs
-    if op.opset < 11:
-        raise RuleError(f"the Compress gradient needs opset 11 or later (the model has {op.opset})")
+    shapes.require_opset(op, 11, "the Compress gradient")
     idx = op.Reshape(op.NonZero(condition), [-1])
     axis = shapes.attr(node, "axis")
     if axis is None:

@@ -9,8 +9,10 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnx_autodiff.conformance import check_vjp
+from onnx_autodiff.conformance.check import backward_model
 
 RNG_SEED = 0
+_FLOAT_ELEM = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
 
 
 def rng(seed: int = RNG_SEED) -> np.random.Generator:
@@ -87,7 +89,8 @@ def assert_gradients(
     seed: int = 0,
     ad_backends=("onnxruntime",),
 ):
-    """The backward graph's VJP (float32, onnxruntime) matches float64 central differences.
+    """The backward graph's VJP (float32, onnxruntime) matches float64 central differences, and
+    (for a model with one float output) the backward graph passes :func:`assert_valid_model`.
 
     ``ad_backends`` may add "reference" where onnxruntime lacks the forward op's kernel itself.
     """
@@ -95,4 +98,62 @@ def assert_gradients(
     assert result.ok, f"gradient mismatch\n{result}\nAD: {result.ad}\nFD: {result.fd}"
     for name in wrt:
         assert np.any(result.fd[name] != 0) or np.all(result.ad[name] == 0)
+    floats = [o for o in model.graph.output if o.type.tensor_type.elem_type in _FLOAT_ELEM]
+    if len(floats) == 1 and floats[0].type.tensor_type.HasField("shape"):  # the graph ad_vjp ran
+        assert_valid_model(backward_model(model, floats[0].name, wrt, registry=registry, seed="input")[0])
     return result
+
+
+def assert_valid_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` passes onnx's full checker and its strict type and shape inference (returned);
+    it types no sequence with a dimension name that inference made up ("unk__3"): a sequence's
+    one element type then claims its unequal elements equal, and onnxruntime reuses one element's
+    buffer for another; and no MatMul multiplies a Transpose of a matrix by a vector, which
+    onnxruntime 1.32's MatmulTransposeFusion miscomputes."""
+    onnx.checker.check_model(model, full_check=True)
+    inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+    for graph in _graphs(model.graph):
+        for info in (*graph.input, *graph.output, *graph.value_info):
+            names = _sequence_dim_names(info.type)
+            assert not any(n.startswith("unk__") for n in names), (
+                f"'{info.name}' in graph '{graph.name}' is a sequence whose element type names "
+                f"dimensions {sorted(names)}, which onnx's inference made up")
+    ranks = {info.name: len(info.type.tensor_type.shape.dim)
+             for graph in _graphs(inferred.graph) for info in (*graph.input, *graph.output, *graph.value_info)
+             if info.type.tensor_type.HasField("shape")}
+    ranks.update({t.name: len(t.dims) for graph in _graphs(inferred.graph) for t in graph.initializer})
+    # Through the Identities and matrix Reshapes that onnxruntime removes before it fuses.
+    transposed = set()
+    for graph in _graphs(inferred.graph):
+        for n in graph.node:
+            if n.domain not in ("", "ai.onnx") or ranks.get(n.input[0] if n.input else "") != 2:
+                continue
+            through = n.op_type in ("Identity", "Reshape") and n.input[0] in transposed and ranks.get(n.output[0]) == 2
+            if n.op_type == "Transpose" or through:
+                transposed.add(n.output[0])
+    for graph in _graphs(inferred.graph):
+        for node in graph.node:
+            if node.op_type == "MatMul" and node.domain in ("", "ai.onnx"):
+                a, b = node.input
+                assert not (a in transposed and ranks.get(b) == 1), (
+                    f"MatMul '{node.name}' multiplies a transposed matrix by a vector ({a}, {b})")
+    return inferred
+
+
+def _graphs(graph: onnx.GraphProto):
+    yield graph
+    for node in graph.node:
+        for attribute in node.attribute:
+            for sub in [attribute.g] if attribute.HasField("g") else attribute.graphs:
+                yield from _graphs(sub)
+
+
+def _sequence_dim_names(kind: onnx.TypeProto, inside: bool = False) -> set[str]:
+    field = kind.WhichOneof("value")
+    if field == "tensor_type":
+        return {d.dim_param for d in kind.tensor_type.shape.dim if d.dim_param} if inside else set()
+    if field == "sequence_type":
+        return _sequence_dim_names(kind.sequence_type.elem_type, True)
+    if field == "optional_type":
+        return _sequence_dim_names(kind.optional_type.elem_type, inside)
+    return set()

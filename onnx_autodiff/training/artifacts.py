@@ -19,6 +19,9 @@ from onnx_autodiff.errors import (
     TrainingError,
     UnknownValueError,
 )
+from onnx_autodiff.passes.inference import onnx_inferred
+from onnx_autodiff.passes.opsets import upgraded_for_gradients
+from onnx_autodiff.passes.parameters import default_parameters, listed
 from onnx_autodiff.rules.builder import Namer, OpBuilder
 from onnx_autodiff.training.losses import LossSpec, attach_loss, model_opset
 from onnx_autodiff.training.optimizers import (
@@ -50,6 +53,7 @@ class TrainingArtifacts:
     layout: dict
     accumulate_model: onnx.ModelProto | None = None
     apply_model: onnx.ModelProto | None = None
+    left_out: list[str] = dataclasses.field(default_factory=list)  # constants the default did not train
 
     FILES = {
         "train_model": "training_model.onnx",
@@ -135,32 +139,7 @@ class _Roles:
     params: list[str]
     buffers: list[str]  # BatchNormalization running statistics updated in training mode
     opset: int
-
-
-def _trainable_initializers(proto, opset: int, registry) -> set[str]:
-    """Initializers read in a differentiable input position of some node (or by a subgraph):
-    the default parameters, so Dropout ratios, Clip bounds and the like are not trained."""
-    from onnx_autodiff.passes.autodiff import captured_values
-    from onnx_autodiff.rules import default_registry
-
-    registry = registry if registry is not None else default_registry()
-    model = ir.from_proto(proto)
-    inits = set(model.graph.initializers.values())
-    found: set[str] = set()
-    for node in model.graph:
-        node_opset = model.opset_imports.get(node.domain or "", 1)
-        rule = registry.lookup(node, node_opset)
-        names = None
-        if rule is not None:
-            try:
-                names = rule.input_names(node, node_opset)
-            except AutodiffError:
-                names = None
-        for i, value in enumerate(node.inputs):
-            if value in inits and (names is None or (i < len(names) and names[i] in rule.differentiable)):
-                found.add(value.name)
-        found.update(v.name for v in captured_values(node) if v in inits)
-    return found
+    left_out: list[str]  # float initializers the default parameters left out (constants)
 
 
 def _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=None) -> _Roles:
@@ -197,10 +176,11 @@ def _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=Non
         return names
 
     frozen = set(check(frozen_params, "frozen parameter"))
+    left_out: list[str] = []
     if requires_grad is None:
-        used = _trainable_initializers(proto, opset, registry)
-        params = [n for n, t in inits.items()
-                  if t.data_type in float_types and n not in frozen and n not in stats and n in used]
+        default = default_parameters(ir.from_proto(proto), registry)
+        left_out = [n for n in default.left_out if n not in stats and n not in frozen]
+        params = [v.name for v in default.parameters if v.name not in frozen and v.name not in stats]
     else:
         params = check(requires_grad, "parameter")
         for name in params:
@@ -214,9 +194,10 @@ def _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=Non
         if len(set(params)) != len(params):
             raise TrainingError(f"requires_grad names a parameter twice: {params}")
     if not params:
-        raise TrainingError("there is no parameter to train: the model has no floating-point initializer left after freezing")
+        constants = f"; the default left out {listed(left_out)}: name them in requires_grad" if left_out else ""
+        raise TrainingError(f"there is no parameter to train: the model has no floating-point initializer left after freezing{constants}")
     buffers = [] if freeze_batchnorm else [s for s in stats if s not in frozen]
-    return _Roles(params=params, buffers=buffers, opset=opset)
+    return _Roles(params=params, buffers=buffers, opset=opset, left_out=left_out)
 
 
 def _prepare(proto, roles: _Roles, training: bool):
@@ -326,11 +307,14 @@ def generate_artifacts(
     gradient_accumulation: bool = False,
     freeze_batchnorm: bool = False,
     registry=None,
+    upgrade_opset: bool = True,
 ) -> TrainingArtifacts:
     """The training artifacts of ``model`` (an onnx.ModelProto, onnx_ir.Model or path).
 
-    requires_grad: initializers to train (default: every floating-point initializer that is
-    neither in ``frozen_params`` nor a BatchNormalization running statistic).
+    requires_grad: initializers to train (default: the model's parameters, as
+    :func:`onnx_autodiff.passes.parameters.default_parameters` chooses them, that are neither in
+    ``frozen_params`` nor BatchNormalization running statistics; ``left_out`` of the result
+    lists the constants it did not train).
     loss: "cross_entropy" (logits [N, C, ...], int64 class labels, mean, ignore_index −100),
     "mse", "l1", "bce_with_logits" (labels shaped like the output), None (the model's scalar
     output ``output`` is the loss), or a custom loss: a callable ``f(op, output, *labels)`` returning
@@ -344,6 +328,8 @@ def generate_artifacts(
     max_grad_norm: clip the gradients by their global L2 norm (torch.nn.utils.clip_grad_norm_).
     gradient_accumulation: also build the accumulate and apply models.
     freeze_batchnorm: keep BatchNormalization in inference mode with fixed statistics.
+    upgrade_opset: when a gradient rule needs a newer opset than the model imports, convert the
+    model with onnx.version_converter (one warning line); False refuses.
     """
     spec = make_optimizer(optimizer, **dict(optimizer_options or {}))
     forward = _as_proto(model)
@@ -351,10 +337,10 @@ def generate_artifacts(
     proto.CopyFrom(forward)
     if proto.functions:
         proto = onnx.inliner.inline_local_functions(proto)
-    try:
-        proto = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
-    except Exception:  # noqa: BLE001 - shapes are a help, not a requirement
-        pass
+    # Once here, so that every model built from the forward graph has the opset its rules need.
+    of = [output] if output is not None else [v.name for v in proto.graph.output]
+    proto = upgraded_for_gradients(proto, of, requires_grad, registry, upgrade_opset)
+    proto = onnx_inferred(proto) or proto
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise TrainingError(f"max_grad_norm must be > 0, not {max_grad_norm}")
     roles = _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry)
@@ -381,7 +367,7 @@ def generate_artifacts(
     for param, names in train["state"].items():
         for state in names:
             checkpoint[state] = np.zeros_like(checkpoint[param])
-    artifacts = TrainingArtifacts(train["model"], eval_model, forward, checkpoint, layout)
+    artifacts = TrainingArtifacts(train["model"], eval_model, forward, checkpoint, layout, left_out=roles.left_out)
     if gradient_accumulation:
         accumulate = _build_train(proto, roles, loss_spec, spec, max_grad_norm, "accumulate", registry)
         accumulators = [key for key, _, _ in accumulate["layout"]["carry"][: len(roles.params)]]
@@ -403,7 +389,9 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     graph.outputs.clear()
     graph.outputs.append(loss)
     graph.inputs.extend(labels)
-    autodiff = AutodiffPass(of=loss.name, wrt=roles.params, registry=registry, seed="ones", unreachable="raise")
+    # upgrade_opset=False: the opset was fixed once at load, for every model built here
+    autodiff = AutodiffPass(of=loss.name, wrt=roles.params, registry=registry, seed="ones", unreachable="raise",
+                            upgrade_opset=False)
     try:
         autodiff(model)
     except (ir.passes.PassError, AutodiffError) as error:

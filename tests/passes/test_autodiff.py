@@ -95,6 +95,35 @@ def test_runtime_broadcast_axes_when_dims_are_symbolic():
         np.testing.assert_allclose(out["grad_B"], expected, rtol=1e-5)
 
 
+@pytest.mark.parametrize("op", ["Add", "Sub", "Mul"])
+def test_input_without_a_shape_gets_run_time_reductions(op):
+    """X declares no shape, B is [4]: one graph serves every rank of X. ONNX requires main-graph
+    inputs to declare a rank, so such a model fails the checker on X itself; the pass adds nothing
+    else invalid (with X's and grad_X's ranks declared, the result passes)."""
+    nodes = [helper.make_node(op, ["X", "B"], ["h"]), helper.make_node("ReduceSum", ["h"], ["y"], keepdims=0)]
+    model = make_model(nodes, {"X": np.zeros(1, np.float32), "B": np.zeros(4, np.float32)}, ["y"], shapes={"X": None},
+                       output_shapes={"y": []})
+    assert not model.graph.input[0].type.tensor_type.HasField("shape")
+    for wrt in (["X"], ["B"], ["X", "B"]):
+        proto = ir.to_proto(autodiff_pass(of="y", wrt=wrt)(ir.from_proto(model)).model)
+        unshaped = [v.name for v in (*proto.graph.input, *proto.graph.output) if not v.type.tensor_type.HasField("shape")]
+        assert unshaped == ["X"] + (["grad_X"] if "X" in wrt else [])
+        for x_shape in ((2, 4), (4,), (3, 1, 4), ()):
+            declared = onnx.ModelProto()
+            declared.CopyFrom(proto)
+            for value in (*declared.graph.input, *declared.graph.output):
+                if value.name in unshaped:
+                    value.type.tensor_type.shape.CopyFrom(helper.make_tensor_type_proto(1, x_shape).tensor_type.shape)
+            onnx.checker.check_model(declared, full_check=True)
+            onnx.shape_inference.infer_shapes(declared, check_type=True, strict_mode=True)
+            feeds = {"X": R.uniform(0.5, 1.5, x_shape).astype(np.float32), "B": R.uniform(0.5, 1.5, 4).astype(np.float32)}
+            out = run(proto, feeds)
+            fd = fd_vjp(model, feeds, wrt, [np.ones((), np.float32)])
+            for name in wrt:
+                assert out[f"grad_{name}"].shape == feeds[name].shape
+                np.testing.assert_allclose(out[f"grad_{name}"], fd[name], rtol=1e-4, atol=1e-4)
+
+
 def fan_out_model(uses: int):
     nodes = [helper.make_node("Tanh", ["x"], [f"t{i}"]) for i in range(uses)]
     nodes += [helper.make_node("Sum", [f"t{i}" for i in range(uses)], ["y"])] if uses > 1 else []
@@ -196,6 +225,53 @@ def test_unsupported_op_on_the_path_names_node_op_domain_opset():
     message = str(info.value)
     for part in ("'mine'", "MyOp", "custom", "opset 3", "register_gradient"):
         assert part in message
+    assert info.value.nodes == [("mine", "MyOp", "custom", 3)]
+    assert "\n" not in message
+
+
+def test_every_unsupported_op_on_the_path_is_named_in_one_error():
+    nodes = [
+        helper.make_node("MyOp", ["x"], ["a"], domain="custom", name="first"),
+        helper.make_node("Neg", ["a"], ["b"]),
+        helper.make_node("Other", ["b", "x"], ["c"], domain="acme", name="second"),
+        helper.make_node("MyOp", ["c"], ["y"], domain="custom", name="third"),
+        helper.make_node("Unknown", ["x"], ["unused"], domain="acme", name="off_path"),
+    ]
+    model = make_model(nodes, {"x": np.zeros(2, np.float32)}, ["y", "unused"],
+                       extra_opsets={"custom": 3, "acme": 1}, output_shapes={"y": [2], "unused": [2]})
+    with pytest.raises(MissingRuleError) as info:
+        autodiff_pass(of="y", wrt=["x"])(ir.from_proto(model))
+    assert info.value.nodes == [
+        ("first", "MyOp", "custom", 3), ("second", "Other", "acme", 1), ("third", "MyOp", "custom", 3)
+    ]
+    message = str(info.value)
+    assert "\n" not in message and "3 nodes" in message and "off_path" not in message
+    for part in ("op MyOp (domain custom, opset 3) at 'first', 'third'", "op Other (domain acme, opset 1) at 'second'",
+                 "register_gradient"):
+        assert part in message
+
+
+def test_unsupported_ops_inside_and_outside_a_subgraph_are_named_in_one_error():
+    then_branch = helper.make_graph(
+        [helper.make_node("MyOp", ["x"], ["t"], domain="custom", name="in_then")], "then", [],
+        [helper.make_tensor_value_info("t", TensorProto.FLOAT, [2])])
+    else_branch = helper.make_graph([helper.make_node("Neg", ["x"], ["e"])], "else", [],
+                                    [helper.make_tensor_value_info("e", TensorProto.FLOAT, [2])])
+    nodes = [
+        helper.make_node("If", ["cond"], ["h"], name="choice", then_branch=then_branch, else_branch=else_branch),
+        helper.make_node("Other", ["h"], ["y"], domain="acme", name="outside"),
+    ]
+    model = make_model(nodes, {"cond": np.array(True), "x": np.zeros(2, np.float32)}, ["y"],
+                       extra_opsets={"custom": 3, "acme": 1}, output_shapes={"y": [2]})
+    registry = default_registry().copy()
+    registry.register("Other", "acme", differentiable=("x",), inputs=("x",))(lambda op, node, dY: {"x": dY})
+    with pytest.raises(MissingRuleError) as info:
+        autodiff_pass(of="y", wrt=["x"])(ir.from_proto(model))
+    assert info.value.nodes == [("outside", "Other", "acme", 1), ("in_then", "MyOp", "custom", 3)]
+    assert "'in_then' in a subgraph of 'choice' (If)" in str(info.value)
+    with pytest.raises(MissingRuleError) as info:  # with a rule for the outer one, the inner one alone
+        autodiff_pass(of="y", wrt=["x"], registry=registry)(ir.from_proto(model))
+    assert info.value.nodes == [("in_then", "MyOp", "custom", 3)]
 
 
 def test_unknown_names_and_integer_variables_are_clear_errors():

@@ -1,19 +1,25 @@
-"""jvp, hvp, jacobian: consistency with each other and with the VJP, and against torch autograd."""
+"""jvp, hvp, jacobian: consistency with each other and with the VJP, against torch autograd, and
+the strict checks on every transform's output."""
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
+from helpers import assert_valid_model
+from onnx_autodiff import cleanup_passes
 from onnx_autodiff.conformance import Evaluator, to_float64
+from onnx_autodiff.conformance.gradcheck import random_feeds
 from onnx_autodiff.passes.transforms import hvp, jacobian, jvp, vjp
+from onnx_autodiff.training import generate_artifacts
 
 
 def run(model, feeds):
-    onnx.checker.check_model(model, full_check=True)
+    assert_valid_model(model)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
 
@@ -187,3 +193,99 @@ def test_hvp_conv_layernorm_gelu_softmax_matches_torch():
         return (torch.softmax(F.gelu(h) @ p["W"], -1) * c).sum()
 
     _compare(ours64, ours32, _torch_hvp(torch, loss, exact, vs))
+
+
+# Every transform's output, raw and after the cleanup, and the training artifacts pass the shared
+# strict checks (full checker, strict type and shape inference with data propagation, no made-up
+# sequence element names, no transposed matrix times a vector) and run on onnxruntime.
+
+def _loss_of(model, output, name="loss"):
+    """``model`` with the scalar output ``name`` = Σ output² in place of its outputs."""
+    scalar = onnx.ModelProto()
+    scalar.CopyFrom(model)
+    scalar.graph.node.extend([helper.make_node("Mul", [output, output], [f"{name}_sq"]),
+                              helper.make_node("ReduceSum", [f"{name}_sq"], [name], keepdims=0)])
+    del scalar.graph.output[:]
+    scalar.graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, []))
+    return scalar
+
+
+def _unequal_pieces(inferred=True):
+    """X [N, 15] split into 7 and 8 columns, read by SequenceAt: y = Σ sin(S[0]) · S[1] · W
+    (typed by onnx's inference when ``inferred``, which names the pieces' one unknown width)."""
+    f = TensorProto.FLOAT
+    nodes = [
+        helper.make_node("SplitToSequence", ["X", "split"], ["S"], axis=1),
+        helper.make_node("SequenceAt", ["S", "zero"], ["a"]),
+        helper.make_node("SequenceAt", ["S", "one"], ["b"]),
+        helper.make_node("Sin", ["a"], ["sa"]),
+        helper.make_node("ReduceSum", ["sa", "axis"], ["ra"]),
+        helper.make_node("Mul", ["ra", "b"], ["rb"]),
+        helper.make_node("Mul", ["rb", "W"], ["y"]),
+    ]
+    weight = np.random.default_rng(3).standard_normal(8).astype(np.float32)
+    arrays = {"W": weight, "split": np.array([7, 8], np.int64), "zero": np.array(0, np.int64),
+              "one": np.array(1, np.int64), "axis": np.array([1], np.int64)}
+    inits = [numpy_helper.from_array(v, k) for k, v in arrays.items()]
+    graph = helper.make_graph(nodes, "pieces", [helper.make_tensor_value_info("X", f, ["N", 15])],
+                              [helper.make_tensor_value_info("y", f, ["N", 8])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    return onnx.shape_inference.infer_shapes(model) if inferred else model
+
+
+def _empty_slice():
+    """y = sin(X[:, 5:1]): an empty output."""
+    nodes = [helper.make_node("Slice", ["X", "five", "one", "axis"], ["s"]), helper.make_node("Sin", ["s"], ["y"])]
+    inits = [numpy_helper.from_array(np.array([v], np.int64), n) for n, v in (("five", 5), ("one", 1), ("axis", 1))]
+    graph = helper.make_graph(nodes, "empty", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [2, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 0])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+def _old_opset():
+    """y = tanh(X @ W) at opset 9, where a Loop must carry a value and OneHot is new."""
+    W = numpy_helper.from_array(np.random.default_rng(5).standard_normal((3, 2)).astype(np.float32), "W")
+    nodes = [helper.make_node("MatMul", ["X", "W"], ["h"]), helper.make_node("Tanh", ["h"], ["y"])]
+    graph = helper.make_graph(nodes, "opset9", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2])], [W])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 9)], ir_version=4)
+
+
+CHECKED_MODELS = {
+    "random": lambda: random_model(4, ["Sigmoid", "Sin"], 2, 3)[0],
+    "pieces": _unequal_pieces,
+    "empty": _empty_slice,
+    "opset9": _old_opset,
+}
+
+
+def _cleaned(proto):
+    model = ir.from_proto(proto)
+    for step in cleanup_passes():
+        model = step(model).model
+    return ir.to_proto(model)
+
+
+@pytest.mark.parametrize("transform", ["grad", "jvp", "hvp", "jacobian"])
+@pytest.mark.parametrize("name", list(CHECKED_MODELS))
+def test_transform_outputs_pass_the_strict_checks(name, transform):
+    model = CHECKED_MODELS[name]()
+    of, wrt = "y", [model.graph.input[0].name]
+    if transform == "hvp":
+        model, of = _loss_of(model, "y"), "loss"
+    build = {"grad": vjp, "jvp": jvp, "hvp": hvp, "jacobian": jacobian}[transform]
+    raw = build(model, of, wrt)
+    for proto in (raw, _cleaned(raw)):
+        for batch in (3, 64) if name == "pieces" else (3,):  # the larger one failed on the pieces
+            outputs = run(proto, random_feeds(proto, seed=1, batch=batch))
+            assert all(np.all(np.isfinite(v)) for v in outputs.values())
+
+
+def test_training_artifacts_pass_the_strict_checks():
+    # The inference model is the input model as given: one typed by onnx's inference fails (the
+    # input's own value_info names the pieces' width).
+    for model in (random_model(6, ["Tanh"], 2, 3)[0], _unequal_pieces(inferred=False)):
+        artifacts = generate_artifacts(model, loss="mse", gradient_accumulation=True)
+        for proto in (artifacts.train_model, artifacts.eval_model, artifacts.inference_model,
+                      artifacts.accumulate_model, artifacts.apply_model):
+            assert_valid_model(proto)

@@ -122,9 +122,12 @@ def test_chain_of_activations():
     assert_gradients(make_model(nodes, {"x": x}, ["y"]), {"x": x}, ["x"])
 
 
-def test_legacy_opset_refused():
-    from onnx_autodiff.errors import RuleError
+def test_legacy_opset_converted_or_refused():
+    from onnx_autodiff.conformance.check import backward_model
+    from onnx_autodiff.errors import OpsetTooOldError
 
     x = x_away([0.0])
-    with pytest.raises(RuleError, match="opset 7"):
-        assert_gradients(op_model("LeakyRelu", {"X": x}, opset=6), {"X": x}, ["X"])
+    model = op_model("LeakyRelu", {"X": x}, opset=6)
+    assert_gradients(model, {"X": x}, ["X"])
+    with pytest.raises(OpsetTooOldError, match="opset 7"):
+        backward_model(model, "out0", ["X"], seed="input", upgrade_opset=False)

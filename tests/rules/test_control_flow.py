@@ -1,9 +1,14 @@
 import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
 from helpers import assert_gradients, make_model, rng
-from onnx_autodiff.conformance.check import backward_model
+from onnx_autodiff import autodiff_pass, cleanup_passes
+from onnx_autodiff.conformance import fd_vjp
+from onnx_autodiff.conformance.check import backward_model, compare
 from onnx_autodiff.errors import RuleError
 
 R = rng(11)
@@ -199,3 +204,31 @@ def test_if_with_a_condition_known_before_run_time_differentiates_the_branch_tak
     assert_gradients(model, feeds, ["x", "W"])
     proto, _ = backward_model(model, "y", ["x"], seed="input")
     assert sum(n.op_type == "If" for n in proto.graph.node) == 1  # the forward one only
+
+
+@pytest.mark.parametrize("cleanup", [False, True])
+@pytest.mark.parametrize("w_initializer", [False, True])
+def test_if_reading_differentiated_outer_values_through_the_pass(w_initializer, cleanup):
+    """Both branches read x and W from the outer graph; W a graph input or an initializer; the
+    condition picks the branch at run time."""
+    then_branch = branch("then", [helper.make_node("Mul", ["x", "W"], ["t1"]), helper.make_node("Tanh", ["t1"], ["t2"])], "t2")
+    else_branch = branch("else", [helper.make_node("Sin", ["W"], ["e1"]), helper.make_node("Mul", ["e1", "x"], ["e2"])], "e2")
+    nodes = [helper.make_node("If", ["cond"], ["h"], then_branch=then_branch, else_branch=else_branch),
+             helper.make_node("ReduceSum", ["h"], ["y"], keepdims=0)]
+    W = R.standard_normal(3).astype(np.float32)
+    inputs = {"cond": np.array(True), "x": np.zeros(3, np.float32)}
+    model = make_model(nodes, inputs if w_initializer else {**inputs, "W": W}, ["y"], output_shapes={"y": []},
+                       initializers={"W": W} if w_initializer else None)
+    passes = [autodiff_pass(of="y", wrt=["W", "x"]), *(cleanup_passes() if cleanup else ())]
+    proto = ir.to_proto(ir.passes.PassManager(passes)(ir.from_proto(model)).model)
+    onnx.checker.check_model(proto, full_check=True)
+    onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    for cond in (True, False):
+        feeds = {"cond": np.array(cond), "x": R.standard_normal(3).astype(np.float32)}
+        if not w_initializer:
+            feeds["W"] = W
+        outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+        fd = fd_vjp(model, feeds, ["W", "x"], [np.ones((), np.float32)])
+        for name in ("W", "x"):
+            assert compare(outputs[f"grad_{name}"], fd.details[name], atol=1e-4, rtol=1e-3) <= 1.0, (cond, name)

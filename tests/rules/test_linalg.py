@@ -1,11 +1,15 @@
 import numpy as np
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from onnx import helper
 
-from helpers import assert_gradients, op_model, rng
-from onnx_autodiff.conformance import check_vjp
+from helpers import assert_gradients, assert_valid_model, make_model, op_model, rng
+from onnx_autodiff import cleanup_passes
+from onnx_autodiff.conformance import check_vjp, fd_vjp
 from onnx_autodiff.conformance.check import backward_model
 from onnx_autodiff.errors import RuleError
+from onnx_autodiff.passes.transforms import hvp, vjp
 
 R = rng(7)
 
@@ -181,3 +185,86 @@ def test_det_second_order():
     graph.output.append(helper.make_tensor_value_info("hv_s", 1, []))
     result = check_vjp(proto, {"X": x}, ["X"])
     assert result.ok, str(result)
+
+
+# Products of a vector and a matrix. onnxruntime 1.32's MatmulTransposeFusion miscomputes a
+# Transpose of a 2-D matrix feeding MatMul as its first operand with a 1-D second one (float and
+# double, right with optimisations off): the rules never emit a Transpose next to a vector in a
+# MatMul, and the cleanup rewrites one it finds into the product without the Transpose.
+
+def _transposed_times_vector(dtype):
+    """y = MatMul(Transpose(M), v), M [3, 4], v [3]."""
+    M, v = R.standard_normal((3, 4)).astype(dtype), R.standard_normal(3).astype(dtype)
+    nodes = [helper.make_node("Transpose", ["M"], ["Mt"], perm=[1, 0]), helper.make_node("MatMul", ["Mt", "v"], ["y"])]
+    return make_model(nodes, {"M": M, "v": v}, ["y"]), {"M": M, "v": v}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_onnxruntime_miscomputes_a_transposed_matrix_times_a_vector(dtype):
+    """Documents the fault (the reason for the rewrite): when this fails, onnxruntime has fixed it."""
+    model, feeds = _transposed_times_vector(dtype)
+    plain = ort.SessionOptions()
+    plain.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    results = [ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
+        None, feeds)[0] for options in (plain, ort.SessionOptions())]
+    expected = feeds["M"].T @ feeds["v"]
+    np.testing.assert_allclose(results[0], expected, rtol=1e-5)
+    assert not np.allclose(results[1], expected, rtol=1e-3), "onnxruntime computes MatMul(Transpose(M), v) right now"
+
+
+def _vector_matrix_model(form, M, v):
+    """loss = Σ sin(p), p a product of v and M in the given ``form`` (t: M transposed; R: then
+    reshaped to the shape it has, a Reshape that runtimes and the cleanup remove)."""
+    operands = {"vM": ["v", "M"], "Mv": ["M", "v"], "vMt": ["v", "Mt"], "Mtv": ["Mt", "v"], "MtRv": ["R", "v"]}[form]
+    nodes = [helper.make_node("Transpose", ["M"], ["Mt"], perm=[1, 0]),
+             helper.make_node("Reshape", ["Mt", "shape"], ["R"]),
+             helper.make_node("MatMul", operands, ["p"]),
+             helper.make_node("Sin", ["p"], ["s"]),
+             helper.make_node("ReduceSum", ["s"], ["loss"], keepdims=0)]
+    if "R" not in form:
+        nodes = nodes[:1] + nodes[2:] if "t" in form else nodes[2:]
+    shape = {"shape": np.array(M.shape[::-1], np.int64)} if "R" in form else None
+    return make_model(nodes, {"M": M, "v": v}, ["loss"], initializers=shape)
+
+
+def _cleaned(proto):
+    model = ir.from_proto(proto)
+    for step in cleanup_passes():
+        model = step(model).model
+    return ir.to_proto(model)
+
+
+def _run_default(proto, feeds):
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in proto.graph.output], session.run(None, feeds)))
+
+
+# Each form, and the same function without the Transpose (the oracle's reference).
+VECTOR_FORMS = {"vM": "vM", "Mv": "Mv", "vMt": "Mv", "Mtv": "vM", "MtRv": "vM"}
+MISCOMPUTED_FORWARD = {"Mtv", "MtRv"}  # onnxruntime miscomputes the forward graph itself
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("form", list(VECTOR_FORMS))
+def test_vector_matrix_products_on_default_session(form, dtype):
+    """Gradients and Hessian-vector products wrt both operands, run with onnxruntime's default
+    session options, against finite differences (of the same function written without the
+    Transpose: the oracle runs onnxruntime too); with the cleanup, and without it where
+    onnxruntime computes the forward graph itself right."""
+    M = R.standard_normal((3, 4)).astype(dtype)
+    v = R.standard_normal(4 if form in ("Mv", "vMt") else 3).astype(dtype)
+    feeds = {"M": M, "v": v}
+    model, plain = _vector_matrix_model(form, M, v), _vector_matrix_model(VECTOR_FORMS[form], M, v)
+    directions = {f"v_{k}": R.standard_normal(x.shape).astype(dtype) for k, x in feeds.items()}
+    fd = fd_vjp(plain, feeds, ["M", "v"], [np.array(1.0)])
+    fd2 = fd_vjp(vjp(plain, "loss", ["M", "v"]), feeds, ["M", "v"], [None, directions["v_M"], directions["v_v"]])
+    tolerance = {"rtol": 1e-3, "atol": 1e-4} if dtype == np.float32 else {"rtol": 1e-6, "atol": 1e-7}
+    for clean in (True,) if form in MISCOMPUTED_FORWARD else (True, False):
+        for transform, expected, prefix, extra in ((vjp(model, "loss", ["M", "v"]), fd, "grad", {}),
+                                                    (hvp(model, "loss", ["M", "v"]), fd2, "hvp", directions)):
+            proto = _cleaned(transform) if clean else transform
+            assert_valid_model(proto)  # no transposed matrix times a vector
+            outs = _run_default(proto, {**feeds, **extra})
+            for x in ("M", "v"):
+                np.testing.assert_allclose(outs[f"{prefix}_{x}"], expected[x], **tolerance,
+                                           err_msg=f"{prefix}_{x}, cleanup {clean}")

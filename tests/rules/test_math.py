@@ -283,13 +283,16 @@ def test_old_opsets(opset):
     assert_gradients(make_model(nodes, {"x": x}, ["y"], opset=opset), {"x": x}, ["x"])
 
 
-def test_legacy_broadcast_refused():
-    from onnx_autodiff.errors import RuleError
+def test_legacy_broadcast_converted_or_refused():
+    """Before opset 7 the model is converted (the templates emit numpy broadcasting only)."""
+    from onnx_autodiff.conformance.check import backward_model
+    from onnx_autodiff.errors import OpsetTooOldError
 
     x = R.standard_normal((3, 4)).astype(np.float32)
     model = op_model("Abs", {"X": x}, opset=6)
-    with pytest.raises(RuleError, match="version_converter"):
-        assert_gradients(model, {"X": x}, ["X"])
+    assert_gradients(model, {"X": x}, ["X"])
+    with pytest.raises(OpsetTooOldError, match="needs opset 7"):
+        backward_model(model, "out0", ["X"], seed="input", upgrade_opset=False)
 
 
 def test_pow_exponent_gradient_is_zero_where_the_base_is_zero():

@@ -1,12 +1,16 @@
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from helpers import assert_gradients, make_model, rng
+from helpers import assert_gradients, assert_valid_model, make_model, rng
+from onnx_autodiff import cleanup_passes
+from onnx_autodiff.conformance import fd_vjp
 from onnx_autodiff.conformance.check import backward_model
 from onnx_autodiff.errors import RuleError
+from onnx_autodiff.passes.transforms import hvp, vjp
 
 R = rng(7)
 
@@ -193,6 +197,42 @@ def test_sequence_map_two_sequences_one_output_unused():
     ]
     model = make_model(nodes, {"X": x, "Z": z}, ["Y"], output_shapes={"Y": [6, 1]})
     check(model, {"X": x, "Z": z}, ["X", "Z"])
+
+
+def unequal_pieces_model(rows):
+    """loss = Σ sin(S[0]) · Σ S[1]², S = X [rows, 15] split into 7 and 8 columns."""
+    nodes = [
+        helper.make_node("SplitToSequence", ["X", "split"], ["S"], axis=1),
+        const("p0", 0), const("p1", 1),
+        helper.make_node("SequenceAt", ["S", "p0"], ["a"]),
+        helper.make_node("SequenceAt", ["S", "p1"], ["b"]),
+        helper.make_node("Sin", ["a"], ["sa"]),
+        helper.make_node("Mul", ["b", "b"], ["bb"]),
+        helper.make_node("ReduceSum", ["sa"], ["ra"], keepdims=0),
+        helper.make_node("ReduceSum", ["bb"], ["rb"], keepdims=0),
+        helper.make_node("Mul", ["ra", "rb"], ["loss"]),
+    ]
+    return make_model(nodes, {"X": randn(rows, 15)}, ["loss"], initializers={"split": np.array([7, 8], np.int64)})
+
+
+@pytest.mark.parametrize("rows", [4, 64])
+def test_hvp_through_pieces_of_unequal_sizes(rows):
+    """onnx's inference names the pieces' one unknown width ("unk__0"), which claimed the 7 and 8
+    columns equal: onnxruntime reused one piece's buffer for the other (a warning, or failing)."""
+    model = unequal_pieces_model(rows)
+    x, v = randn(rows, 15), randn(rows, 15)
+    check(model, {"X": x}, ["X"])
+    # H·v is the VJP of the gradient with cotangent v (H is symmetric): finite differences of it.
+    expected = fd_vjp(vjp(model, "loss", ["X"]), {"X": x}, ["X"], [None, v])["X"]
+    hv = hvp(model, "loss", ["X"])
+    cleaned = ir.from_proto(hv)
+    for step in cleanup_passes():  # the cleanup types the values it adds by onnx's inference too
+        cleaned = step(cleaned).model
+    for proto in (hv, ir.to_proto(cleaned)):
+        assert_valid_model(proto)
+        session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+        (got,) = session.run(["hvp_X"], {"X": x, "v_X": v})
+        np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
 
 
 def test_older_opset_static_extents():

@@ -1,0 +1,201 @@
+"""The model's opset imports: refuse those newer than the installed onnx knows, and convert a model
+whose gradient rules need a newer default-domain opset than it imports.
+
+A rule that cannot emit its gradient at the model's opset raises an OpsetTooOldError carrying
+the opset N it needs (``shapes.require_opset``). The passes
+build through :func:`build_upgrading`: on such an error it converts the model with
+``onnx.version_converter`` to opset N, the lowest that serves that rule, and builds again (a later
+rule may ask for more). A conversion is reported as one warning line on this module's logger;
+with ``upgrade=False`` the error says which rule needs which opset and how to convert instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+
+import onnx
+import onnx_ir as ir
+
+from onnx_autodiff.errors import AutodiffError, OpsetTooOldError, UnsupportedModelError
+from onnx_autodiff.rules import GradRegistry, default_registry, shapes
+from onnx_autodiff.rules.builder import FLOAT_TYPES, Namer
+
+logger = logging.getLogger(__name__)
+
+
+class OpsetError(UnsupportedModelError):
+    """The model's opset is newer than onnx knows, or onnx.version_converter cannot convert it."""
+
+
+def known_opsets() -> dict[str, int]:
+    """The newest opset of each domain the installed onnx has schemas for."""
+    return {domain: newest for domain, (_, newest) in onnx.defs.C.schema_version_map().items()}
+
+
+def _imports(model: ir.Model | onnx.ModelProto) -> Iterable[tuple[str, int]]:
+    if isinstance(model, onnx.ModelProto):
+        yield from ((o.domain, o.version) for o in model.opset_import)
+        yield from ((o.domain, o.version) for f in model.functions for o in f.opset_import)
+        return
+    yield from model.opset_imports.items()
+    for function in model.functions.values():
+        yield from function.opset_imports.items()
+
+
+def check_known_opsets(model: ir.Model | onnx.ModelProto) -> None:
+    """Refuse a model importing an opset newer than the installed onnx knows: its nodes could not
+    be checked, typed or converted, and onnxruntime would refuse the model built from it."""
+    known = known_opsets()
+    for domain, version in _imports(model):
+        newest = known.get("" if domain == "ai.onnx" else domain)
+        if newest is not None and version > newest:
+            raise OpsetError(
+                f"the model imports opset {version} of domain {domain or 'ai.onnx'}, but the "
+                f"installed onnx {onnx.__version__} knows opsets up to {newest}: its operators "
+                "cannot be checked or differentiated, and onnxruntime would refuse the result. "
+                f"Export the model for opset {newest} or older, or install a newer onnx"
+            )
+
+
+def default_opset(model: ir.Model) -> int | None:
+    """The model's default-domain opset (None when it imports none)."""
+    return model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
+
+
+def required_opset(error: AutodiffError) -> tuple[int, str] | None:
+    """(N, the rule's message) when ``error`` is a rule asking for default-domain opset N."""
+    needed = getattr(error, "needed", None) if isinstance(error, OpsetTooOldError) else None
+    return None if needed is None else (needed, str(error))
+
+
+def convert_proto(proto: onnx.ModelProto, opset: int, reason: str) -> onnx.ModelProto:
+    """``proto`` converted to default-domain ``opset`` by onnx.version_converter."""
+    newest = known_opsets()[""]
+    if opset > newest:
+        raise OpsetError(
+            f"{reason}, newer than the installed onnx {onnx.__version__} knows ({newest}): "
+            "install a newer onnx"
+        )
+    try:
+        return onnx.version_converter.convert_version(proto, opset)
+    except Exception as error:  # noqa: BLE001 - the converter raises RuntimeError, ConvertError, ...
+        old = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+        detail = " ".join(f"{type(error).__name__}: {error}".split())
+        raise OpsetError(
+            f"{reason}, and onnx.version_converter could not convert the model from opset {old} "
+            f"to {opset} ({detail}): convert it by other means, or export it for opset {opset} or later"
+        ) from error
+
+
+def convert_in_place(model: ir.Model, opset: int, reason: str, source: ir.Model | None = None) -> None:
+    """Convert ``model`` (or put ``source`` converted in its place) to default-domain ``opset``.
+
+    The model and its graph stay the same objects, as an in-place pass needs (a caller holding
+    ``model.graph`` sees the converted graph); its nodes and values are the converted ones.
+    """
+    converted = ir.from_proto(convert_proto(ir.to_proto(source or model), opset, reason))
+    graph, new = model.graph, converted.graph
+    graph.remove(list(graph))
+    graph.inputs.clear()
+    graph.outputs.clear()
+    graph.initializers.clear()
+    nodes, inputs, outputs = list(new), list(new.inputs), list(new.outputs)
+    initializers = list(new.initializers.values())
+    new.remove(nodes)
+    new.inputs.clear()
+    new.outputs.clear()
+    new.initializers.clear()
+    graph.extend(nodes)
+    graph.inputs.extend(inputs)
+    graph.outputs.extend(outputs)
+    for value in initializers:
+        graph.register_initializer(value)
+    graph.opset_imports.clear()
+    graph.opset_imports.update(new.opset_imports)
+    model.ir_version = converted.ir_version
+    model.functions.clear()
+    model.functions.update(converted.functions)
+
+
+def build_upgrading(
+    model: ir.Model, build: Callable[[ir.Model], object], upgrade: bool = True, pristine: bool = False
+):
+    """``build(model)``; while it fails because a rule needs a newer default-domain opset, convert
+    the model to that opset and build again (``upgrade=False``: raise an error saying how to
+    convert instead). Refuses opsets newer than onnx knows before building.
+
+    A failed build may leave the model annotated (inferred shapes, saved outputs): the model is
+    converted as it is then. ``pristine=True`` converts a copy taken before the build instead,
+    for builds that leave more (a second sweep's nodes).
+    """
+    check_known_opsets(model)
+    first = default_opset(model)
+    reasons: list[str] = []
+    while True:
+        original = model.clone() if pristine else None
+        try:
+            result = build(model)
+            break
+        except AutodiffError as error:
+            current, needed = default_opset(model), required_opset(error)
+            if current is None or needed is None or needed[0] <= current:
+                raise
+            opset, reason = needed
+            if not upgrade:
+                refusal = type(error)(
+                    f"{reason}, and conversion is off: convert "
+                    f"the model first with onnx.version_converter.convert_version(model, {opset}), "
+                    "or let the pass convert it (upgrade_opset=True)"
+                )
+                refusal.__dict__.update(vars(error))
+                raise refusal from error
+            try:
+                convert_in_place(model, opset, reason, original)
+            except OpsetError as failure:  # still the rule's refusal, now with why it stands
+                raise type(error)(str(failure)) from failure
+            reasons.append(reason)
+    if reasons:
+        logger.warning(
+            "converted the model from opset %s to %s with onnx.version_converter: %s",
+            first, default_opset(model), "; ".join(reasons),
+        )
+    return result
+
+
+def upgraded_for_gradients(
+    proto: onnx.ModelProto,
+    of: Sequence[str],
+    wrt: Sequence[str] | None = None,
+    registry: GradRegistry | None = None,
+    upgrade: bool = True,
+) -> onnx.ModelProto:
+    """``proto`` converted to the opset that the gradients of its outputs ``of`` with respect to
+    ``wrt`` (None: the default parameters) need; ``proto`` itself when its own opset serves.
+
+    For builders (training artifacts) that must fix the opset before making several models from
+    one forward graph: a trial backward build finds the opset. Errors other than an opset one
+    are left to the real build to report.
+    """
+    from onnx_autodiff.passes.autodiff import Backward, choose_variables, find_value, infer_shapes  # it imports this module
+
+    model = ir.from_proto(proto)
+    before = default_opset(model)
+
+    def trial(model: ir.Model) -> None:
+        infer_shapes(model)
+        graph = model.graph
+        xs, _ = choose_variables(model, wrt, registry or default_registry())
+        ys = [find_value(graph, name, "of") for name in of]
+        namer = Namer.for_graph(graph)
+        backward = Backward(graph, registry or default_registry(), model.opset_imports, namer)
+        backward.vjp([(y, shapes.ones_like(backward.op, y)) for y in ys if y.dtype in FLOAT_TYPES], xs)
+
+    try:
+        build_upgrading(model, trial, upgrade)
+    except AutodiffError as error:
+        if isinstance(error, OpsetError) or required_opset(error) is not None:
+            raise
+    after = default_opset(model)
+    return proto if after == before else convert_proto(proto, after, f"the gradient needs opset {after}")
+
