@@ -59,13 +59,13 @@ import dataclasses
 import difflib
 import glob
 import hashlib
+import io
 import json
 import math
 import os
 import pickle
 import re
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -77,6 +77,7 @@ from onnx import TensorProto, numpy_helper
 
 from onnx_autodiff.conformance.check import LOSS, WEAK_TOLERANCE, backward_model, compare_elements, scalarize
 from onnx_autodiff.conformance.oracle import Evaluator, FDGradient, OracleResult, cotangents_for, fd_vjp, usable
+from onnx_autodiff.training.values import write_atomically
 
 STATUSES = ("pass", "fail", "no-rule", "not-differentiable", "refused", "oracle-skip", "error")
 """Every status a check can get, in report-column order."""
@@ -178,10 +179,8 @@ def load_node_cases(refresh: bool = False) -> list[Case]:
     cases = _collect_node_cases()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".tmp") as f:
-            # plain dicts: the cache must not depend on the module's import name (__main__)
-            pickle.dump([dataclasses.asdict(c) for c in cases], f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(f.name, path)
+        # plain dicts: the cache must not depend on the module's import name (__main__)
+        write_atomically(path, pickle.dumps([dataclasses.asdict(c) for c in cases], protocol=pickle.HIGHEST_PROTOCOL))
     except OSError:
         pass  # no writable cache: collect again next time
     return cases
@@ -888,10 +887,9 @@ class References:
         index = {"format": _REFERENCE_FORMAT, **self.meta, "entries": entries}
         flat["index.json"] = np.frombuffer(json.dumps(index, separators=(",", ":")).encode(), np.uint8)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".npz") as f:
-            np.savez_compressed(f, **flat)
-        os.chmod(f.name, 0o644)  # package data, not a private temporary file
-        os.replace(f.name, path)
+        buffer = io.BytesIO()
+        np.savez_compressed(buffer, **flat)
+        write_atomically(path, buffer.getvalue())
         return path
 
     @classmethod
@@ -1225,9 +1223,7 @@ def _report_base(path: str | Path) -> Path:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(f.name, path)
+    write_atomically(path, text.encode("utf-8"))
 
 
 # --------------------------------------------------------------------------- command line

@@ -6,7 +6,6 @@ import argparse
 import logging
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 
@@ -14,12 +13,19 @@ import onnx
 import onnx_ir as ir
 
 from onnx_autodiff.errors import AutodiffError, UnknownValueError
+from onnx_autodiff.training.values import write_atomically
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+NO_UPGRADE_HELP = ("refuse, instead of converting with onnx.version_converter, a model whose gradient "
+                   "rules need a newer opset than it imports")
 
 
 class UsageError(Exception):
     """Bad command-line usage: exit 2 with one line."""
+
+
+class CommandError(Exception):
+    """An ordinary failure the user can fix (an invalid input model, an unwritable output): exit 1 with one line."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -27,33 +33,97 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def load_model(path: str) -> ir.Model:
+def read_model_proto(path: str) -> onnx.ModelProto:
+    """The ModelProto in ``path``, checked by onnx.checker so that a bad input is blamed on the input."""
+    if os.path.isdir(path):
+        raise UsageError(f"{path} is a directory, not a model file")
     if not os.path.isfile(path):
         raise UsageError(f"no such model file: {path}")
+    if os.path.getsize(path) == 0:
+        raise CommandError(f"cannot read {path} as an ONNX model: the file is empty")
     try:
         proto = onnx.load(path)
     except Exception as error:  # noqa: BLE001 - any parse failure is a malformed model
-        raise AutodiffError(f"cannot read {path} as an ONNX model: {type(error).__name__}: {error}") from error
+        raise CommandError(f"cannot read {path} as an ONNX model: {type(error).__name__}: {error}") from error
+    if not proto.HasField("graph"):  # some other protobuf, or bytes that happen to parse
+        raise CommandError(f"cannot read {path} as an ONNX model: it holds no graph")
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
+        raise CommandError(f"the input model {path} is invalid (onnx.checker): {_brief(error)}{_unshaped(proto)}") from error
+    return proto
+
+
+def _unshaped(proto: onnx.ModelProto) -> str:
+    """Names the graph inputs and outputs whose tensor type has no shape: the checker's message
+    ("Field 'shape' of 'type' is required") does not."""
+    names = [v.name for v in (*proto.graph.input, *proto.graph.output)
+             if v.type.HasField("tensor_type") and not v.type.tensor_type.HasField("shape")]
+    if not names:
+        return ""
+    declare = "declares" if len(names) == 1 else "declare"
+    return (f" ({', '.join(repr(n) for n in names)} {declare} no shape: ONNX requires at least the rank "
+            "of graph inputs and outputs; symbolic dimensions such as ['batch', 4] will do)")
+
+
+def load_model(path: str) -> ir.Model:
+    proto = read_model_proto(path)
     try:
         return ir.from_proto(proto)
     except Exception as error:  # noqa: BLE001
-        raise AutodiffError(f"{path} is not a well-formed ONNX model: {error}") from error
+        raise CommandError(f"{path} is not a well-formed ONNX model: {error}") from error
+
+
+def _brief(error: BaseException, limit: int = 400) -> str:
+    """An error's message on one line, cut to ``limit`` characters (checker messages embed whole nodes)."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_output_path(path: str) -> None:
+    """Refuse an output path that cannot be a file before any work is done."""
+    if os.path.isdir(path):
+        raise UsageError(f"-o {path} is a directory: name the output file")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise UsageError(f"output directory does not exist: {directory}")
+
+
+def write_file(path: str, data: bytes) -> None:
+    """Write ``data`` atomically (never half-written); a permission error or a full disk is one plain line."""
+    try:
+        write_atomically(path, data)
+    except OSError as error:
+        raise CommandError(f"cannot write {path}: {error.strerror or error}") from error
 
 
 def save_atomically(proto: onnx.ModelProto, path: str) -> None:
     """Write ``proto`` to ``path`` through a temporary file, so ``path`` is never half-written."""
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise UsageError(f"output directory does not exist: {directory}")
-    handle, temporary = tempfile.mkstemp(dir=directory, prefix=".onnx-autodiff-", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            stream.write(proto.SerializeToString(deterministic=True))
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
+    check_output_path(path)
+    write_file(path, proto.SerializeToString(deterministic=True))
+
+
+def names_summary(names: Sequence[str], first: int = 6) -> str:
+    """``a, b, c`` or, for long lists, the first few and how many more (a success line stays one line)."""
+    names = list(names)
+    shown = ", ".join(names[:first])
+    return shown if len(names) <= first else f"{shown} and {len(names) - first} more"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def note_left_out(left_out: Sequence[str], option: str = "--wrt", verb: str = "differentiate") -> None:
+    """One line on stderr naming the float initializers that the default variables left out as constants."""
+    if left_out:
+        are = "is a constant and was" if len(left_out) == 1 else "are constants and were"
+        done = verb + ("d" if verb.endswith("e") else "ed")
+        print(
+            f"onnx-autodiff: note: {_count(len(left_out), 'float initializer')} {are} not {done} "
+            f"({names_summary(left_out, 3)}); name them with {option} to {verb} them",
+            file=sys.stderr,
+        )
 
 
 def _single_output(model: ir.Model) -> str:
@@ -66,21 +136,25 @@ def _single_output(model: ir.Model) -> str:
 def cmd_grad(args) -> int:
     from onnx_autodiff.passes import AutodiffPass, cleanup_passes
 
+    check_output_path(args.output)
     model = load_model(args.model)
     forward_nodes = len(model.graph)
     of = args.of or _single_output(model)
     start = time.perf_counter()
-    autodiff = AutodiffPass(of=of, wrt=args.wrt or None)
+    autodiff = AutodiffPass(of=of, wrt=args.wrt or None, upgrade_opset=not args.no_upgrade)
     passes = [autodiff] if args.no_cleanup else [autodiff, *cleanup_passes(outline=args.outline)]
     result = ir.passes.PassManager(passes)(model)
     proto = ir.to_proto(result.model)
     seconds = time.perf_counter() - start
     _check_generated(proto)
     save_atomically(proto, args.output)
+    note_left_out(getattr(autodiff, "left_out", []))
+    gradients = list(autodiff.gradient_names.values())
     seed = f"; seed input '{autodiff.seed_name}'" if autodiff.seed_name else ""
     print(
         f"wrote {args.output}: {forward_nodes} forward + {len(result.model.graph) - forward_nodes} "
-        f"backward nodes in {seconds:.2f} s; outputs {', '.join(autodiff.gradient_names.values())}{seed}"
+        f"backward nodes in {seconds:.2f} s; {_count(len(gradients), 'gradient output')} "
+        f"{names_summary(gradients)}{seed}"
     )
     return EXIT_OK
 
@@ -89,18 +163,21 @@ def cmd_transform(args) -> int:
     from onnx_autodiff.passes import transforms
 
     passes = {"jvp": transforms.JvpPass, "hvp": transforms.HvpPass, "jacobian": transforms.JacobianPass}
+    check_output_path(args.output)
     model = load_model(args.model)
     of = args.of or _single_output(model)
     options = {"chunk": args.chunk} if args.command == "jacobian" else {}
-    transform = passes[args.command](of, args.wrt or None, **options)
+    transform = passes[args.command](of, args.wrt or None, upgrade_opset=not args.no_upgrade, **options)
     start = time.perf_counter()
     result = transform(model)
     proto = ir.to_proto(result.model)
     seconds = time.perf_counter() - start
     _check_generated(proto)
     save_atomically(proto, args.output)
-    inputs = f"; inputs {', '.join(transform.input_names.values())}" if transform.input_names else ""
-    print(f"wrote {args.output} in {seconds:.2f} s: outputs {', '.join(transform.output_names.values())}{inputs}")
+    note_left_out(getattr(transform, "left_out", []))
+    outputs, inputs = list(transform.output_names.values()), list(transform.input_names.values())
+    added = f"; {_count(len(inputs), 'input')} {names_summary(inputs)}" if inputs else ""
+    print(f"wrote {args.output} in {seconds:.2f} s: {_count(len(outputs), 'output')} {names_summary(outputs)}{added}")
     return EXIT_OK
 
 
@@ -179,20 +256,32 @@ def cmd_ops(args) -> int:
         raise UsageError(f"{args.update} has no {OPS_BEGIN} ... {OPS_END} section")
     head, rest = text.split(OPS_BEGIN, 1)
     tail = rest.split(OPS_END, 1)[1]
-    with open(args.update, "w", encoding="utf-8") as stream:
-        stream.write(f"{head}{OPS_BEGIN}\n{table}\n{OPS_END}{tail}")
+    write_file(args.update, f"{head}{OPS_BEGIN}\n{table}\n{OPS_END}{tail}".encode("utf-8"))
     return EXIT_OK
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from onnx_autodiff import training
+
     parser = _Parser(prog="onnx-autodiff", description=__doc__)
     commands = parser.add_subparsers(dest="command", parser_class=_Parser)
     grad = commands.add_parser("grad", help="append gradient outputs to a model")
     grad.add_argument("model", help="input .onnx file")
     grad.add_argument("-o", "--output", required=True, help="where to write the model with gradients")
     grad.add_argument("--of", help="the value to differentiate (default: the single graph output)")
-    grad.add_argument("--wrt", nargs="+", help="variables (default: every floating-point initializer)")
+    grad.add_argument("--wrt", nargs="+", help="variables (default: the float initializers that are not constants)")
     grad.add_argument("--no-cleanup", action="store_true", help="skip the cleanup passes")
+    grad.add_argument("--no-upgrade", action="store_true", help=NO_UPGRADE_HELP)
     grad.add_argument("--outline", action="store_true",
                       help="group each rule's backward nodes into one call of a model-local function")
     grad.set_defaults(run=cmd_grad)
@@ -205,9 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
         transform.add_argument("model", help="input .onnx file")
         transform.add_argument("-o", "--output", required=True, help="where to write the result")
         transform.add_argument("--of", help="the value to differentiate (default: the single output)")
-        transform.add_argument("--wrt", nargs="+", help="variables (default: every float initializer)")
+        transform.add_argument("--wrt", nargs="+", help="variables (default: the float initializers that are not constants)")
+        transform.add_argument("--no-upgrade", action="store_true", help=NO_UPGRADE_HELP)
         if name == "jacobian":
-            transform.add_argument("--chunk", type=int, default=1, help="VJPs per loop iteration")
+            transform.add_argument("--chunk", type=_positive_int, default=1, help="VJPs per loop iteration")
         transform.set_defaults(run=cmd_transform)
     check = commands.add_parser("check", help="check a model's derivatives against finite differences")
     check.add_argument("model", help="input .onnx file")
@@ -223,8 +313,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="differentiate, check and train an embedded classifier")
     demo.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
     demo.set_defaults(run=cmd_demo)
-    from onnx_autodiff import training
-
     artifacts = commands.add_parser("artifacts", help="write train-step, eval and checkpoint files for plain onnxruntime")
     training.add_arguments(artifacts)
     artifacts.set_defaults(run=training.run)
@@ -244,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     # Failed shape inference is reported by onnx-ir as a log warning; our errors say what matters.
     logging.getLogger("onnx_ir").setLevel(logging.ERROR)
+    _notes_on_stderr(logging.getLogger("onnx_autodiff"))
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -255,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise _root_cause(error) from error
     except (UsageError, UnknownValueError) as error:
         return _fail(str(error), EXIT_USAGE)
-    except AutodiffError as error:
+    except (AutodiffError, CommandError) as error:
         return _fail(str(error), EXIT_FAILED)
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
@@ -263,6 +352,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     except Exception as error:  # noqa: BLE001 - users get one line, never a traceback
         return _fail(f"unexpected {type(error).__name__} (please report): {error}", EXIT_FAILED)
+
+
+class _NoteHandler(logging.StreamHandler):
+    """Writes to the ``sys.stderr`` of the moment (a caller may have replaced it since)."""
+
+    stream = property(lambda self: sys.stderr, lambda self, value: None)
+
+
+def _notes_on_stderr(logger: logging.Logger) -> None:
+    """The library's warnings (a model converted to a newer opset) as one ``note:`` line each."""
+    if not any(isinstance(h, _NoteHandler) for h in logger.handlers):
+        handler = _NoteHandler()
+        handler.setFormatter(logging.Formatter("onnx-autodiff: note: %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
 
 
 def _root_cause(error: BaseException) -> BaseException:

@@ -144,7 +144,8 @@ def test_cyclic_model_exits_1(tmp_path, capsys):
         [("b", TensorProto.FLOAT, [2])],
     )
     assert main(["grad", model, "-o", str(tmp_path / "g.onnx"), "--wrt", "x"]) == 1
-    assert "cycle" in one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)  # onnx.checker sees the cycle first: a graph that cannot be sorted
+    assert "the input model" in line and "invalid" in line and "topologically sorted" in line
 
 
 def test_several_outputs_need_of(tmp_path, capsys):

@@ -24,7 +24,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--loss", default="cross_entropy", choices=[*LOSSES, "none"],
                         help="loss on the model's output; 'none': the model's output is the loss (default cross_entropy)")
     parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="default adamw")
-    parser.add_argument("--requires-grad", nargs="+", metavar="NAME", help="initializers to train (default: every float initializer)")
+    parser.add_argument("--requires-grad", nargs="+", metavar="NAME", help="initializers to train (default: the float initializers that are not constants)")
     parser.add_argument("--frozen", nargs="+", metavar="NAME", help="initializers to keep fixed")
     parser.add_argument("--output-name", metavar="NAME", help="the model output the loss applies to (default: the first)")
     parser.add_argument("--lr", type=float, help="default learning rate recorded in the artifacts")
@@ -33,29 +33,39 @@ def add_arguments(parser) -> None:
     parser.add_argument("--weight-decay", type=float, help="weight decay (AdamW: decoupled)")
     parser.add_argument("--max-grad-norm", type=float, help="clip gradients by their global L2 norm")
     parser.add_argument("--gradient-accumulation", action="store_true", help="also write the accumulate and apply models")
+    from onnx_autodiff.cli import NO_UPGRADE_HELP  # cli imports us
+
+    parser.add_argument("--no-upgrade", action="store_true", help=NO_UPGRADE_HELP)
 
 
 def run(args) -> int:
-    """``onnx-autodiff artifacts``: writes the artifacts; exit 0, or raises an AutodiffError."""
+    """``onnx-autodiff artifacts``: writes the artifacts; exit 0, or raises an AutodiffError or one of the
+    command line's errors (UsageError, CommandError)."""
+    from onnx_autodiff.cli import CommandError, UsageError, names_summary, note_left_out, read_model_proto  # cli imports us
+
     options = {k: v for k, v in (("lr", args.lr), ("momentum", args.momentum), ("weight_decay", args.weight_decay)) if v is not None}
     if args.nesterov:
         options["nesterov"] = True
     if args.optimizer != "sgd" and ("momentum" in options or args.nesterov):
         raise TrainingError("--momentum and --nesterov apply to --optimizer sgd only")
-    if not os.path.isfile(args.model):
-        raise TrainingError(f"no such model file: {args.model}")
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise UsageError(f"-o {args.output} is a file: name the directory to write the artifacts to")
     start = time.perf_counter()
     artifacts = generate_artifacts(
-        args.model, requires_grad=args.requires_grad, frozen_params=args.frozen,
+        read_model_proto(args.model), requires_grad=args.requires_grad, frozen_params=args.frozen,
         loss=None if args.loss == "none" else args.loss, optimizer=args.optimizer, optimizer_options=options,
         output=args.output_name, max_grad_norm=args.max_grad_norm, gradient_accumulation=args.gradient_accumulation,
+        upgrade_opset=not args.no_upgrade,
     )
-    written = artifacts.save(args.output)
+    try:
+        written = artifacts.save(args.output)
+    except OSError as error:  # each file is written atomically: none is half-written
+        raise CommandError(f"cannot write the artifacts to {args.output}: {error.strerror or error}") from error
     seconds = time.perf_counter() - start
+    note_left_out(getattr(artifacts, "left_out", []), "--requires-grad", "train")
     print(
         f"wrote {len(written)} files to {args.output} in {seconds:.2f} s: {len(artifacts.params)} parameters "
-        f"({', '.join(artifacts.params[:6])}{', ...' if len(artifacts.params) > 6 else ''}), "
-        f"{args.optimizer}, train model {len(artifacts.train_model.graph.node)} nodes"
+        f"({names_summary(artifacts.params)}), {args.optimizer}, train model {len(artifacts.train_model.graph.node)} nodes"
     )
     return 0
 
