@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import onnx
 import onnx_ir as ir
 
-from onnx_autodiff.errors import AutodiffError, UnknownValueError
+from onnx_autodiff.errors import AutodiffError, UnknownValueError, names_summary
 from onnx_autodiff.training.values import write_atomically
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -101,13 +101,6 @@ def save_atomically(proto: onnx.ModelProto, path: str) -> None:
     """Write ``proto`` to ``path`` through a temporary file, so ``path`` is never half-written."""
     check_output_path(path)
     write_file(path, proto.SerializeToString(deterministic=True))
-
-
-def names_summary(names: Sequence[str], first: int = 6) -> str:
-    """``a, b, c`` or, for long lists, the first few and how many more (a success line stays one line)."""
-    names = list(names)
-    shown = ", ".join(names[:first])
-    return shown if len(names) <= first else f"{shown} and {len(names) - first} more"
 
 
 def _count(n: int, noun: str) -> str:

@@ -36,6 +36,13 @@ class UnsupportedModelError(AutodiffError):
     """The model itself cannot be processed (cycle, missing opset, malformed graph)."""
 
 
+def names_summary(names, first: int = 6) -> str:
+    """``a, b, c`` or, for long lists, the first few and how many more (a message stays one line)."""
+    names = list(names)
+    shown = ", ".join(names[:first])
+    return shown if len(names) <= first else f"{shown} and {len(names) - first} more"
+
+
 def describe_node(node, opset: int | None) -> str:
     """One phrase naming a node: its name, op type, domain and opset."""
     name = node.name or "<unnamed>"

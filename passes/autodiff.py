@@ -19,10 +19,11 @@ from onnx_autodiff.errors import (
     UnknownValueError,
     UnsupportedModelError,
     describe_node,
+    names_summary,
 )
 from onnx_autodiff.passes.cleanup import record_differentiated
 from onnx_autodiff.passes.opsets import build_upgrading
-from onnx_autodiff.passes.parameters import default_parameters, listed as _listed
+from onnx_autodiff.passes.parameters import default_parameters
 from onnx_autodiff.passes.rewrites import GRAD_OF
 from onnx_autodiff.rules import GradRegistry, GradRule, default_registry, shapes
 from onnx_autodiff.rules.builder import FLOAT_TYPES, Namer, OpBuilder
@@ -472,7 +473,7 @@ def choose_variables(
         default = default_parameters(model, registry)
         left_out = list(default.left_out)
         if not default.parameters:
-            constants = f" (it left out {_listed(left_out)})" if left_out else ""
+            constants = f" (it left out {names_summary(left_out)})" if left_out else ""
             raise UnknownValueError(
                 "wrt was not given and the graph has no floating-point initializer that the "
                 f"default treats as a parameter{constants}: name the variables with wrt"

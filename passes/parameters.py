@@ -93,9 +93,3 @@ def _input_names(rule, node: ir.Node, opset: int) -> list[str] | None:
     except AutodiffError:
         return None
 
-
-def listed(names, first: int = 5) -> str:
-    """``'a', 'b', 'c' and 4 more``: a count and the first few names, for one-line messages."""
-    names = list(names)
-    shown = ", ".join(f"'{n}'" for n in names[:first])
-    return shown if len(names) <= first else f"{shown} and {len(names) - first} more"

@@ -18,10 +18,11 @@ from onnx_autodiff.errors import (
     NotDifferentiableError,
     TrainingError,
     UnknownValueError,
+    names_summary,
 )
 from onnx_autodiff.passes.inference import onnx_inferred
 from onnx_autodiff.passes.opsets import upgraded_for_gradients
-from onnx_autodiff.passes.parameters import default_parameters, listed
+from onnx_autodiff.passes.parameters import default_parameters
 from onnx_autodiff.rules.builder import Namer, OpBuilder
 from onnx_autodiff.training.losses import LossSpec, attach_loss, model_opset
 from onnx_autodiff.training.optimizers import (
@@ -194,7 +195,7 @@ def _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=Non
         if len(set(params)) != len(params):
             raise TrainingError(f"requires_grad names a parameter twice: {params}")
     if not params:
-        constants = f"; the default left out {listed(left_out)}: name them in requires_grad" if left_out else ""
+        constants = f"; the default left out {names_summary(left_out)}: name them in requires_grad" if left_out else ""
         raise TrainingError(f"there is no parameter to train: the model has no floating-point initializer left after freezing{constants}")
     buffers = [] if freeze_batchnorm else [s for s in stats if s not in frozen]
     return _Roles(params=params, buffers=buffers, opset=opset, left_out=left_out)

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnx_autodiff.errors import TrainingError
+from onnx_autodiff.errors import TrainingError, names_summary
 from onnx_autodiff.training.artifacts import generate_artifacts
 from onnx_autodiff.training.losses import LOSSES
 from onnx_autodiff.training.optimizers import OPTIMIZERS
@@ -41,7 +41,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     """``onnx-autodiff artifacts``: writes the artifacts; exit 0, or raises an AutodiffError or one of the
     command line's errors (UsageError, CommandError)."""
-    from onnx_autodiff.cli import CommandError, UsageError, names_summary, note_left_out, read_model_proto  # cli imports us
+    from onnx_autodiff.cli import CommandError, UsageError, note_left_out, read_model_proto  # cli imports us
 
     options = {k: v for k, v in (("lr", args.lr), ("momentum", args.momentum), ("weight_decay", args.weight_decay)) if v is not None}
     if args.nesterov:

@@ -83,7 +83,7 @@ def test_autodiff_default_and_override():
 def test_nothing_left_names_what_was_left_out():
     proto = _model([helper.make_node("Mul", ["X", "a"], ["xa"]), helper.make_node("ReduceSum", ["xa"], ["loss"], keepdims=0)],
                    {"a": 3.0})
-    with pytest.raises(UnknownValueError, match=r"left out 'a'.*name the variables with wrt"):
+    with pytest.raises(UnknownValueError, match=r"left out a\).*name the variables with wrt"):
         AutodiffPass(of="loss")(ir.from_proto(proto))
 
 
