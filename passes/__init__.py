@@ -4,11 +4,14 @@ from onnx_autodiff.passes.autodiff import AutodiffPass, autodiff_pass
 from onnx_autodiff.passes.cleanup import cleanup_passes
 from onnx_autodiff.passes.functions import gradient_of_function, gradient_of_nodes
 from onnx_autodiff.passes.gradient_op import GradientOpLoweringPass
+from onnx_autodiff.passes.lora import LoraConfig, LoraPass
 from onnx_autodiff.passes.outline import OutlinePass
 
 __all__ = [
     "AutodiffPass",
     "GradientOpLoweringPass",
+    "LoraConfig",
+    "LoraPass",
     "OutlinePass",
     "autodiff_pass",
     "cleanup_passes",

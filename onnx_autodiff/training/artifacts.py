@@ -21,6 +21,7 @@ from onnx_autodiff.errors import (
     names_summary,
 )
 from onnx_autodiff.passes.inference import onnx_inferred
+from onnx_autodiff.passes.lora import adapted
 from onnx_autodiff.passes.opsets import upgraded_for_gradients
 from onnx_autodiff.passes.parameters import default_parameters
 from onnx_autodiff.rules.builder import Namer, OpBuilder
@@ -309,6 +310,7 @@ def generate_artifacts(
     freeze_batchnorm: bool = False,
     registry=None,
     upgrade_opset: bool = True,
+    lora=None,
 ) -> TrainingArtifacts:
     """The training artifacts of ``model`` (an onnx.ModelProto, onnx_ir.Model or path).
 
@@ -331,6 +333,10 @@ def generate_artifacts(
     freeze_batchnorm: keep BatchNormalization in inference mode with fixed statistics.
     upgrade_opset: when a gradient rule needs a newer opset than the model imports, convert the
     model with onnx.version_converter (one warning line); False refuses.
+    lora: a :class:`~onnx_autodiff.passes.lora.LoraConfig`: adds adapters to the weights of
+    MatMul and Gemm and trains them alone, with what the config adds (biases, norms) and the extra
+    initializers ``requires_grad`` names (e.g. a classifier head); the base weights stay constants.
+    ``Trainer.export()`` merges the adapters into them (``merge=False`` keeps them apart).
     """
     spec = make_optimizer(optimizer, **dict(optimizer_options or {}))
     forward = _as_proto(model)
@@ -338,6 +344,12 @@ def generate_artifacts(
     proto.CopyFrom(forward)
     if proto.functions:
         proto = onnx.inliner.inline_local_functions(proto)
+    if lora is not None:
+        proto, injected = adapted(proto, lora)
+        extra = [requires_grad] if isinstance(requires_grad, str) else list(requires_grad or [])
+        frozen = {frozen_params} if isinstance(frozen_params, str) else set(frozen_params or [])
+        adapters = [name for a in injected.adapters for name in (a.A, a.B)]
+        requires_grad = list(dict.fromkeys([*adapters, *(n for n in injected.extra if n not in frozen), *extra]))
     # Once here, so that every model built from the forward graph has the opset its rules need.
     of = [output] if output is not None else [v.name for v in proto.graph.output]
     proto = upgraded_for_gradients(proto, of, requires_grad, registry, upgrade_opset)
@@ -361,6 +373,9 @@ def generate_artifacts(
         "train": train["layout"],
         "eval": eval_layout,
     }
+    if lora is not None:
+        layout["lora"] = {**injected.config.to_json(), "scale": injected.config.scale,
+                          "adapters": [dataclasses.asdict(a) for a in injected.adapters]}
     checkpoint = {}
     inits = {t.name: t for t in proto.graph.initializer}
     for name in [*roles.params, *roles.buffers]:

@@ -10,6 +10,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnx_autodiff.errors import TrainingError, names_summary
+from onnx_autodiff.passes.lora import LoraConfig
 from onnx_autodiff.training.artifacts import generate_artifacts
 from onnx_autodiff.training.losses import LOSSES
 from onnx_autodiff.training.optimizers import OPTIMIZERS
@@ -33,6 +34,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--weight-decay", type=float, help="weight decay (AdamW: decoupled)")
     parser.add_argument("--max-grad-norm", type=float, help="clip gradients by their global L2 norm")
     parser.add_argument("--gradient-accumulation", action="store_true", help="also write the accumulate and apply models")
+    parser.add_argument("--lora", type=int, metavar="RANK",
+                        help="train LoRA adapters of this rank on the MatMul/Gemm weights instead of the weights "
+                             "(--requires-grad then names extra initializers to train)")
+    parser.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA scale numerator: scale = A / RANK (default RANK)")
+    parser.add_argument("--lora-targets", nargs="+", metavar="PATTERN",
+                        help="weights to adapt, shell-style patterns on initializer names, e.g. '*q_proj*' (default: all)")
+    parser.add_argument("--lora-dropout", type=float, metavar="P", help="dropout on the adapters' input in training (default 0)")
     from onnx_autodiff.cli import NO_UPGRADE_HELP  # cli imports us
 
     parser.add_argument("--no-upgrade", action="store_true", help=NO_UPGRADE_HELP)
@@ -50,12 +58,13 @@ def run(args) -> int:
         raise TrainingError("--momentum and --nesterov apply to --optimizer sgd only")
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise UsageError(f"-o {args.output} is a file: name the directory to write the artifacts to")
+    lora = _lora_config(args, UsageError)
     start = time.perf_counter()
     artifacts = generate_artifacts(
         read_model_proto(args.model), requires_grad=args.requires_grad, frozen_params=args.frozen,
         loss=None if args.loss == "none" else args.loss, optimizer=args.optimizer, optimizer_options=options,
         output=args.output_name, max_grad_norm=args.max_grad_norm, gradient_accumulation=args.gradient_accumulation,
-        upgrade_opset=not args.no_upgrade,
+        upgrade_opset=not args.no_upgrade, lora=lora,
     )
     try:
         written = artifacts.save(args.output)
@@ -63,11 +72,28 @@ def run(args) -> int:
         raise CommandError(f"cannot write the artifacts to {args.output}: {error.strerror or error}") from error
     seconds = time.perf_counter() - start
     note_left_out(getattr(artifacts, "left_out", []), "--requires-grad", "train")
+    count = len(artifacts.layout["lora"]["adapters"]) if lora else 0
+    adapted = f", LoRA rank {lora.rank} on {count} weight{'s' if count != 1 else ''}" if lora else ""
     print(
         f"wrote {len(written)} files to {args.output} in {seconds:.2f} s: {len(artifacts.params)} parameters "
-        f"({names_summary(artifacts.params)}), {args.optimizer}, train model {len(artifacts.train_model.graph.node)} nodes"
+        f"({names_summary(artifacts.params)}){adapted}, {args.optimizer}, train model {len(artifacts.train_model.graph.node)} nodes"
     )
     return 0
+
+
+def _lora_config(args, usage_error) -> LoraConfig | None:
+    """The LoRA options as a LoraConfig (None without --lora); bad values are usage errors."""
+    given = [flag for flag, value in (("--lora-alpha", args.lora_alpha), ("--lora-targets", args.lora_targets),
+                                      ("--lora-dropout", args.lora_dropout)) if value is not None]
+    if args.lora is None:
+        if given:
+            raise usage_error(f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} --lora RANK")
+        return None
+    try:
+        return LoraConfig(rank=args.lora, alpha=args.lora_alpha, targets=args.lora_targets,
+                          dropout=args.lora_dropout or 0.0)
+    except TrainingError as error:
+        raise usage_error(str(error)) from error
 
 
 def run_training_demo(steps: int = 150, out=print) -> int:

@@ -431,11 +431,24 @@ class Trainer:
         with np.load(os.fspath(path)) as data:
             self.load_state_dict({k: data[k] for k in data.files})
 
-    def export(self, path: str | os.PathLike | None = None) -> onnx.ModelProto:
-        """The inference (forward) model with the trained parameters and buffers as initializers."""
+    def export(self, path: str | os.PathLike | None = None, merge: bool = True) -> onnx.ModelProto:
+        """The inference (forward) model with the trained parameters and buffers as initializers.
+
+        With LoRA adapters, ``merge=True`` gives the input model's graph and initializer names with
+        each adapted weight W replaced by W + scale·A·B; ``merge=False`` keeps the adapter nodes and
+        ``<W>.lora_A``/``<W>.lora_B`` initializers (without dropout), W unchanged."""
+        from onnx_autodiff.passes.lora import merged_weights, unmerged
+
         proto = onnx.ModelProto()
         proto.CopyFrom(self.artifacts.inference_model)
         trained = {key: self._value(key).numpy() for key in [*self.layout["params"], *self.layout["buffers"]]}
+        lora = self.layout.get("lora")
+        if lora and not merge:
+            proto = unmerged(proto, lora)
+        elif lora:
+            weights = {a["weight"] for a in lora["adapters"]}
+            base = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer if t.name in weights}
+            trained.update(merged_weights(lora["adapters"], lora["scale"], base, trained))
         for i, tensor in enumerate(proto.graph.initializer):
             if tensor.name in trained:
                 proto.graph.initializer[i].CopyFrom(numpy_helper.from_array(trained[tensor.name], tensor.name))

@@ -1,0 +1,300 @@
+"""LoRA: low-rank adapters on the weights of MatMul and Gemm, with peft's semantics.
+
+A *target* is a 2-D float initializer ``W`` (not a graph input) that is read only as the weight
+operand (input B) of MatMul or Gemm, directly or through a 2-D Transpose, all its reads in one
+orientation. Such a weight gets one adapter however often it is read (tied weights share it):
+``<W>.lora_A`` [in, r] (kaiming-uniform with a = √5, i.e. U(±1/√in), as ``peft``) and
+``<W>.lora_B`` [r, out] (zeros), in the orientation ``X @ W_eff`` with ``W_eff`` [in, out] the
+matrix the node multiplies by (``Wᵀ`` for ``Gemm(transB=1)`` and for ``MatMul(X, Transpose(W))``,
+as ``torch.onnx.export`` writes ``nn.Linear``). Every read of ``W`` then computes
+``X @ W_eff + scale · (dropout(X) @ A) @ B`` with ``scale = alpha / r``; B = 0 makes the model
+equal to the base model until B is trained, and the merged weight
+``W_eff + scale · A @ B`` (see :func:`merged_weights`) gives the same function with the original
+graph. A weight with any other read (a Gather, an Add, a read inside a subgraph) is no target:
+merging it would change those reads too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import glob
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from onnx_autodiff.errors import TrainingError, UnknownValueError, UnsupportedModelError, names_summary
+from onnx_autodiff.rules.builder import FLOAT_TYPES, Namer, OpBuilder
+
+NORMS = frozenset({"LayerNormalization", "BatchNormalization", "InstanceNormalization", "GroupNormalization",
+                   "RMSNormalization"})
+_PRODUCTS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose"})
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    """What to adapt and how.
+
+    rank: r, the adapters' inner size. alpha: the scale numerator (default: ``rank``, so
+    scale = alpha / r = 1, as peft's defaults r = 8, lora_alpha = 8). targets: shell-style
+    patterns (:func:`fnmatch.fnmatchcase`, case-sensitive) matched against the whole initializer
+    name, e.g. ``"*q_proj*"``; None: every target weight. dropout: the probability of peft's
+    ``lora_dropout`` on the adapters' input (train model only). seed: the seed of A's initial
+    values. train_biases: also train every bias (peft ``bias="all"``: a Gemm's C, a Conv's B, a
+    1-D initializer added to a MatMul/Gemm/Conv result); train_norms: also train the scale and
+    bias of normalization nodes (LayerNormalization, BatchNormalization, InstanceNormalization,
+    GroupNormalization, RMSNormalization).
+    """
+
+    rank: int
+    alpha: float | None = None
+    targets: Sequence[str] | None = None
+    dropout: float = 0.0
+    seed: int = 0
+    train_biases: bool = False
+    train_norms: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, (int, np.integer)) or self.rank < 1:
+            raise TrainingError(f"LoRA rank must be a positive integer, not {self.rank!r}")
+        if self.alpha is not None and not self.alpha > 0:
+            raise TrainingError(f"LoRA alpha must be > 0, not {self.alpha!r}")
+        if not 0 <= self.dropout < 1:
+            raise TrainingError(f"LoRA dropout must be in [0, 1), not {self.dropout!r}")
+        if isinstance(self.targets, str):
+            object.__setattr__(self, "targets", (self.targets,))
+        elif self.targets is not None:
+            object.__setattr__(self, "targets", tuple(self.targets))
+
+    @property
+    def scale(self) -> float:
+        return float(self.rank if self.alpha is None else self.alpha) / self.rank
+
+    def to_json(self) -> dict:
+        return {"rank": int(self.rank), "alpha": self.alpha, "targets": None if self.targets is None else list(self.targets),
+                "dropout": self.dropout, "seed": self.seed, "train_biases": self.train_biases,
+                "train_norms": self.train_norms}
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    """One target's adapter: ``transposed`` when the nodes multiply by Wᵀ (A is then [W.shape[1], r])."""
+
+    weight: str
+    A: str
+    B: str
+    transposed: bool
+
+
+class LoraPass(ir.passes.InPlacePass):
+    """Adds a LoRA adapter (A random, B zeros) to every target weight that ``config.targets`` selects."""
+
+    def __init__(self, config: LoraConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.adapters: list[Adapter] = []
+        self.extra: list[str] = []  # the biases and norm parameters the config also trains
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        config, graph = self.config, model.graph
+        sites, skipped = _targets(graph)
+        chosen = _select(config.targets, sites, skipped)
+        opset = model.opset_imports.get("", 1)
+        if config.dropout and opset < 12:
+            raise UnsupportedModelError(f"LoRA dropout needs opset >= 12 (Dropout's training mode); the model imports "
+                                        f"opset {opset}: convert it (onnx.version_converter.convert_version) or use dropout 0")
+        self.extra = _extra_trainable(graph, config)
+        namer = Namer.for_graph(graph, prefix="lora")
+        op = OpBuilder(opset, namer, dict(model.opset_imports))
+        rng = np.random.default_rng(config.seed)
+        self.adapters = []
+        for weight in chosen:
+            nodes, transposed = sites[weight]
+            rows, cols = weight.shape.dims if not transposed else reversed(weight.shape.dims)
+            dtype = weight.dtype.numpy()
+            bound = 1.0 / np.sqrt(rows)
+            a = _initializer(graph, namer, f"{weight.name}.lora_A",
+                             rng.uniform(-bound, bound, (config.rank, rows)).T.astype(dtype))
+            b = _initializer(graph, namer, f"{weight.name}.lora_B", np.zeros((config.rank, cols), dtype))
+            self.adapters.append(Adapter(weight.name, a.name, b.name, transposed))
+            for node in nodes:
+                self._adapt(graph, op, namer, node, a, b, dtype)
+        return ir.passes.PassResult(model, modified=bool(self.adapters))
+
+    def _adapt(self, graph: ir.Graph, op: OpBuilder, namer: Namer, node: ir.Node, a: ir.Value, b: ir.Value, dtype) -> None:
+        """``node``'s output plus scale · (dropout(X) @ A) @ B, under the output's name."""
+        start = len(op.nodes)
+        x = node.inputs[0]
+        scale = self.config.scale
+        if node.op_type == "Gemm":
+            if _attribute(node, "transA", 0):
+                x = op.Transpose(x, perm=[1, 0])
+            scale *= _attribute(node, "alpha", 1.0)
+        if self.config.dropout:
+            x = op.Dropout(x, op.const(np.array(self.config.dropout, np.float32)))
+        delta = op.MatMul(op.MatMul(x, a), b)
+        if scale != 1.0:
+            delta = op.Mul(delta, op.const(np.array(scale, dtype)))
+        y = node.outputs[0]
+        total = op.Add(y, delta)
+        users = [(user, index) for user, index in y.uses() if user is not op.nodes[-1]]
+        name = y.name
+        y.name = namer.fresh(f"{name}.base")
+        total.name, total.type, total.shape = name, y.type, y.shape
+        for user, index in users:
+            user.replace_input_with(index, total)
+        for i, output in enumerate(graph.outputs):
+            if output is y:
+                graph.outputs[i] = total
+        graph.insert_after(node, op.nodes[start:])
+
+
+def _attribute(node: ir.Node, name: str, default):
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
+
+
+def _initializer(graph: ir.Graph, namer: Namer, hint: str, array: np.ndarray) -> ir.Value:
+    value = ir.Value(name=namer.fresh(hint), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+                     shape=ir.Shape(array.shape), const_value=ir.Tensor(np.ascontiguousarray(array)))
+    graph.register_initializer(value)
+    return value
+
+
+def _weight_reads(value: ir.Value, graph: ir.Graph) -> list[tuple[ir.Node, bool]] | str:
+    """The MatMul/Gemm nodes that multiply by ``value`` and whether each multiplies by its
+    transpose, or why ``value`` is read otherwise."""
+    reads = []
+    for user, index in value.uses():
+        if user.graph is not graph:
+            return f"read inside a subgraph ({user.op_type})"
+        kind = user.op_type if user.domain in ("", "ai.onnx") else f"{user.domain}.{user.op_type}"
+        if kind == "MatMul" and index == 1:
+            reads.append((user, False))
+        elif kind == "Gemm" and index == 1:
+            reads.append((user, bool(_attribute(user, "transB", 0))))
+        elif kind == "Transpose" and value.shape is not None and len(value.shape) == 2 and not user.outputs[0].is_graph_output():
+            inner = _weight_reads(user.outputs[0], graph)
+            if isinstance(inner, str):
+                return inner
+            flips = list(_attribute(user, "perm", [1, 0])) != [0, 1]
+            reads.extend((node, transposed != flips) for node, transposed in inner)
+        else:
+            return f"read by {kind} (input {index})"
+    return reads
+
+
+def _targets(graph: ir.Graph) -> tuple[dict[ir.Value, tuple[list[ir.Node], bool]], dict[str, str]]:
+    """The target weights with their nodes and orientation, and why each other 2-D float
+    initializer is none."""
+    inputs = set(graph.inputs)
+    sites, skipped = {}, {}
+    for value in graph.initializers.values():
+        if value.dtype not in FLOAT_TYPES or value.shape is None or len(value.shape) != 2 or value.const_value is None:
+            continue
+        reads = "a graph input (a default, not a constant)" if value in inputs else (
+            "a graph output" if value.is_graph_output() else _weight_reads(value, graph))
+        if isinstance(reads, list) and not reads:
+            reads = "read by no node"
+        if isinstance(reads, list) and len({transposed for _, transposed in reads}) > 1:
+            reads = "multiplied both as it is and transposed"
+        if isinstance(reads, str):
+            skipped[value.name] = reads
+        else:
+            sites[value] = ([node for node, _ in reads], reads[0][1])
+    return sites, skipped
+
+
+def _select(patterns: Sequence[str] | None, sites, skipped: Mapping[str, str]) -> list[ir.Value]:
+    if patterns is None:
+        if not sites:
+            raise UnknownValueError(_no_target("the model has no weight for LoRA", skipped))
+        return list(sites)
+    chosen = []
+    for pattern in patterns:
+        found = [w for w in sites if fnmatch.fnmatchcase(w.name, pattern)]
+        if not found:
+            near = {n: why for n, why in skipped.items() if fnmatch.fnmatchcase(n, pattern)}
+            raise UnknownValueError(_no_target(f"LoRA target pattern '{pattern}' matches no weight of a MatMul or Gemm",
+                                               near or skipped, names=[w.name for w in sites]))
+        chosen.extend(w for w in found if w not in chosen)
+    return [w for w in sites if w in chosen]  # the model's order, whatever the patterns' order
+
+
+def _no_target(what: str, skipped: Mapping[str, str], names: Sequence[str] | None = None) -> str:
+    message = what
+    if names:
+        message += f"; the weights are {names_summary(names)}"
+    if skipped:
+        reasons = [f"'{n}' is {why}" for n, why in skipped.items()]
+        message += "; not adaptable: " + "; ".join(reasons[:6]) + ("; ..." if len(reasons) > 6 else "")
+    if names is not None:
+        message += "; the patterns are shell-style (fnmatch) on the whole initializer name, e.g. '*q_proj*'"
+    return message
+
+
+def _extra_trainable(graph: ir.Graph, config: LoraConfig) -> list[str]:
+    """The biases and normalization parameters that ``config`` asks to train, in graph order."""
+    initializers = {v for v in graph.initializers.values() if v.dtype in FLOAT_TYPES}
+    found: list[str] = []
+
+    def add(value):
+        if value in initializers and value.name not in found:
+            found.append(value.name)
+
+    for node in graph:
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if config.train_biases:
+            if node.op_type in ("Gemm", "Conv", "ConvTranspose") and len(node.inputs) > 2:
+                add(node.inputs[2])
+            elif node.op_type == "Add" and len(node.inputs) == 2:
+                first, second = node.inputs
+                for value, other in ((first, second), (second, first)):
+                    producer = other.producer() if other is not None else None
+                    if (value is not None and value.shape is not None and len(value.shape) == 1 and producer is not None
+                            and producer.op_type in _PRODUCTS and producer.domain in ("", "ai.onnx")):
+                        add(value)
+        if config.train_norms and node.op_type in NORMS:
+            for value in node.inputs[1:3]:
+                add(value)
+    return found
+
+
+def merged_weights(adapters: Sequence[Adapter | Mapping], scale: float, weights: Mapping[str, np.ndarray],
+                   values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``W + scale · A @ B`` (transposed back for a transposed adapter) for every adapter, from
+    the base ``weights`` and the adapter ``values`` by name; each in its weight's dtype."""
+    merged = {}
+    for adapter in adapters:
+        adapter = adapter if isinstance(adapter, Adapter) else Adapter(**adapter)
+        w = np.asarray(weights[adapter.weight])
+        delta = scale * (values[adapter.A].astype(np.float64) @ values[adapter.B].astype(np.float64))
+        merged[adapter.weight] = (w.astype(np.float64) + (delta.T if adapter.transposed else delta)).astype(w.dtype)
+    return merged
+
+
+def adapted(proto: onnx.ModelProto, config: LoraConfig) -> tuple[onnx.ModelProto, LoraPass]:
+    """A copy of ``proto`` with the adapters of ``config``, and the pass (its adapters and extras)."""
+    if not isinstance(config, LoraConfig):
+        raise TrainingError(f"lora must be an onnx_autodiff.passes.lora.LoraConfig, not a {type(config).__name__}")
+    model = ir.from_proto(proto)
+    lora = LoraPass(config)
+    lora(model)
+    return ir.to_proto(model), lora
+
+
+def unmerged(proto: onnx.ModelProto, layout: Mapping) -> onnx.ModelProto:
+    """``proto`` (the forward model) with the adapters that ``layout`` (the artifacts' "lora" entry)
+    records, without dropout; their values are the initial ones until the caller replaces them."""
+    if proto.functions:
+        proto = onnx.inliner.inline_local_functions(proto)
+    recorded = [Adapter(**a) for a in layout["adapters"]]
+    config = LoraConfig(rank=layout["rank"], alpha=layout["alpha"], seed=layout["seed"],
+                        targets=[glob.escape(a.weight) for a in recorded])
+    proto, lora = adapted(proto, config)
+    if lora.adapters != recorded:
+        raise TrainingError("the inference model's adapters differ from those the artifacts recorded (a bug, please report)")
+    return proto
