@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -13,11 +14,21 @@ import onnx
 import onnx_ir as ir
 
 from onnx_autodiff.errors import AutodiffError, UnknownValueError, names_summary
+from onnx_autodiff.modelfile import (
+    check_model,
+    from_proto,
+    needs_external_data,
+    save_model,
+    tensor_bytes,
+    to_inline_proto,
+)
 from onnx_autodiff.training.values import write_atomically
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 NO_UPGRADE_HELP = ("refuse, instead of converting with onnx.version_converter, a model whose gradient "
                    "rules need a newer opset than it imports")
+EXTERNAL_DATA_HELP = ("write the tensors to OUTPUT.data beside the model (done anyway for models over "
+                      "protobuf's 2 GB limit and for models read with external data)")
 
 
 class UsageError(Exception):
@@ -34,7 +45,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def read_model_proto(path: str) -> onnx.ModelProto:
-    """The ModelProto in ``path``, checked by onnx.checker so that a bad input is blamed on the input."""
+    """The ModelProto in ``path`` without its external data (tensors stored beside the file stay
+    there), checked by onnx.checker so that a bad input is blamed on the input."""
     if os.path.isdir(path):
         raise UsageError(f"{path} is a directory, not a model file")
     if not os.path.isfile(path):
@@ -42,13 +54,13 @@ def read_model_proto(path: str) -> onnx.ModelProto:
     if os.path.getsize(path) == 0:
         raise CommandError(f"cannot read {path} as an ONNX model: the file is empty")
     try:
-        proto = onnx.load(path)
+        proto = onnx.load(path, load_external_data=False)
     except Exception as error:  # noqa: BLE001 - any parse failure is a malformed model
         raise CommandError(f"cannot read {path} as an ONNX model: {type(error).__name__}: {error}") from error
     if not proto.HasField("graph"):  # some other protobuf, or bytes that happen to parse
         raise CommandError(f"cannot read {path} as an ONNX model: it holds no graph")
-    try:
-        onnx.checker.check_model(proto, full_check=True)
+    try:  # tensors stored beside it are read from there (small ones) or checked as inputs
+        check_model(proto, os.path.dirname(os.path.abspath(path)))
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
         raise CommandError(f"the input model {path} is invalid (onnx.checker): {_brief(error)}{_unshaped(proto)}") from error
     return proto
@@ -67,9 +79,10 @@ def _unshaped(proto: onnx.ModelProto) -> str:
 
 
 def load_model(path: str) -> ir.Model:
+    """The model in ``path``; tensors stored beside it are read from their file when used."""
     proto = read_model_proto(path)
     try:
-        return ir.from_proto(proto)
+        return from_proto(proto, os.path.dirname(os.path.abspath(path)))
     except Exception as error:  # noqa: BLE001
         raise CommandError(f"{path} is not a well-formed ONNX model: {error}") from error
 
@@ -97,10 +110,16 @@ def write_file(path: str, data: bytes) -> None:
         raise CommandError(f"cannot write {path}: {error.strerror or error}") from error
 
 
-def save_atomically(proto: onnx.ModelProto, path: str) -> None:
-    """Write ``proto`` to ``path`` through a temporary file, so ``path`` is never half-written."""
+def save_output(model: ir.Model, path: str, external_data: bool = False) -> str:
+    """Check the generated ``model`` and write it to ``path`` (never half-written), its tensors in
+    ``path``.data when asked, when it is over protobuf's 2 GB or when it was read with external
+    data; returns what to add to the success line ("" or where the tensors went)."""
     check_output_path(path)
-    write_file(path, proto.SerializeToString(deterministic=True))
+    try:
+        written = save_model(model, path, True if external_data else None, check=_check_generated)
+    except OSError as error:
+        raise CommandError(f"cannot write {path}: {error.strerror or error}") from error
+    return f" (tensors in {os.path.basename(path)}.data)" if written else ""
 
 
 def _count(n: int, noun: str) -> str:
@@ -137,15 +156,13 @@ def cmd_grad(args) -> int:
     autodiff = AutodiffPass(of=of, wrt=args.wrt or None, upgrade_opset=not args.no_upgrade)
     passes = [autodiff] if args.no_cleanup else [autodiff, *cleanup_passes(outline=args.outline)]
     result = ir.passes.PassManager(passes)(model)
-    proto = ir.to_proto(result.model)
     seconds = time.perf_counter() - start
-    _check_generated(proto)
-    save_atomically(proto, args.output)
+    data = save_output(result.model, args.output, args.external_data)
     note_left_out(getattr(autodiff, "left_out", []))
     gradients = list(autodiff.gradient_names.values())
     seed = f"; seed input '{autodiff.seed_name}'" if autodiff.seed_name else ""
     print(
-        f"wrote {args.output}: {forward_nodes} forward + {len(result.model.graph) - forward_nodes} "
+        f"wrote {args.output}{data}: {forward_nodes} forward + {len(result.model.graph) - forward_nodes} "
         f"backward nodes in {seconds:.2f} s; {_count(len(gradients), 'gradient output')} "
         f"{names_summary(gradients)}{seed}"
     )
@@ -163,14 +180,12 @@ def cmd_transform(args) -> int:
     transform = passes[args.command](of, args.wrt or None, upgrade_opset=not args.no_upgrade, **options)
     start = time.perf_counter()
     result = transform(model)
-    proto = ir.to_proto(result.model)
     seconds = time.perf_counter() - start
-    _check_generated(proto)
-    save_atomically(proto, args.output)
+    data = save_output(result.model, args.output, args.external_data)
     note_left_out(getattr(transform, "left_out", []))
     outputs, inputs = list(transform.output_names.values()), list(transform.input_names.values())
     added = f"; {_count(len(inputs), 'input')} {names_summary(inputs)}" if inputs else ""
-    print(f"wrote {args.output} in {seconds:.2f} s: {_count(len(outputs), 'output')} {names_summary(outputs)}{added}")
+    print(f"wrote {args.output}{data} in {seconds:.2f} s: {_count(len(outputs), 'output')} {names_summary(outputs)}{added}")
     return EXIT_OK
 
 
@@ -179,7 +194,11 @@ def cmd_check(args) -> int:
 
     from onnx_autodiff.conformance.gradcheck import check_grads
 
-    proto = ir.to_proto(load_model(args.model))
+    model = load_model(args.model)
+    if needs_external_data(model):  # the oracle runs the model from one serialised message
+        raise CommandError(f"check runs {args.model} from one protobuf message, at most 2 GB, and its tensors take "
+                           f"{tensor_bytes(model) / 1e9:.2f} GB: check a smaller model with the same operators")
+    proto = to_inline_proto(model)
     feeds = None
     if args.inputs:
         try:
@@ -192,9 +211,10 @@ def cmd_check(args) -> int:
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
-def _check_generated(proto: onnx.ModelProto) -> None:
+def _check_generated(model: onnx.ModelProto | str) -> None:
+    """onnx.checker on the generated model (a proto, or the path of a file with its data beside it)."""
     try:
-        onnx.checker.check_model(proto, full_check=True)
+        check_model(model)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
         first = str(error).strip().splitlines()[0]
         raise AutodiffError(f"the generated model fails the ONNX checker (a bug, please report): {first}")
@@ -277,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     grad.add_argument("--no-upgrade", action="store_true", help=NO_UPGRADE_HELP)
     grad.add_argument("--outline", action="store_true",
                       help="group each rule's backward nodes into one call of a model-local function")
+    grad.add_argument("--external-data", action="store_true", help=EXTERNAL_DATA_HELP)
     grad.set_defaults(run=cmd_grad)
     for name, meaning in (
         ("jvp", "add tangent inputs t_<x> and the output jvp_<of> (forward mode)"),
@@ -289,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
         transform.add_argument("--of", help="the value to differentiate (default: the single output)")
         transform.add_argument("--wrt", nargs="+", help="variables (default: the float initializers that are not constants)")
         transform.add_argument("--no-upgrade", action="store_true", help=NO_UPGRADE_HELP)
+        transform.add_argument("--external-data", action="store_true", help=EXTERNAL_DATA_HELP)
         if name == "jacobian":
             transform.add_argument("--chunk", type=_positive_int, default=1, help="VJPs per loop iteration")
         transform.set_defaults(run=cmd_transform)
@@ -325,7 +347,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     # Failed shape inference is reported by onnx-ir as a log warning; our errors say what matters.
     logging.getLogger("onnx_ir").setLevel(logging.ERROR)
-    _notes_on_stderr(logging.getLogger("onnx_autodiff"))
+    with _notes_on_stderr(logging.getLogger("onnx_autodiff")):
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -353,13 +379,19 @@ class _NoteHandler(logging.StreamHandler):
     stream = property(lambda self: sys.stderr, lambda self, value: None)
 
 
-def _notes_on_stderr(logger: logging.Logger) -> None:
-    """The library's warnings (a model converted to a newer opset) as one ``note:`` line each."""
-    if not any(isinstance(h, _NoteHandler) for h in logger.handlers):
-        handler = _NoteHandler()
-        handler.setFormatter(logging.Formatter("onnx-autodiff: note: %(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False
+@contextlib.contextmanager
+def _notes_on_stderr(logger: logging.Logger):
+    """While a command runs, the library's warnings (a model converted to a newer opset) as one
+    ``note:`` line each, instead of through the caller's logging."""
+    handler, propagate = _NoteHandler(), logger.propagate
+    handler.setFormatter(logging.Formatter("onnx-autodiff: note: %(message)s"))
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
 
 
 def _root_cause(error: BaseException) -> BaseException:

@@ -169,17 +169,20 @@ def upgraded_for_gradients(
     wrt: Sequence[str] | None = None,
     registry: GradRegistry | None = None,
     upgrade: bool = True,
+    base_dir: str | None = None,
 ) -> onnx.ModelProto:
     """``proto`` converted to the opset that the gradients of its outputs ``of`` with respect to
     ``wrt`` (None: the default parameters) need; ``proto`` itself when its own opset serves.
 
     For builders (training artifacts) that must fix the opset before making several models from
     one forward graph: a trial backward build finds the opset. Errors other than an opset one
-    are left to the real build to report.
+    are left to the real build to report. ``base_dir``: where ``proto``'s external tensors are.
     """
     from onnx_autodiff.passes.autodiff import Backward, choose_variables, find_value, infer_shapes  # it imports this module
 
-    model = ir.from_proto(proto)
+    from onnx_autodiff.modelfile import from_proto
+
+    model = from_proto(proto, base_dir)
     before = default_opset(model)
 
     def trial(model: ir.Model) -> None:

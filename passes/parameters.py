@@ -16,6 +16,7 @@ Name other initializers explicitly (``wrt=``, ``--wrt``, ``requires_grad=``) to 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -59,11 +60,24 @@ def _why_not_a_parameter(value: ir.Value, read: bool, exported: bool) -> str | N
         return None if kind == "PARAMETER" else f"exporter {kind.lower() if kind else 'constant'}"
     if value.const_value is None or value.const_value.size <= 1:
         return "one-element constant"
-    array = value.const_value.numpy()
-    limit = np.finfo(array.dtype).max / 2 if array.dtype.kind == "f" else np.inf
-    if array.size and not (np.isfinite(array).all() and np.abs(array).max() < limit):
+    if not _finite_and_moderate(value.const_value):
         return "mask (infinite or extreme values)"
     return None
+
+
+def _finite_and_moderate(tensor: ir.TensorProtocol, step: int = 1 << 22) -> bool:
+    """Every element finite and below half the dtype's largest magnitude. Read a slice at a time,
+    and a tensor stored beside the model is let go of afterwards (its file's pages no longer
+    count in memory): a multi-GB model is never held whole."""
+    array = tensor.numpy().reshape(-1)
+    limit = np.finfo(array.dtype).max / 2 if array.dtype.kind == "f" else np.inf
+    ok = all(np.isfinite(part).all() and np.abs(part).max() < limit
+             for part in (array[i:i + step] for i in range(0, array.size, step)))
+    del array
+    if isinstance(tensor, ir.ExternalTensor):
+        with contextlib.suppress(BufferError):  # someone else holds a view: it stays mapped
+            tensor.release()
+    return ok
 
 
 def _read_where_gradients_flow(model: ir.Model, registry: GradRegistry) -> set[ir.Value]:

@@ -10,7 +10,6 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx import numpy_helper
 from onnx_ir.passes.common import ShapeInferencePass
 
 from onnx_autodiff.errors import (
@@ -19,6 +18,14 @@ from onnx_autodiff.errors import (
     TrainingError,
     UnknownValueError,
     names_summary,
+)
+from onnx_autodiff.modelfile import (
+    base_dir_of,
+    check_model,
+    from_proto,
+    save_model,
+    tensor_array,
+    uses_external_data,
 )
 from onnx_autodiff.passes.inference import onnx_inferred
 from onnx_autodiff.passes.lora import adapted
@@ -35,7 +42,8 @@ from onnx_autodiff.training.optimizers import (
 from onnx_autodiff.training.values import (
     dim_value,
     fresh_value,
-    npz_bytes,
+    load_npz,
+    npz_writer,
     write_atomically,
 )
 
@@ -56,6 +64,7 @@ class TrainingArtifacts:
     accumulate_model: onnx.ModelProto | None = None
     apply_model: onnx.ModelProto | None = None
     left_out: list[str] = dataclasses.field(default_factory=list)  # constants the default did not train
+    base_dir: str | None = None  # where the models' external tensors are read from (None: none)
 
     FILES = {
         "train_model": "training_model.onnx",
@@ -73,8 +82,12 @@ class TrainingArtifacts:
     def params(self) -> list[str]:
         return list(self.layout["params"])
 
-    def save(self, directory: str | os.PathLike) -> dict[str, str]:
-        """Writes the models, ``checkpoint.npz`` and ``artifacts.json`` (each file atomically)."""
+    def save(self, directory: str | os.PathLike, external_data: bool | None = None) -> dict[str, str]:
+        """Writes the models, ``checkpoint.npz`` and ``artifacts.json`` (each file atomically).
+
+        A model whose tensors are stored externally (read from a model with external data, or
+        over protobuf's 2 GB) gets them in a data file beside it (``training_model.onnx.data``,
+        copied a tensor at a time); ``external_data=True`` does that for every model."""
         directory = os.fspath(directory)
         os.makedirs(directory, exist_ok=True)
         written = {}
@@ -82,10 +95,13 @@ class TrainingArtifacts:
             proto = getattr(self, attribute)
             if proto is not None:
                 path = os.path.join(directory, filename)
-                write_atomically(path, proto.SerializeToString(deterministic=True))
+                if external_data or uses_external_data(proto):
+                    save_model(from_proto(proto, self.base_dir), path, external_data)
+                else:
+                    write_atomically(path, proto.SerializeToString(deterministic=True))
                 written[attribute] = path
         path = os.path.join(directory, "checkpoint.npz")
-        write_atomically(path, npz_bytes(self.checkpoint))
+        write_atomically(path, npz_writer(self.checkpoint))
         written["checkpoint"] = path
         path = os.path.join(directory, "artifacts.json")
         write_atomically(path, json.dumps(self.layout, indent=1, sort_keys=True).encode())
@@ -105,10 +121,10 @@ class TrainingArtifacts:
         models = {}
         for attribute, filename in cls.FILES.items():
             file = os.path.join(directory, filename)
-            models[attribute] = onnx.load(file) if os.path.isfile(file) else None
-        with np.load(os.path.join(directory, "checkpoint.npz")) as data:
-            checkpoint = {k: data[k] for k in data.files}
-        return cls(checkpoint=checkpoint, layout=layout, **models)
+            # external tensors stay in their files, read from there when used
+            models[attribute] = onnx.load(file, load_external_data=False) if os.path.isfile(file) else None
+        checkpoint = load_npz(os.path.join(directory, "checkpoint.npz"))  # mapped, read when used
+        return cls(checkpoint=checkpoint, layout=layout, base_dir=directory, **models)
 
 
 
@@ -125,8 +141,17 @@ def _as_proto(model) -> onnx.ModelProto:
     if isinstance(model, (str, os.PathLike)):
         if not os.path.isfile(model):
             raise TrainingError(f"no such model file: {os.fspath(model)}")
-        return onnx.load(os.fspath(model))
+        return onnx.load(os.fspath(model), load_external_data=False)  # read from there when used
     raise TrainingError(f"cannot use a {type(model).__name__} as a model: give an onnx.ModelProto, an onnx_ir.Model or a path")
+
+
+def _source_dir(model) -> str | None:
+    """Where the external tensors of ``model`` (as :func:`_as_proto` takes it) are read from."""
+    if isinstance(model, ir.Model):
+        return base_dir_of(model)
+    if isinstance(model, (str, os.PathLike)):
+        return os.path.dirname(os.path.abspath(os.fspath(model)))
+    return None
 
 
 def _default_opset(proto: onnx.ModelProto) -> int:
@@ -142,9 +167,10 @@ class _Roles:
     buffers: list[str]  # BatchNormalization running statistics updated in training mode
     opset: int
     left_out: list[str]  # float initializers the default parameters left out (constants)
+    base_dir: str | None = None  # where external tensors are read from
 
 
-def _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=None) -> _Roles:
+def _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=None, base_dir=None) -> _Roles:
     graph = proto.graph
     inits = {t.name: t for t in graph.initializer}
     inputs = {v.name for v in graph.input}
@@ -180,7 +206,7 @@ def _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=Non
     frozen = set(check(frozen_params, "frozen parameter"))
     left_out: list[str] = []
     if requires_grad is None:
-        default = default_parameters(ir.from_proto(proto), registry)
+        default = default_parameters(from_proto(proto, base_dir), registry)
         left_out = [n for n in default.left_out if n not in stats and n not in frozen]
         params = [v.name for v in default.parameters if v.name not in frozen and v.name not in stats]
     else:
@@ -199,7 +225,7 @@ def _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=Non
         constants = f"; the default left out {names_summary(left_out)}: name them in requires_grad" if left_out else ""
         raise TrainingError(f"there is no parameter to train: the model has no floating-point initializer left after freezing{constants}")
     buffers = [] if freeze_batchnorm else [s for s in stats if s not in frozen]
-    return _Roles(params=params, buffers=buffers, opset=opset, left_out=left_out)
+    return _Roles(params=params, buffers=buffers, opset=opset, left_out=left_out, base_dir=base_dir)
 
 
 def _prepare(proto, roles: _Roles, training: bool):
@@ -207,7 +233,7 @@ def _prepare(proto, roles: _Roles, training: bool):
 
     Returns (model, namer, buffer_updates {buffer name: new-statistic value}).
     """
-    model = ir.from_proto(proto)
+    model = from_proto(proto, roles.base_dir)
     graph = model.graph
     namer = Namer.for_graph(graph, prefix="train")
     updates: dict[str, ir.Value] = {}
@@ -286,9 +312,9 @@ def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], wh
     untyped = [v.name for v in graph.outputs if v.shape is None or v.type is None]
     if untyped:
         raise TrainingError(f"the shapes of {untyped} are unknown: declare them in the model's outputs or value_info")
-    proto = ir.to_proto(model)
+    proto = ir.to_proto(model)  # external tensors stay references to their files
     try:
-        onnx.checker.check_model(proto, full_check=True)
+        check_model(proto)
     except onnx.checker.ValidationError as error:
         first = str(error).strip().splitlines()[0]
         raise TrainingError(f"the generated {what} fails the ONNX checker (a bug, please report): {first}") from error
@@ -313,6 +339,10 @@ def generate_artifacts(
     lora=None,
 ) -> TrainingArtifacts:
     """The training artifacts of ``model`` (an onnx.ModelProto, onnx_ir.Model or path).
+
+    Tensors stored beside a model file (external data) stay there: they are read when used, the
+    checkpoint maps the parameters' initial values from their file, and ``save`` writes the
+    models that hold such tensors with a data file of their own.
 
     requires_grad: initializers to train (default: the model's parameters, as
     :func:`onnx_autodiff.passes.parameters.default_parameters` chooses them, that are neither in
@@ -339,7 +369,7 @@ def generate_artifacts(
     ``Trainer.export()`` merges the adapters into them (``merge=False`` keeps them apart).
     """
     spec = make_optimizer(optimizer, **dict(optimizer_options or {}))
-    forward = _as_proto(model)
+    forward, base_dir = _as_proto(model), _source_dir(model)
     proto = onnx.ModelProto()
     proto.CopyFrom(forward)
     if proto.functions:
@@ -352,11 +382,11 @@ def generate_artifacts(
         requires_grad = list(dict.fromkeys([*adapters, *(n for n in injected.extra if n not in frozen), *extra]))
     # Once here, so that every model built from the forward graph has the opset its rules need.
     of = [output] if output is not None else [v.name for v in proto.graph.output]
-    proto = upgraded_for_gradients(proto, of, requires_grad, registry, upgrade_opset)
+    proto = upgraded_for_gradients(proto, of, requires_grad, registry, upgrade_opset, base_dir)
     proto = onnx_inferred(proto) or proto
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise TrainingError(f"max_grad_norm must be > 0, not {max_grad_norm}")
-    roles = _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry)
+    roles = _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry, base_dir)
     loss_spec = LossSpec(loss, output, labels)
     batch_inputs = [v.name for v in proto.graph.input if v.name not in {t.name for t in proto.graph.initializer}]
 
@@ -378,12 +408,13 @@ def generate_artifacts(
                           "adapters": [dataclasses.asdict(a) for a in injected.adapters]}
     checkpoint = {}
     inits = {t.name: t for t in proto.graph.initializer}
-    for name in [*roles.params, *roles.buffers]:
-        checkpoint[name] = numpy_helper.to_array(inits[name]).copy()
+    for name in [*roles.params, *roles.buffers]:  # external ones mapped from their file, not read yet
+        checkpoint[name] = tensor_array(inits[name], base_dir)
     for param, names in train["state"].items():
         for state in names:
             checkpoint[state] = np.zeros_like(checkpoint[param])
-    artifacts = TrainingArtifacts(train["model"], eval_model, forward, checkpoint, layout, left_out=roles.left_out)
+    artifacts = TrainingArtifacts(train["model"], eval_model, forward, checkpoint, layout, left_out=roles.left_out,
+                                  base_dir=base_dir)
     if gradient_accumulation:
         accumulate = _build_train(proto, roles, loss_spec, spec, max_grad_norm, "accumulate", registry)
         accumulators = [key for key, _, _ in accumulate["layout"]["carry"][: len(roles.params)]]

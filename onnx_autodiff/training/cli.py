@@ -44,6 +44,9 @@ def add_arguments(parser) -> None:
     from onnx_autodiff.cli import NO_UPGRADE_HELP  # cli imports us
 
     parser.add_argument("--no-upgrade", action="store_true", help=NO_UPGRADE_HELP)
+    parser.add_argument("--external-data", action="store_true",
+                        help="write each model's tensors to a data file beside it (done anyway for models over "
+                             "protobuf's 2 GB limit and for models read with external data)")
 
 
 def run(args) -> int:
@@ -60,14 +63,15 @@ def run(args) -> int:
         raise UsageError(f"-o {args.output} is a file: name the directory to write the artifacts to")
     lora = _lora_config(args, UsageError)
     start = time.perf_counter()
+    read_model_proto(args.model)  # checked; read again from the path, which locates its external data
     artifacts = generate_artifacts(
-        read_model_proto(args.model), requires_grad=args.requires_grad, frozen_params=args.frozen,
+        args.model, requires_grad=args.requires_grad, frozen_params=args.frozen,
         loss=None if args.loss == "none" else args.loss, optimizer=args.optimizer, optimizer_options=options,
         output=args.output_name, max_grad_norm=args.max_grad_norm, gradient_accumulation=args.gradient_accumulation,
         upgrade_opset=not args.no_upgrade, lora=lora,
     )
     try:
-        written = artifacts.save(args.output)
+        written = artifacts.save(args.output, True if args.external_data else None)
     except OSError as error:  # each file is written atomically: none is half-written
         raise CommandError(f"cannot write the artifacts to {args.output}: {error.strerror or error}") from error
     seconds = time.perf_counter() - start

@@ -8,13 +8,17 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff.errors import BatchError, TrainingError
+from onnx_autodiff.modelfile import from_proto, over_limit, save_model, tensor_array, to_inline_proto, uses_external_data
 from onnx_autodiff.rules.builder import Namer
 from onnx_autodiff.training.artifacts import TrainingArtifacts
-from onnx_autodiff.training.values import npz_bytes, shape_text, write_atomically
+from onnx_autodiff.training.values import load_npz, npz_writer, owned_copy, shape_text, write_atomically
 
+
+LARGE_STATE = 1 << 30  # bytes of parameters and optimiser state from which the CPU arena is off
 
 _ORT_TYPES = {
     "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
@@ -241,6 +245,13 @@ class Trainer:
         if session_options is None:
             session_options = ort.SessionOptions()
             session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            # onnxruntime's arena would keep one step's gradient buffers and take new ones for the
+            # next (4x the parameters' memory where 3x will do): large models allocate directly
+            if sum(a.nbytes for a in artifacts.checkpoint.values()) >= LARGE_STATE:
+                session_options.enable_cpu_mem_arena = False
+        if artifacts.base_dir:  # the models' external tensors are read from there
+            session_options.add_session_config_entry(
+                "session.model_external_initializers_file_folder_path", os.path.abspath(artifacts.base_dir))
         self.session_options = session_options
         self._values: dict[str, list] = {}
         self._current: dict[str, int] = {}
@@ -279,7 +290,8 @@ class Trainer:
     def _swap(self, key: str) -> None:
         self._current[key] ^= 1
 
-    def _set(self, key: str, array: np.ndarray) -> None:
+    def _set(self, key: str, array: np.ndarray, owned: bool = False) -> None:
+        """``array`` as ``key``'s current value (``owned``: a fresh array the trainer may keep)."""
         from onnxruntime import OrtValue
 
         array = np.ascontiguousarray(array)
@@ -289,7 +301,7 @@ class Trainer:
             if tuple(current.shape()) == array.shape and _ORT_TYPES[current.data_type()] == array.dtype:
                 current.update_inplace(array)
                 return
-        self._values[key] = [OrtValue.ortvalue_from_numpy(array.copy(), self.device, 0), None]
+        self._values[key] = [OrtValue.ortvalue_from_numpy(array if owned else array.copy(), self.device, 0), None]
         self._current[key] = 0
         for runner in self._runners.values():
             runner.bindings.clear()
@@ -409,30 +421,35 @@ class Trainer:
             raise TrainingError(f"the checkpoint lacks {missing}")
         arrays = {}
         for key, want in self.artifacts.checkpoint.items():
-            array = np.asarray(state[key])
+            array = np.asanyarray(state[key])  # a memory map stays one (owned_copy reads its file)
             if array.shape != want.shape:
                 raise TrainingError(f"checkpoint value '{key}' has shape {array.shape}, not {want.shape}")
-            with np.errstate(over="ignore"):
-                arrays[key] = array.astype(want.dtype, copy=False)
+            arrays[key] = owned_copy(array, want.dtype)  # the one copy the trainer keeps
             if np.issubdtype(want.dtype, np.inexact) and not np.isfinite(arrays[key]).all():
                 bad = arrays[key].size - int(np.count_nonzero(np.isfinite(arrays[key])))
                 raise TrainingError(f"checkpoint value '{key}' holds {bad} NaN or Inf of its {arrays[key].size} values: "
                                     "refusing to load it (a diverged run or a damaged file); load an earlier checkpoint")
         for key, array in arrays.items():
-            self._set(key, array)
+            self._set(key, array, owned=True)
         self.step_count = int(state.get("__step__", 0))
         self._micro_batches = 0
         self._poisoned = False
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
-        write_atomically(os.fspath(path), npz_bytes(self.state_dict()))
+        write_atomically(os.fspath(path), npz_writer(self.state_dict()))
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
-        with np.load(os.fspath(path)) as data:
-            self.load_state_dict({k: data[k] for k in data.files})
+        self.load_state_dict(load_npz(path))
 
-    def export(self, path: str | os.PathLike | None = None, merge: bool = True) -> onnx.ModelProto:
-        """The inference (forward) model with the trained parameters and buffers as initializers.
+    def export(self, path: str | os.PathLike | None = None, merge: bool = True,
+               external_data: bool | None = None) -> onnx.ModelProto:
+        """The inference (forward) model with the trained parameters and buffers as initializers,
+        also written to ``path`` when given (never half-written).
+
+        The file gets its tensors in ``path``.data beside it when ``external_data``, when the
+        model is over protobuf's 2 GB or when the artifacts keep tensors in external files
+        (``None``: those two); the proto returned then names that data file instead of holding
+        the tensors. Without ``path`` the proto holds every tensor (up to 2 GB).
 
         With LoRA adapters, ``merge=True`` gives the input model's graph and initializer names with
         each adapted weight W replaced by W + scale·A·B; ``merge=False`` keeps the adapter nodes and
@@ -447,11 +464,26 @@ class Trainer:
             proto = unmerged(proto, lora)
         elif lora:
             weights = {a["weight"] for a in lora["adapters"]}
-            base = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer if t.name in weights}
+            base = {t.name: tensor_array(t, self.artifacts.base_dir) for t in proto.graph.initializer if t.name in weights}
             trained.update(merged_weights(lora["adapters"], lora["scale"], base, trained))
+        if external_data or uses_external_data(proto) or over_limit(sum(a.nbytes for a in trained.values())):
+            return self._export_large(proto, trained, path, external_data)
         for i, tensor in enumerate(proto.graph.initializer):
             if tensor.name in trained:
                 proto.graph.initializer[i].CopyFrom(numpy_helper.from_array(trained[tensor.name], tensor.name))
         if path is not None:
             write_atomically(os.fspath(path), proto.SerializeToString(deterministic=True))
         return proto
+
+    def _export_large(self, proto: onnx.ModelProto, trained: dict, path, external_data) -> onnx.ModelProto:
+        """export() through onnx-ir, which streams the tensors to the data file (no proto holds them)."""
+        model = from_proto(proto, self.artifacts.base_dir)
+        for name, array in trained.items():
+            if name in model.graph.initializers:  # views of the trained values: nothing is copied
+                model.graph.initializers[name].const_value = ir.Tensor(array, name=name)
+        if path is None:
+            return to_inline_proto(model)
+        if external_data is None and uses_external_data(proto):  # as the artifacts keep it
+            external_data = True
+        written = save_model(model, path, external_data)
+        return onnx.load(os.fspath(path), load_external_data=not written)

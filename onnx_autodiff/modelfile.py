@@ -1,0 +1,227 @@
+"""Model files of any size: tensors read lazily, files written atomically, external data beside them.
+
+Protobuf cannot serialise a message of 2 GiB or more, so a model whose tensors add up to that is
+written with them in a data file beside it (``OUT.onnx`` and ``OUT.onnx.data``), which onnx-ir
+writes a tensor at a time. Models are read without their external data: onnx-ir maps a tensor's
+bytes from its file when something reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import stat
+import tempfile
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from onnx_autodiff.errors import UnsupportedModelError
+
+PROTO_LIMIT = 2**31  # bytes: protobuf's limit on one serialised message
+_GRAPH_ROOM = 2**26  # bytes left for the graph itself when deciding from the tensors' size
+THRESHOLD = 1024  # bytes: smaller tensors stay in the .onnx file (onnx.save's default)
+
+
+def _tensor_protos(graph: onnx.GraphProto):
+    yield from graph.initializer
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            yield from attribute.tensors
+            for sub in [attribute.g] if attribute.HasField("g") else attribute.graphs:
+                yield from _tensor_protos(sub)
+
+
+def uses_external_data(proto: onnx.ModelProto) -> bool:
+    """Whether some tensor of ``proto`` is stored in a file beside the model."""
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in _tensor_protos(proto.graph))
+
+
+def from_proto(proto: onnx.ModelProto, base_dir: str | None = None) -> ir.Model:
+    """``proto`` as onnx-ir, its external tensors read (lazily) from ``base_dir``, the folder of the
+    model file they were stored beside (None: the working directory, as onnx does)."""
+    model = ir.from_proto(proto)
+    if base_dir:
+        ir.external_data.set_base_dir(model.graph, base_dir)
+    return model
+
+
+def _external_tensors(model: ir.Model) -> list[ir.ExternalTensor]:
+    return [t for g in model.graphs() for v in g.initializers.values()
+            if isinstance(t := v.const_value, ir.ExternalTensor)]
+
+
+def base_dir_of(model: ir.Model) -> str | None:
+    """The folder the external tensors of ``model`` are read from (None when it has none)."""
+    return next((os.fspath(t.base_dir) or None for t in _external_tensors(model)), None)
+
+
+def tensor_array(tensor: onnx.TensorProto, base_dir: str | None = None) -> np.ndarray:
+    """The value of ``tensor``: an external one memory-mapped read-only from its file (nothing is
+    read until used), others copied out of the proto."""
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return onnx.numpy_helper.to_array(tensor).copy()
+    value = ir.serde.deserialize_tensor(tensor, base_dir or "")
+    return value.numpy()
+
+
+def tensor_bytes(model: ir.Model) -> int:
+    """The bytes of the initializers of ``model`` (every graph)."""
+    return sum(v.const_value.nbytes for g in model.graphs() for v in g.initializers.values()
+               if v.const_value is not None)
+
+
+def over_limit(nbytes: int) -> bool:
+    """Whether tensors of ``nbytes`` in all are too many for one protobuf message with their graph."""
+    return nbytes + _GRAPH_ROOM >= PROTO_LIMIT
+
+
+def needs_external_data(model: ir.Model) -> bool:
+    """Whether ``model`` is too large for one protobuf message."""
+    return over_limit(tensor_bytes(model))
+
+
+def keeps_external_data(model: ir.Model) -> bool:
+    """Whether ``model`` is written with external data by default: it is too large for one
+    protobuf message, or some of its tensors were read from a file beside a model (a model read
+    with external data is written with it, without holding every tensor in memory)."""
+    return bool(_external_tensors(model)) or needs_external_data(model)
+
+
+def check_model(proto: onnx.ModelProto | str, base_dir: str | None = None) -> None:
+    """onnx.checker (full check) on a model file (with its external data) or on ``proto`` in memory.
+
+    In memory, external tensors under 1 KB (shapes, axes) are read from ``base_dir`` when given
+    (onnx's inference cannot read external data) and larger ones are checked as graph inputs of
+    their type and shape (the checker would look for their files in the working directory); with
+    ``base_dir``, each data file must exist."""
+    if isinstance(proto, str):
+        onnx.checker.check_model(proto, full_check=True)
+        return
+    if uses_external_data(proto):
+        stand_in = onnx.ModelProto()
+        stand_in.CopyFrom(proto)  # small: the data is elsewhere
+        graph = stand_in.graph
+        inputs = {v.name for v in graph.input}
+        kept = []
+        for tensor in graph.initializer:
+            if tensor.data_location != onnx.TensorProto.EXTERNAL:
+                kept.append(tensor)
+                continue
+            if base_dir is not None:
+                location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+                if not os.path.isfile(os.path.join(base_dir, location)):
+                    raise onnx.checker.ValidationError(
+                        f"the data of tensor '{tensor.name}' should be in {location!r} beside the model, "
+                        "but there is no such file")
+                if _nbytes(tensor) < THRESHOLD:
+                    onnx.external_data_helper.load_external_data_for_tensor(tensor, base_dir)
+                    tensor.data_location = onnx.TensorProto.DEFAULT
+                    del tensor.external_data[:]
+                    kept.append(tensor)
+                    continue
+            if tensor.name not in inputs:
+                graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+        proto = stand_in
+    onnx.checker.check_model(proto, full_check=True)
+
+
+def _nbytes(tensor: onnx.TensorProto) -> int:
+    try:
+        size = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)).itemsize
+    except (KeyError, TypeError, ValueError):  # strings and sub-byte types: count them as large
+        return THRESHOLD
+    return int(np.prod(tensor.dims, dtype=np.int64)) * size
+
+
+@contextlib.contextmanager
+def _in_memory(model: ir.Model):
+    """Within: the external tensors of ``model`` replaced by in-memory views of their data."""
+    values = [v for g in model.graphs() for v in g.initializers.values()
+              if isinstance(v.const_value, ir.ExternalTensor)]
+    tensors = [v.const_value for v in values]
+    try:
+        for value, tensor in zip(values, tensors):
+            value.const_value = ir.Tensor(tensor.numpy(), name=tensor.name, dtype=tensor.dtype)
+        yield model
+    finally:
+        for value, tensor in zip(values, tensors):
+            value.const_value = tensor
+            tensor.release()
+
+
+def to_inline_proto(model: ir.Model) -> onnx.ModelProto:
+    """``model`` as one ModelProto holding every tensor (read from external files where needed)."""
+    if needs_external_data(model):
+        raise UnsupportedModelError(
+            f"the model's tensors take {tensor_bytes(model) / 1e9:.2f} GB, more than one protobuf message "
+            "holds (2 GB): write it to a file, which puts them in a data file beside it")
+    with _in_memory(model):
+        return ir.to_proto(model)
+
+
+def save_model(model: ir.Model, path: str | os.PathLike, external_data: bool | None = None,
+               check=check_model) -> bool:
+    """Writes ``model`` to ``path``, never half-written; returns whether it wrote a data file.
+
+    external_data: tensors of at least 1 KB go to ``PATH.data`` beside the model (the model file's
+    name plus ``.data``; none is written when no tensor is that large); None: as
+    :func:`keeps_external_data` says (over protobuf's 2 GB, or read with external data).
+    check: called before ``path`` is replaced, with the proto (tensors inline) or the path of the
+    written model with its data beside it; None: no check. Without external data the tensors are
+    copied into the file; with it, onnx-ir streams them into the data file a tensor at a time.
+    Files get the modes an ordinary write gives (a replaced file keeps its mode); the data file is
+    put in place first, then the model.
+    """
+    from onnx_autodiff.training.values import write_atomically  # the training package imports us
+
+    path = os.fspath(path)
+    if external_data is None:
+        external_data = keeps_external_data(model)
+    if not external_data:
+        proto = to_inline_proto(model)
+        if check is not None:
+            check(proto)
+        write_atomically(path, proto.SerializeToString(deterministic=True))
+        return False
+    directory = os.path.dirname(os.path.abspath(path))
+    name = os.path.basename(path)
+    data = name + ".data"
+    staging = tempfile.mkdtemp(prefix=".onnx-autodiff-", dir=directory)
+    try:
+        # written where the final names resolve, so that the check reads the real data file
+        ir.save(model, os.path.join(staging, name), external_data=data, size_threshold_bytes=THRESHOLD)
+        staged_data = os.path.join(staging, data)
+        written = os.path.exists(staged_data) and os.path.getsize(staged_data) > 0
+        if not written:  # every tensor was under the threshold: they are all in the model file
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staged_data)
+        if check is not None:
+            check(os.path.join(staging, name))
+        sources = [t for t in _external_tensors(model) if _same_file(t.path, os.path.join(directory, data))]
+        for filename in (data, name):  # data first: the model never names a data file not yet there
+            staged, final = os.path.join(staging, filename), os.path.join(directory, filename)
+            if os.path.exists(staged):
+                with contextlib.suppress(FileNotFoundError):
+                    os.chmod(staged, stat.S_IMODE(os.stat(final).st_mode))
+                for tensor in sources if filename == data else ():
+                    tensor.release()
+                os.replace(staged, final)
+        for tensor in sources:  # they named the data file just replaced
+            tensor.invalidate()
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return written
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
