@@ -275,9 +275,11 @@ def slice_(op, node, dY):
         if static:
             idx = op.const(np.array(list(ranges[a]), np.int64))
         else:
-            # The same slice applied to arange(d) yields exactly the positions it read.
-            pick = [None if v is None else op.Gather(v, [i]) for v in values]
-            idx = op.Slice(_arange(op, d), pick[0], pick[1], None, pick[3])
+            # The same slice applied to arange(d) yields exactly the positions it read. Axes
+            # given: onnxruntime 1.32 drops a Slice without axes from 0 to INT64_MAX as a no-op,
+            # whatever its steps.
+            pick = [None if v is None else op.Cast(op.Gather(v, [i]), to=int(ir.DataType.INT64)) for v in values]
+            idx = op.Slice(_arange(op, d), pick[0], pick[1], [0], pick[3])
         g = _scatter_axis(op, g, idx, d, a, r, add=False)
     return {"data": g}
 
