@@ -1,16 +1,27 @@
-"""Build time of the autodiff pass against forward node count, on stacked transformer-style blocks.
+"""Build time of the autodiff pass and of the cleanup against forward node count.
 
-Run: python benchmarks/build_time.py [--blocks 4 16 64 256 1024 1600] [--repeat 3]
-Prints one row per model: forward nodes, backward nodes, seconds for the pass alone, for the
-pass plus cleanup, and microseconds per forward node (flat when growth is linear).
+Run: python benchmarks/build_time.py [--models gpt8 res1000 res5000 res20001 blocks64 ...] [--repeat 3] [--cli]
+Models: ``gptN`` (the GPT-style decoder of benchmarks/models.py with N blocks, 224 nodes for N = 8),
+``resN`` (a residual chain x + tanh(x·W_i) of N nodes: MatMul, Tanh, Add per layer, then the
+mean) and ``blocksN`` (N stacked transformer-style blocks). Prints one row per model: forward
+nodes, backward nodes without and with cleanup, seconds for the pass alone (``--no-cleanup``), for
+the cleanup and for both, and microseconds per forward node (flat when growth is linear); the best
+of ``--repeat`` runs, each on a fresh copy of the model. ``--cli`` adds the wall-clock seconds of
+``onnx-autodiff grad MODEL -o OUT`` (loading, checking and writing included), with and without
+cleanup, best of ``--repeat`` runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 from onnx import TensorProto, helper, numpy_helper
 
@@ -67,32 +78,96 @@ def transformer_stack(blocks: int, seed: int = 0):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
-def measure(blocks: int, repeat: int) -> tuple[int, int, float, float]:
-    proto = transformer_stack(blocks)
+def residual_chain(nodes: int, width: int = 16, batch: int = 8, seed: int = 0) -> onnx.ModelProto:
+    """x ← x + tanh(x·W_i) (MatMul, Tanh, Add) until ``nodes`` nodes with the final mean (Tanh
+    nodes fill up what three do not divide)."""
+    rng = np.random.default_rng(seed)
+    layers, extra = divmod(nodes - 1, 3)
+    graph_nodes, inits, x = [], [], "x"
+    for i in range(layers):
+        array = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
+        inits.append(numpy_helper.from_array(array, f"w{i}"))
+        graph_nodes += [helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]),
+                        helper.make_node("Tanh", [f"m{i}"], [f"t{i}"]),
+                        helper.make_node("Add", [x, f"t{i}"], [f"r{i}"])]
+        x = f"r{i}"
+    for j in range(extra):
+        graph_nodes.append(helper.make_node("Tanh", [x], [f"e{j}"]))
+        x = f"e{j}"
+    graph_nodes.append(helper.make_node("ReduceMean", [x], ["loss"], keepdims=0))
+    graph = helper.make_graph(graph_nodes, "residual",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, width])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def build(name: str) -> onnx.ModelProto:
+    if name.startswith("gpt"):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import models
+
+        return models.helper_model(models.GPTConfig(layers=int(name[3:])))
+    if name.startswith("res"):
+        return residual_chain(int(name[3:]))
+    if name.startswith("blocks"):
+        return transformer_stack(int(name[6:]))
+    raise SystemExit(f"unknown model {name!r}: gptN, resN or blocksN")
+
+
+def measure(proto: onnx.ModelProto, repeat: int) -> dict:
+    """Best seconds of the pass and of the cleanup, and the node counts."""
     forward = len(proto.graph.node)
-    best_pass = best_total = float("inf")
+    row = {"pass": float("inf"), "cleanup": float("inf"), "total": float("inf"), "forward": forward}
     for _ in range(repeat):
         model = ir.from_proto(proto)
         start = time.perf_counter()
         onnx_autodiff.autodiff_pass(of="loss")(model)
         middle = time.perf_counter()
+        row["raw"] = len(model.graph) - forward
         for cleanup in onnx_autodiff.cleanup_passes():
             cleanup(model)
         end = time.perf_counter()
-        best_pass = min(best_pass, middle - start)
-        best_total = min(best_total, end - start)
-    return forward, len(model.graph) - forward, best_pass, best_total
+        row["cleaned"] = len(model.graph) - forward
+        for key, seconds in (("pass", middle - start), ("cleanup", end - middle), ("total", end - start)):
+            row[key] = min(row[key], seconds)
+    return row
+
+
+def cli_seconds(path: str, repeat: int, *options: str) -> float:
+    """Best wall-clock seconds of ``onnx-autodiff grad path -o OUT options``."""
+    best = float("inf")
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(repeat):
+            start = time.perf_counter()
+            # (run from tmp: from the checkout, "-m" would find the package folder beside it)
+            subprocess.run([sys.executable, "-m", "onnx_autodiff", "grad", path, "-o", os.path.join(tmp, "out.onnx"),
+                            *options], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp)
+            best = min(best, time.perf_counter() - start)
+    return best
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, nargs="+", default=[4, 16, 64, 256, 1024, 1600])
+    parser.add_argument("--models", nargs="+", default=["gpt8", "res1000", "res5000", "res20001"])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--cli", action="store_true", help="also time the command line (a process per run)")
     args = parser.parse_args()
-    print(f"{'blocks':>6} {'fwd nodes':>9} {'bwd nodes':>9} {'pass s':>8} {'+cleanup s':>10} {'us/fwd node':>11}")
-    for blocks in args.blocks:
-        forward, backward, seconds, total = measure(blocks, args.repeat if blocks < 1000 else 1)
-        print(f"{blocks:>6} {forward:>9} {backward:>9} {seconds:>8.3f} {total:>10.3f} {1e6 * seconds / forward:>11.1f}")
+    header = (f"{'model':>10} {'fwd nodes':>9} {'bwd raw':>8} {'bwd clean':>9} {'pass s':>7} {'cleanup s':>9} "
+              f"{'total s':>7} {'us/node pass':>12} {'us/node total':>13}")
+    print(header + (f" {'cli s':>6} {'cli raw s':>9}" if args.cli else ""))
+    for name in args.models:
+        proto = build(name)
+        row = measure(proto, args.repeat)
+        forward = row["forward"]
+        line = (f"{name:>10} {forward:>9} {row['raw']:>8} {row['cleaned']:>9} {row['pass']:>7.2f} "
+                f"{row['cleanup']:>9.2f} {row['total']:>7.2f} {1e6 * row['pass'] / forward:>12.0f} "
+                f"{1e6 * row['total'] / forward:>13.0f}")
+        if args.cli:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "model.onnx")
+                onnx.save(proto, path)
+                line += f" {cli_seconds(path, args.repeat):>6.2f} {cli_seconds(path, args.repeat, '--no-cleanup'):>9.2f}"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

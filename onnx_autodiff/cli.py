@@ -22,11 +22,13 @@ from onnx_autodiff.modelfile import (
     tensor_bytes,
     to_inline_proto,
 )
+from onnx_autodiff.passes import progress
 from onnx_autodiff.training.values import write_atomically
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 NO_UPGRADE_HELP = ("refuse, instead of converting with onnx.version_converter, a model whose gradient "
                    "rules need a newer opset than it imports")
+PROGRESS_DELAY = 2.0  # seconds of building before a progress bar shows (on a terminal)
 EXTERNAL_DATA_HELP = ("write the tensors to OUTPUT.data beside the model (done anyway for models over "
                       "protobuf's 2 GB limit and for models read with external data)")
 
@@ -147,6 +149,7 @@ def _single_output(model: ir.Model) -> str:
 
 def cmd_grad(args) -> int:
     from onnx_autodiff.passes import AutodiffPass, cleanup_passes
+    from onnx_autodiff.passes.cleanup import collector_paused
 
     check_output_path(args.output)
     model = load_model(args.model)
@@ -155,9 +158,12 @@ def cmd_grad(args) -> int:
     start = time.perf_counter()
     autodiff = AutodiffPass(of=of, wrt=args.wrt or None, upgrade_opset=not args.no_upgrade)
     passes = [autodiff] if args.no_cleanup else [autodiff, *cleanup_passes(outline=args.outline)]
-    result = ir.passes.PassManager(passes)(model)
-    seconds = time.perf_counter() - start
-    data = save_output(result.model, args.output, args.external_data)
+    # Python's collector would rescan the large graph while it is written, as while it is built.
+    with _progress_bar(), collector_paused():
+        result = ir.passes.PassManager(passes)(model)
+        seconds = time.perf_counter() - start
+        progress.report("writing", 0, 1)
+        data = save_output(result.model, args.output, args.external_data)
     note_left_out(getattr(autodiff, "left_out", []))
     gradients = list(autodiff.gradient_names.values())
     seed = f"; seed input '{autodiff.seed_name}'" if autodiff.seed_name else ""
@@ -209,6 +215,33 @@ def cmd_check(args) -> int:
     report = check_grads(proto, of=args.of, wrt=args.wrt, order=args.order, feeds=feeds, seed=args.seed)
     print(report)
     return EXIT_OK if report.ok else EXIT_FAILED
+
+
+@contextlib.contextmanager
+def _progress_bar():
+    """Within: a progress bar on stderr, when it is a terminal, shown once the build has taken
+    PROGRESS_DELAY seconds (tqdm's delay), and gone when it ends."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(total=1, delay=PROGRESS_DELAY, leave=False, file=sys.stderr,
+               bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}")
+    shown = [""]
+
+    def listen(stage: str, done: int, total: int) -> None:
+        if stage != shown[0]:  # a new stage: the same bar, its clock running since the start
+            shown[0] = stage
+            bar.set_description_str(stage, refresh=False)
+            bar.total, bar.n, bar.last_print_n = max(total, 1), 0, 0
+        bar.update(done - bar.n)
+
+    try:
+        with progress.reporting(listen):
+            yield
+    finally:
+        bar.close()
 
 
 def _check_generated(model: onnx.ModelProto | str) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import heapq
 from collections.abc import Sequence
 
@@ -21,7 +19,8 @@ from onnx_autodiff.errors import (
     describe_node,
     names_summary,
 )
-from onnx_autodiff.passes.cleanup import record_differentiated
+from onnx_autodiff.passes import progress
+from onnx_autodiff.passes.cleanup import collector_paused, record_differentiated
 from onnx_autodiff.passes.opsets import build_upgrading
 from onnx_autodiff.passes.parameters import default_parameters
 from onnx_autodiff.passes.rewrites import GRAD_OF
@@ -34,19 +33,6 @@ def grad_of_tag(node: ir.Node) -> str:
     return f"{node.op_type}:{node.name or node.outputs[0].name}"
 
 
-@contextlib.contextmanager
-def _collector_paused():
-    """Pause Python's cyclic garbage collector: it would rescan the ever larger graph many times
-    (half the build time of a 20,000-node model), and the walk creates no garbage cycles."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 DEFAULT_OPSET = 18  # the default-domain version backward nodes use when the model imports none
 
 
@@ -56,6 +42,8 @@ def _can_carry_gradient(value: ir.Value) -> bool:
 
 def _subgraphs(node: ir.Node) -> list[ir.Graph]:
     graphs: list[ir.Graph] = []
+    if not node.attributes:  # most nodes: their attributes' view costs more than this check
+        return graphs
     for attribute in node.attributes.values():
         if attribute.type == ir.AttributeType.GRAPH:
             graphs.append(attribute.value)
@@ -143,6 +131,7 @@ class Backward:
         self.opsets = {("" if k == "ai.onnx" else k): v for k, v in opsets.items()}
         # A model of ai.onnx.ml ops only still gets standard-op backward nodes.
         self.opsets.setdefault("", DEFAULT_OPSET)
+        self.outermost = op is None  # the walk whose progress is reported (not a subgraph's)
         self.op = op if op is not None else OpBuilder(self.opsets[""], namer, self.opsets)
         self.op.vjp_hook = self._differentiate
         self.order = topological_order(nodes)
@@ -159,7 +148,7 @@ class Backward:
 
     def vjp(self, seeds: Sequence[tuple[ir.Value, ir.Value | None]], xs: Sequence[ir.Value]) -> list[ir.Value | None]:
         """Σ_k dy_k·∂y_k/∂x per x for the (y_k, dy_k) seeds (a None dy_k seeds nothing)."""
-        with _collector_paused():
+        with collector_paused():
             return self._vjp(seeds, xs)
 
     def _vjp(self, seeds, xs) -> list[ir.Value | None]:
@@ -185,7 +174,9 @@ class Backward:
         missing = [self._missing_entry(node) for node in active if rules[node] is None]
         if missing and not any(_subgraphs(node) for node in active):
             raise _missing_rules_error(missing, seeds, xs)
-        for node in reversed(active):
+        for done, node in enumerate(reversed(active)):
+            if self.outermost and done % 512 == 0:
+                progress.report("gradients", done, len(active))
             rule = rules[node]
             if rule is None:  # stand-in gradients, so that the walk reaches the subgraphs before it
                 for value in (*node.inputs, *captured_values(node)):
@@ -418,27 +409,35 @@ def infer_shapes(model: ir.Model) -> None:
     """
     from onnx_autodiff.passes.inference import complete_shapes
 
-    _infer_model_shapes(model)
-    complete_shapes(model.graph, model.opset_imports)
+    progress.report("shapes", 0, 1)
+    with collector_paused():
+        _infer_model_shapes(model)
+        complete_shapes(model.graph, model.opset_imports)
 
 
 def _infer_model_shapes(model: ir.Model) -> None:
-    from onnx_autodiff.passes.inference import onnx_inferred
+    from onnx_autodiff.passes.inference import frozen_shape, inferred_types, onnx_inferred
+    from onnx_autodiff.passes.rewrites import graph_and_subgraphs
 
     proto = onnx_inferred(ir.to_proto(model))
     if proto is None:
         return
-    inferred = ir.serde.deserialize_model(proto)
-    for graph, inferred_graph in zip(model.graphs(), inferred.graphs()):
-        known = ir.convenience.create_value_mapping(inferred_graph)
-        for name, value in ir.convenience.create_value_mapping(graph).items():
+    # Read from the inferred value_info: deserialising the whole model costs several times more.
+    known = inferred_types(proto)
+    seen: dict[bytes, ir.Shape | None] = {}
+    for graph in graph_and_subgraphs(model.graph):  # (model.graphs() walks them several times slower)
+        for name, value in ir.convenience.create_value_mapping(graph, include_subgraphs=False).items():
             found = known.get(name)
-            if found is None or found.type is None:
+            if found is None:
                 continue
             if value.type is None:
-                value.type = found.type
-            if found.shape is not None and value.shape != found.shape:
-                value.shape = found.shape
+                kind = ir.serde.deserialize_type_proto_for_type(found)
+                if kind is None:
+                    continue
+                value.type = kind
+            shape = frozen_shape(found, seen)
+            if shape is not None and value.shape != shape:
+                value.shape = shape
 
 
 def find_value(graph: ir.Graph | ir.Function, name: str, role: str) -> ir.Value:
@@ -534,7 +533,8 @@ class AutodiffPass(ir.passes.InPlacePass):
         self.left_out: list[str] = []
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        return build_upgrading(model, self._build, self.upgrade_opset)
+        with collector_paused():
+            return build_upgrading(model, self._build, self.upgrade_opset)
 
     def _build(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -597,8 +597,9 @@ def gradient_outputs(op: OpBuilder, namer: Namer, xs, grads) -> list[ir.Value]:
         if grad is None:
             grad = shapes.zeros_like(op, x)
             produced.update(op.nodes[-1].outputs)
-        if grad not in produced or grad in outputs:
+        if grad not in produced:
             grad = shapes.alias(op, grad)
+        produced.discard(grad)  # a second x with the same gradient gets an alias of it
         grad.name = None
         grad.name = namer.fresh(f"grad_{x.name}")
         grad.type, grad.shape = x.type, x.shape

@@ -3,11 +3,12 @@
 ``cleanup_passes()`` returns one :class:`CleanupPass`: bounded constant folding (onnxscript's
 folder), the local rewrites of :mod:`onnx_autodiff.passes.rewrites` (x·1, x+0, zero gradients,
 transpose pairs, Transpose→Gemm, Transposes into Einsum equations, Concat of merging Reshapes,
-no-op Reshape/Expand/Reduce/Squeeze/Unsqueeze/Cast, Identity), dead-node removal and, once those
-find nothing, common-subexpression elimination, repeated to a fixed point (so a second run changes
-nothing); then the main graph's Constant nodes become initializers, and a topological sort. The rewrites decide from
-shapes: onnx's shape inference runs first and again after each round that changed the graph
-(only where some value still lacks a shape).
+no-op Reshape/Expand/Reduce/Squeeze/Unsqueeze/Cast, Identity), dead-node removal and
+common-subexpression elimination, repeated to a fixed point (so a second run changes nothing);
+then the main graph's Constant nodes become initializers, and a topological sort where the graph
+is out of order. The rewrites decide from shapes: onnx's shape inference runs first and again after
+each round that changed the graph, where some value still lacks a shape (for a few values, each
+one's node is inferred alone first). Each step costs time linear in the graph's size.
 
 Values being differentiated are never folded: a training loop feeds new values of them every
 step, so ``Transpose(W)`` folded into a constant would be stale. The pass learns them from
@@ -19,17 +20,39 @@ floating-point initializer ``W`` for which the graph has an output named ``grad_
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import gc
 import json
 import re
 from collections.abc import Iterable, Sequence
 
+import onnx
 import onnx_ir as ir
-from onnx_autodiff.passes import rewrites
+from onnx_autodiff.passes import progress, rewrites
 from onnx_ir.passes import common
 
 DIFFERENTIATED_KEY = "onnx_autodiff.differentiated"
 FOLD_LIMIT = 1024  # elements: larger folded tensors stay computed (a seed Expand(1, Shape(y)) stays a node)
+# Values without a shape up to which each one's node is inferred alone first, whatever the graph
+# inputs' shapes (the few the rewrites made): onnx's inference of the whole model costs as much for
+# a few values as for all of them. With static inputs the nodes are always inferred alone first.
+BY_NODE = 1000
 _FLOAT = {ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE}
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Pause Python's cyclic garbage collector while a pass runs: it would rescan the ever larger
+    graph many times (half the build time of a 20,000-node model); the garbage a pass leaves
+    (removed nodes) is collected once, afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def record_differentiated(model: ir.Model, names: Iterable[str]) -> None:
@@ -60,7 +83,7 @@ class CleanupPass(ir.passes.InPlacePass):
 
     ``keep`` names further initializers never to fold (see the module's docstring); ``fold=False``
     skips constant folding; ``fold_limit`` bounds the size of folded tensors (elements);
-    ``cse=False`` skips common-subexpression elimination (the slowest step on very large graphs).
+    ``cse=False`` skips common-subexpression elimination.
     Mul by zeros folds to zeros even where the other factor is not finite, as gradients assume.
     """
 
@@ -81,22 +104,38 @@ class CleanupPass(ir.passes.InPlacePass):
         return [v for name, v in graph.initializers.items() if name in names]
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        before = _fingerprint(model)
+        with collector_paused():
+            return self._shrink(model)
+
+    def _shrink(self, model: ir.Model) -> ir.passes.PassResult:
         protected = self.protected(model)
         hidden: dict[ir.Value, ir.TensorProtocol | None] = {}
+        graphs = rewrites._all_graphs(model)
+        # Nothing here adds a subgraph: without one, the list of graphs stays the same.
+        flat = len(graphs) == 1 + len(model.functions)
+        modified = False
         try:
             changed = True
             for rounds in range(1, self.max_rounds + 1):
                 self.rounds = rounds
+                stage = f"cleanup, round {rounds}"
                 if changed:  # folding can make more shapes known (a Reshape to a folded Shape)
+                    progress.report(stage, 0, 5)
                     _restore(hidden)
                     infer_shapes(model)
                     hidden = _hide(protected)
-                changed = self._fold(model)
-                changed |= rewrites.Rewriter(model).run() > 0
+                # Common subexpressions in every round: the one that finds the fixed point checks them too.
+                progress.report(stage, 1, 5)
+                changed = self._fold(model, graphs if flat else rewrites._all_graphs(model))
+                graphs = graphs if flat else rewrites._all_graphs(model)
+                progress.report(stage, 2, 5)
+                changed |= rewrites.Rewriter(model, graphs).run() > 0
+                progress.report(stage, 3, 5)
                 changed |= _remove_unused(model)
-                if not changed and self.cse:  # last, as it is the slowest step on large graphs
-                    changed = common.CommonSubexpressionEliminationPass()(model).modified
+                progress.report(stage, 4, 5)
+                if self.cse:
+                    changed |= eliminate_common_subexpressions(model.graph)
+                modified |= changed
                 if not changed:
                     break
         finally:
@@ -104,12 +143,14 @@ class CleanupPass(ir.passes.InPlacePass):
             for value in protected:
                 if value.name not in model.graph.initializers:
                     model.graph.register_initializer(value)  # the caller may still feed it
-        _lift_constants(model)
-        common.TopologicalSortPass()(model)
-        _drop_folding_notes(model)
-        return ir.passes.PassResult(model, modified=_fingerprint(model) != before)
+                    modified = True
+        modified |= _lift_constants(model)
+        if not all(_in_order(g) for g in (model.graph, *model.functions.values())):  # else it stays as it is
+            modified |= common.TopologicalSortPass()(model).modified
+        _drop_folding_notes(graphs if flat else rewrites._all_graphs(model))
+        return ir.passes.PassResult(model, modified=modified)
 
-    def _fold(self, model: ir.Model) -> bool:
+    def _fold(self, model: ir.Model, graphs: list[ir.Graph]) -> bool:
         # The folder writes Constant(value_ints=...) (opset 12 on) and initializers that are not
         # graph inputs (IR version 4 on): older models get the local rewrites only.
         opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
@@ -119,8 +160,7 @@ class CleanupPass(ir.passes.InPlacePass):
 
         # The folder's final NameFixPass names absent optional outputs ("" in ONNX), which then
         # count as present (Attention's present_key with nonpad_kv_seqlen is invalid): undo that.
-        absent = [out for graph in rewrites._all_graphs(model) for node in graph for out in node.outputs
-                  if not out.name]
+        absent = [out for graph in graphs for node in graph for out in node.outputs if not out.name]
         modified = fold_constants(model, input_size_limit=self.fold_limit, output_size_limit=self.fold_limit,
                                   should_fold=self._should_fold).modified
         for out in absent:
@@ -130,9 +170,15 @@ class CleanupPass(ir.passes.InPlacePass):
 
     def _should_fold(self, node: ir.Node) -> bool | None:
         """Keep fills (ConstantOfShape, Expand of one number) as nodes: folded, they only grow.
-        The folder cannot fold multi-output nodes (it would evaluate them, then log a warning)."""
+        The folder cannot fold multi-output nodes (it would evaluate them, then log a warning).
+        It folds every Transpose whatever its size: a frozen weight's would become a second,
+        in-memory copy of it (a multi-GB model's external data read into the model)."""
         if len(node.outputs) != 1:
             return False
+        if node.domain == "" and node.op_type == "Transpose":
+            shape = rewrites.dims(node.inputs[0])
+            if shape is None or not all(isinstance(d, int) for d in shape) or _size(shape) > self.fold_limit:
+                return False
         if node.domain == "" and node.op_type in ("ConstantOfShape", "Expand"):
             out = rewrites.dims(node.outputs[0])
             if out is None or not all(isinstance(d, int) for d in out) or _size(out) > rewrites.SMALL:
@@ -143,25 +189,30 @@ class CleanupPass(ir.passes.InPlacePass):
 def infer_shapes(model: ir.Model) -> None:
     """Give the main graph's node outputs that lack a shape the one onnx's inference finds.
 
-    The rewrites decide from shapes, which the backward values lack. Reads the inferred
-    value_info directly: deserialising the whole inferred model costs ten times more.
+    The rewrites decide from shapes, which the backward values lack. Static shapes come from each
+    node's own inference where that is cheaper (:func:`~onnx_autodiff.passes.inference.static_by_node`);
+    the whole model's inference gives the rest, read from its value_info directly: deserialising
+    the whole inferred model costs ten times more.
     """
+    from onnx_autodiff.passes.inference import frozen_shape, onnx_inferred, static_by_node
+
     missing = {v.name: v for node in model.graph for v in node.outputs
                if (v.shape is None or v.type is None) and v.name}
+    if missing and (len(missing) <= BY_NODE or all(rewrites._static(rewrites.dims(v)) for v in model.graph.inputs)):
+        missing = static_by_node(model.graph, missing, model.opset_imports)
     if not missing:
         return
-    from onnx_autodiff.passes.inference import onnx_inferred
-
     proto = onnx_inferred(ir.to_proto(model))
     if proto is None:  # without shapes fewer rewrites apply
         return
+    seen: dict[bytes, ir.Shape | None] = {}
     for info in (*proto.graph.value_info, *proto.graph.output):
         value = missing.get(info.name)
         if value is None or not info.type.WhichOneof("value"):
             continue
         if value.type is None:
             value.type = ir.serde.deserialize_type_proto_for_type(info.type)
-        shape = ir.serde.deserialize_type_proto_for_shape(info.type)
+        shape = frozen_shape(info.type, seen)
         if value.shape is None and shape is not None:
             value.shape = shape
 
@@ -183,6 +234,7 @@ def _remove_dead(graph: ir.Graph) -> int:
     """Remove the nodes nothing reads, detaching the nodes of their subgraphs first: onnx-ir's
     removal leaves the outer values that a removed Loop body read with uses that keep them alive."""
     outputs = set(graph.outputs)
+    dead: list[ir.Node] = []
     removed = 0
     for node in reversed(list(graph)):
         if any(out.uses() or out in outputs for out in node.outputs):
@@ -190,33 +242,184 @@ def _remove_dead(graph: ir.Graph) -> int:
             continue
         for sub in rewrites._subgraphs(node):
             for inner in ir.traversal.RecursiveGraphIterator(sub):
-                for i, value in enumerate(inner.inputs):
-                    if value is not None:
-                        inner.replace_input_with(i, None)
-        graph.remove(node, safe=True)
-        removed += 1
-    return removed
+                _detach(inner)
+        _detach(node)  # its producers, further up, may then be dead too
+        dead.append(node)
+    if dead:  # at once: each removal copies the list of graph outputs
+        graph.remove(dead)
+    return removed + len(dead)
+
+
+def _detach(node: ir.Node) -> None:
+    for i, value in enumerate(node.inputs):
+        if value is not None:
+            node.replace_input_with(i, None)
+
+
+# Ops whose equal calls may give different results: never merged.
+_NONDETERMINISTIC = frozenset({"RandomUniform", "RandomNormal", "RandomUniformLike", "RandomNormalLike", "Multinomial"})
+CSE_TENSOR_LIMIT = 10  # elements: larger Constant tensors (weights) are not compared
+
+
+def eliminate_common_subexpressions(graph: ir.Graph) -> bool:
+    """onnx-ir's CommonSubexpressionEliminationPass on ``graph`` (the same merges), with the
+    duplicates removed at once: that pass removes them one by one, and each removal copies the
+    list of graph outputs (quadratic in a model with thousands of gradient outputs).
+
+    Where a duplicate's graph output would need an Identity of the kept node's output (the kept
+    one is a graph output too: equal gradients), the duplicate stays and only its readers move:
+    the Identity saves no node, and the folder turns it back into the duplicate, so the rounds
+    would never reach a fixed point."""
+    first: dict[tuple, ir.Node] = {}
+    duplicates: list[ir.Node] = []
+    moved = False
+    positions: dict[ir.Value, list[int]] | None = None
+    for node in graph:
+        key = _cse_key(node)
+        if key is None:
+            continue
+        kept = first.setdefault(key, node)
+        if kept is node:
+            continue
+        if any(out.is_graph_output() for out in node.outputs):
+            if positions is None:
+                positions = {}
+                for i, out in enumerate(graph.outputs):
+                    positions.setdefault(out, []).append(i)
+            if any(len(positions.get(old, ())) > (0 if new.is_graph_output() else 1)
+                   for old, new in zip(node.outputs, kept.outputs)):
+                for old, new in zip(node.outputs, kept.outputs):
+                    for user, index in list(old.uses()):
+                        user.replace_input_with(index, new)
+                        moved = True
+                continue
+            for old, new in zip(node.outputs, kept.outputs):  # kept's outputs take their names
+                for i in positions.pop(old, ()):
+                    new.name = old.name
+                    graph.outputs[i] = new
+                    positions[new] = [i]
+        ir.convenience.replace_all_uses_with(node.outputs, kept.outputs)
+        duplicates.append(node)
+    if duplicates:
+        graph.remove(duplicates, safe=True)
+    return moved or bool(duplicates)
+
+
+def _cse_key(node: ir.Node) -> tuple | None:
+    """What makes two nodes equal for onnx-ir's CSE (None: never merged: subgraphs, large
+    tensors, random ops)."""
+    attributes = {}
+    for name, attribute in node.attributes.items() if node.attributes else ():
+        value = attribute.value
+        if attribute.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS):
+            return None
+        if attribute.type in (ir.AttributeType.INTS, ir.AttributeType.FLOATS, ir.AttributeType.STRINGS):
+            value = tuple(value)
+        elif attribute.type is ir.AttributeType.TENSOR:
+            if value.size > CSE_TENSOR_LIMIT:
+                return None
+            array = value.numpy()
+            value = (array.shape, str(array.dtype), array.tobytes())
+        attributes[name] = value
+    if node.op_type in _NONDETERMINISTIC and node.domain == "":
+        return None
+    return (node.op_identifier(), len(node.outputs), tuple(map(id, node.inputs)),
+            tuple(sorted(attributes.items())))
 
 
 def _remove_unused(model: ir.Model) -> bool:
-    """onnx-ir's dead-node removal, except that Attention keeps its optional outputs: without
-    present_key/present_value, onnx's inference gives qk_matmul_output the wrong length when a
-    past is given (6 for 18), and the checker then rejects the model."""
-    names = {
-        out: out.name
-        for graph in rewrites._all_graphs(model)
-        for node in graph
-        if node.op_type == "Attention" and node.domain == "" and len(node.outputs) == 4
-        for out in node.outputs[1:3]
-        if out.name
-    }
+    """Dead nodes, then what onnx-ir's RemoveUnusedNodesPass does besides: drop trailing omitted
+    inputs, unused optional outputs of standard ops and unused initializers (True when a node or
+    an initializer went). That pass reads every node's schema each round; here only the schemas of
+    the nodes with several outputs (and BatchNormalization's, whose inference-mode attribute it
+    drops) are read, once per op type."""
     removed = sum(_remove_dead(g) for g in (model.graph, *(f.graph for f in model.functions.values())))
-    modified = common.RemoveUnusedNodesPass()(model).modified or removed > 0
-    for out, name in names.items():
-        producer = out.producer()
-        if not out.name and producer is not None and producer.graph is not None and len(producer.outputs) == 4:
-            out.name = name
-    return modified
+    _trim(model.graph, model.graph.opset_imports.get(""))
+    graph = model.graph
+    unused = [name for name, value in graph.initializers.items()
+              if not (value.uses() or value.is_graph_output() or value.is_graph_input())]
+    for name in unused:
+        del graph.initializers[name]
+    for function in model.functions.values():
+        _trim(function, function.opset_imports.get(""))
+    return removed > 0 or bool(unused)
+
+
+def _trim(graph: ir.Graph | ir.Function, opset: int | None) -> None:
+    outputs = frozenset(graph.outputs)
+    for node in graph:
+        inputs = node.inputs
+        if inputs and inputs[-1] is None:
+            count = len(inputs)
+            while count and inputs[count - 1] is None:
+                count -= 1
+            node.resize_inputs(count)
+        if opset is not None and node.domain == "" and (len(node.outputs) > 1 or node.op_type == "BatchNormalization"):
+            _drop_optional_outputs(node, outputs, opset)
+        for sub in rewrites._subgraphs(node):
+            _trim(sub, opset)
+
+
+def _drop_optional_outputs(node: ir.Node, graph_outputs: frozenset[ir.Value], opset: int) -> None:
+    """onnx-ir's removal of a node's unused optional outputs (the trailing ones go, the others
+    lose their name)."""
+    options = _output_options(node.op_type, opset)
+    if options is None:
+        return
+    has_training_mode, optional = options
+    if node.op_type == "BatchNormalization":  # before opset 14 the outputs select the mode
+        mode = node.attributes.get("training_mode")
+        if not has_training_mode or mode is not None and (
+                mode.is_ref() or mode.type != ir.AttributeType.INT or mode.as_int() != 0):
+            return
+        node.attributes.pop("training_mode", None)
+    if optional is None:
+        return
+    named = {out: out.name for out in node.outputs} if node.op_type == "Attention" else {}
+    for out, is_optional in zip(node.outputs, optional):
+        if is_optional and out not in graph_outputs and not out.uses():
+            out.name = ""
+    count = len(node.outputs)
+    while count and not node.outputs[count - 1].name:
+        count -= 1
+    node.resize_outputs(count)
+    if node.op_type == "Attention" and count == 4:
+        # Attention keeps present_key/value beside qk_matmul_output: without them, onnx's
+        # inference gives that output the wrong length when a past is given (6 for 18), and the
+        # checker then rejects the model.
+        for out in node.outputs[1:3]:
+            out.name = named[out]
+
+
+@functools.lru_cache(maxsize=None)
+def _output_options(op_type: str, opset: int) -> tuple[bool, tuple[bool, ...] | None] | None:
+    """(whether the op has a training_mode attribute, which outputs are optional: None when none
+    are or their number varies); None for an op without a schema."""
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, domain="")
+    except onnx.defs.SchemaError:
+        return None
+    kinds = [out.option for out in schema.outputs]
+    option = onnx.defs.OpSchema.FormalParameterOption
+    optional = None
+    if option.Variadic not in kinds and option.Optional in kinds:
+        optional = tuple(kind == option.Optional for kind in kinds)
+    return "training_mode" in schema.attributes, optional
+
+
+def _in_order(graph: ir.Graph | ir.Function) -> bool:
+    """Whether every node follows the producers of its inputs (False for a graph with subgraphs,
+    whose order also depends on what they read)."""
+    seen: set[ir.Node] = set()
+    for node in graph:
+        if any(True for _ in rewrites._subgraphs(node)):
+            return False
+        for value in node.inputs:
+            producer = None if value is None else value.producer()
+            if producer is not None and producer not in seen and producer.graph is node.graph:
+                return False
+        seen.add(node)
+    return True
 
 
 def _lift_constants(model: ir.Model) -> bool:
@@ -256,17 +459,14 @@ def _size(shape) -> int:
     return size
 
 
-def _drop_folding_notes(model: ir.Model) -> None:
+def _drop_folding_notes(graphs: list[ir.Graph]) -> None:
     """Remove the provenance notes the folder attaches to folded values (noise in saved models)."""
     from onnxscript.optimizer import FOLDED_FROM_KEY
 
-    for value in rewrites._all_values(rewrites._all_graphs(model)):
+    for value in rewrites._all_values(graphs):
         value.meta.pop(FOLDED_FROM_KEY, None)
         value.metadata_props.pop(FOLDED_FROM_KEY, None)
 
-
-def _fingerprint(model: ir.Model) -> tuple:
-    return tuple((n.op_type, tuple(id(v) for v in n.inputs)) for n in model.graph)
 
 
 def cleanup_passes(*, keep: Sequence[str] = (), fold: bool = True, fold_limit: int = FOLD_LIMIT,

@@ -119,6 +119,84 @@ def _infer_node(node: ir.Node, schema, inputs, outer, imports) -> int:
     return filled
 
 
+def static_by_node(graph: ir.Graph, missing: dict[str, ir.Value], opsets: dict[str, int]) -> dict[str, ir.Value]:
+    """Gives the values in ``missing`` (name → node output of ``graph``) the static shape their
+    node's own inference finds, in graph order; returns the ones left. A static shape is what
+    onnx's inference of the whole model finds too (where that one reads a stale declared shape,
+    a less precise one); the others are left to that inference, which may know more (symbolic
+    dimensions, data through several nodes). Nodes that agree in all that
+    inference reads (op, attributes, input types and constant data) are inferred once: a backward
+    graph repeats a few patterns thousands of times."""
+    from onnx_autodiff.passes.autodiff import _subgraphs
+
+    opset = opsets.get("", opsets.get("ai.onnx", 1))
+    imports = [onnx.helper.make_opsetid(d, v) for d, v in opsets.items()]
+    left = dict(missing)
+    inferred: dict[tuple, list[tuple[onnx.TypeProto, ir.Shape | None] | None]] = {}
+    seen: dict[bytes, ir.Shape | None] = {}
+    for node in graph:
+        outputs = [out for out in node.outputs if out.name in left]
+        if not outputs or node.domain not in ("", "ai.onnx") or _subgraphs(node):
+            continue
+        schema = _schema(node.op_type, opset)
+        inputs = [v for v in node.inputs if v is not None]
+        if schema is None or any(not isinstance(v.type, ir.TensorType) or v.shape is None for v in inputs):
+            continue
+        key = _inference_key(node)
+        found = inferred.get(key) if key is not None else None
+        if found is None:
+            types = infer_node_types(node, schema, inputs, (), imports)
+            found = [None if out.name not in types else (types[out.name], frozen_shape(types[out.name], seen))
+                     for out in node.outputs]
+            if key is not None:
+                inferred[key] = found
+        for out, item in zip(node.outputs, found):
+            if out.name not in left or item is None or item[1] is None:
+                continue
+            kind, shape = item
+            if not all(isinstance(d, int) for d in shape.dims):
+                continue
+            if out.type is None:
+                out.type = ir.serde.deserialize_type_proto_for_type(kind)
+            out.shape = shape
+            del left[out.name]
+    return left
+
+
+def _inference_key(node: ir.Node) -> tuple | None:
+    """What onnx's inference of the node reads, as a dictionary key (None: a large tensor
+    attribute, not worth comparing)."""
+    attributes = []
+    for name, attribute in node.attributes.items():
+        value = attribute.value
+        if attribute.type in (ir.AttributeType.INTS, ir.AttributeType.FLOATS, ir.AttributeType.STRINGS):
+            value = tuple(value)
+        elif attribute.type is ir.AttributeType.TENSOR:
+            if value.size > 64:
+                return None
+            value = (value.dtype, tuple(value.shape), value.tobytes())
+        elif attribute.type not in (ir.AttributeType.INT, ir.AttributeType.FLOAT, ir.AttributeType.STRING):
+            return None
+        attributes.append((name, value))
+    inputs = []
+    for v in node.inputs:
+        if v is None:
+            inputs.append(None)
+            continue
+        data = shapes.constant_input(v) if v.dtype in _INDEX_TYPES else None
+        inputs.append((v.dtype, shapes.dims(v), None if data is None else (np.shape(data), np.asarray(data).tobytes())))
+    return (node.op_type, len(node.outputs), tuple(attributes), tuple(inputs))
+
+
+def frozen_shape(kind: onnx.TypeProto, seen: dict[bytes, ir.Shape | None]) -> ir.Shape | None:
+    """The shape in ``kind``: deserialised once per distinct type (``seen``), and frozen, so that
+    one object serves every value of that type."""
+    key = kind.SerializeToString()
+    if key not in seen:
+        seen[key] = ir.serde.deserialize_type_proto_for_shape(kind)
+    return seen[key]
+
+
 def _unknown(dim) -> bool:
     """A dimension nobody named: none at all, or one onnx's inference made up ("unk__3")."""
     return dim is None or (isinstance(dim, str) and dim.startswith("unk__"))
@@ -162,6 +240,17 @@ def onnx_inferred(proto: onnx.ModelProto) -> onnx.ModelProto | None:
     return inferred
 
 
+def inferred_types(proto: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    """Name → type of the values ``proto`` (an output of :func:`onnx_inferred`) declares: the
+    inputs, outputs and value_info of its graph and subgraphs (the first where a name repeats)."""
+    types: dict[str, onnx.TypeProto] = {}
+    for graph in _graphs(proto.graph):
+        for info in (*graph.input, *graph.output, *graph.value_info):
+            if info.name not in types and info.type.WhichOneof("value"):
+                types[info.name] = info.type
+    return types
+
+
 def forget_element_names(proto: onnx.ModelProto) -> None:
     """Clears the dimension names onnx's inference made up ("unk__3") for sequences' element
     types, wherever they appear in ``proto`` (an output of that inference).
@@ -172,8 +261,8 @@ def forget_element_names(proto: onnx.ModelProto) -> None:
     reuse one element's buffer for another ("Shape mismatch attempting to re-use buffer").
     """
     infos = [info for graph in _graphs(proto.graph) for info in (*graph.input, *graph.output, *graph.value_info)]
-    made_up = {d.dim_param for info in infos for d, in_sequence in _tensor_dims(info.type)
-               if in_sequence and d.dim_param.startswith("unk__")}
+    made_up = {d.dim_param for info in infos if info.type.WhichOneof("value") != "tensor_type"
+               for d, in_sequence in _tensor_dims(info.type) if in_sequence and d.dim_param.startswith("unk__")}
     for info in infos if made_up else ():
         for d, _ in _tensor_dims(info.type):
             if d.dim_param in made_up:

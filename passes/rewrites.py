@@ -111,21 +111,26 @@ def constant(value: ir.Value | None) -> np.ndarray | None:
 class Rewriter:
     """One sweep of the rewrites over a model's graphs, subgraphs and functions."""
 
-    def __init__(self, model: ir.Model) -> None:
+    def __init__(self, model: ir.Model, graphs: list[ir.Graph] | None = None) -> None:
         self.model = model
         self.opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
-        self.graphs = _all_graphs(model)
+        self.graphs = _all_graphs(model) if graphs is None else graphs
         self._taken: set[str] | None = None
         self.fills: dict[ir.Value, float | None] = {}
         self.captured = _captured_outputs(self.graphs)
         self.count = 0
+        # Replaced nodes leave their graphs at the end of the sweep, all at once: each removal
+        # copies the list of graph outputs. Until then they are detached and skipped.
+        self.dropped: dict[ir.Graph, list[ir.Node]] = {}
+        self._gone: set[ir.Node] = set()
+        self._positions: dict[ir.Graph, dict[ir.Value, list[int]]] = {}
 
     # ------------------------------------------------------------------ helpers
 
     def fresh(self, base: str | None) -> str:
         """A value name used nowhere in the model, derived from ``base``."""
         if self._taken is None:
-            self._taken = {v.name for v in _all_values(self.graphs) if v.name}
+            self._taken = {v.name for v in _all_values(self.graphs) if v.name and v.producer() not in self._gone}
         base = f"{base or 'v'}_s"
         name, k = base, 0
         while name in self._taken:
@@ -195,17 +200,49 @@ class Rewriter:
         """Apply the rewrites once to every node; return how many fired."""
         for graph in self.graphs:
             for node in list(graph):
-                if node.graph is None or node.domain != "" or len(node.outputs) != 1:
+                if node in self._gone or node.domain != "" or len(node.outputs) != 1:
                     continue
                 rewrite = REWRITES.get(node.op_type)
                 result = rewrite(self, node) if rewrite is not None else None
-                if result is None and node.graph is not None and (
+                if result is None and node not in self._gone and (
                     node.op_type in _ZERO_IF_INPUT or node.op_type in _ZERO_IF_ALL
                 ):
                     result = self.zero_result(node)
                 if result is not None:
                     self.replace(node, *result) if isinstance(result, tuple) else self.replace(node, result)
+        for graph, nodes in self.dropped.items():
+            graph.remove(nodes, safe=True)
+        self.dropped.clear()
         return self.count
+
+    def drop(self, node: ir.Node) -> None:
+        """Take ``node``, whose outputs nothing reads any more, out of the graph (at the end of the sweep)."""
+        for i, value in enumerate(node.inputs):
+            if value is not None:
+                node.replace_input_with(i, None)
+        self.dropped.setdefault(node.graph, []).append(node)
+        self._gone.add(node)
+        self.count += 1
+
+    def output_positions(self, graph: ir.Graph, value: ir.Value) -> list[int]:
+        """Where ``value`` stands among the graph's outputs (an index kept up to date by set_output)."""
+        if not value.is_graph_output():
+            return []
+        if graph not in self._positions:
+            positions: dict[ir.Value, list[int]] = {}
+            for i, out in enumerate(graph.outputs):
+                positions.setdefault(out, []).append(i)
+            self._positions[graph] = positions
+        return list(self._positions[graph].get(value, ()))
+
+    def set_output(self, graph: ir.Graph, i: int, value: ir.Value) -> None:
+        positions = self._positions.get(graph)
+        if positions is not None:
+            old = positions.get(graph.outputs[i])
+            if old is not None and i in old:
+                old.remove(i)
+            positions.setdefault(value, []).append(i)
+        graph.outputs[i] = value
 
     def zero_result(self, node: ir.Node):
         inputs = [v for v in node.inputs if v is not None]
@@ -235,7 +272,7 @@ class Rewriter:
             value.type = old.type
         if value.shape is None and old.shape is not None:
             value.shape = old.shape
-        positions = [i for i, out in enumerate(graph.outputs) if out is old] if old.is_graph_output() else []
+        positions = self.output_positions(graph, old)
         if positions:
             fresh = bool(new_nodes) and value.producer() is new_nodes[-1] and not value.is_graph_output()
             if not fresh:
@@ -248,11 +285,10 @@ class Rewriter:
             value.type = old.type or value.type
             value.shape = old.shape if old.shape is not None else value.shape
             for i in positions:
-                graph.outputs[i] = value
+                self.set_output(graph, i, value)
         old.replace_all_uses_with(value)
-        graph.remove(node, safe=True)
+        self.drop(node)
         self.fills.pop(old, None)
-        self.count += 1
 
 
 def _node(op_type: str, inputs, name: str | None, **attributes) -> ir.Node:
@@ -269,6 +305,8 @@ def _node(op_type: str, inputs, name: str | None, **attributes) -> ir.Node:
 
 
 def _subgraphs(node: ir.Node) -> Iterator[ir.Graph]:
+    if not node.attributes:  # most nodes: their attributes' view costs more than this check
+        return
     for attribute in node.attributes.values():
         if attribute.type == ir.AttributeType.GRAPH:
             yield attribute.value
@@ -277,17 +315,18 @@ def _subgraphs(node: ir.Node) -> Iterator[ir.Graph]:
 
 
 def _all_graphs(model: ir.Model) -> list[ir.Graph]:
-    graphs: list[ir.Graph] = []
-
-    def visit(graph):
-        graphs.append(graph)
-        for node in graph:
-            for sub in _subgraphs(node):
-                visit(sub)
-
-    visit(model.graph)
+    graphs = graph_and_subgraphs(model.graph)
     for function in model.functions.values():
-        visit(function.graph if hasattr(function, "graph") else function)
+        graphs += graph_and_subgraphs(function.graph if hasattr(function, "graph") else function)
+    return graphs
+
+
+def graph_and_subgraphs(graph: ir.Graph) -> list[ir.Graph]:
+    """``graph`` and the graphs its nodes hold, at any depth (depth first)."""
+    graphs = [graph]
+    for node in graph:
+        for sub in _subgraphs(node):
+            graphs += graph_and_subgraphs(sub)
     return graphs
 
 
@@ -710,22 +749,21 @@ def identity(r: Rewriter, node: ir.Node):
     """Identity(x) is x; a graph output keeps its name (x takes it when x is free to be renamed)."""
     x, out = node.inputs[0], node.outputs[0]
     graph = node.graph
-    if not out.is_graph_output() or out not in graph.outputs:
+    positions = r.output_positions(graph, out)
+    if not positions:
         return x
     producer = x.producer()
     if producer is None or producer.graph is not graph or x.is_graph_output() or x in r.captured:
         return None
-    positions = [i for i, v in enumerate(graph.outputs) if v is out]
     name, x_shape = out.name, out.shape if out.shape is not None else x.shape
     for i in positions:
-        graph.outputs[i] = x
+        r.set_output(graph, i, x)
     out.replace_all_uses_with(x)
     out.name = None
     x.name = name
     x.type = out.type or x.type
     x.shape = x_shape
-    graph.remove(node, safe=True)
-    r.count += 1
+    r.drop(node)
     return None
 
 

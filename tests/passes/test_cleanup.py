@@ -549,6 +549,94 @@ def test_the_default_passes_need_no_arguments():
     assert {t.name for t in proto.graph.initializer} >= {"W1", "b1", "W2"}
 
 
+# ------------------------------------------------------------------------- build cost
+
+
+def residual_chain(layers: int) -> onnx.ModelProto:
+    """x ← x + tanh(x·W_i), then the mean: each layer's backward repeats the same nodes."""
+    nodes, weights, x = [], {}, "x"
+    for i in range(layers):
+        weights[f"w{i}"] = (R.standard_normal((4, 4)) / 2).astype(np.float32)
+        nodes += [helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]), helper.make_node("Tanh", [f"m{i}"], [f"t{i}"]),
+                  helper.make_node("Add", [x, f"t{i}"], [f"r{i}"])]
+        x = f"r{i}"
+    nodes.append(helper.make_node("ReduceMean", [x], ["loss"], keepdims=0))
+    return make_model(nodes, {"x": R.standard_normal((2, 4)).astype(np.float32)}, ["loss"], initializers=weights)
+
+
+def _cleanup_calls(model: onnx.ModelProto, monkeypatch) -> dict[str, int]:
+    """How often the cleanup of the model's backward graph removes nodes from a graph and runs
+    onnx's inference of the whole model (each costs time proportional to the model)."""
+    calls = {"remove": 0, "infer": 0}
+    remove, infer = ir.Graph.remove, onnx.shape_inference.infer_shapes
+
+    def counted_remove(self, *args, **kwargs):
+        calls["remove"] += 1
+        return remove(self, *args, **kwargs)
+
+    def counted_infer(*args, **kwargs):
+        calls["infer"] += 1
+        return infer(*args, **kwargs)
+
+    raw = autodiff_pass(of="loss")(ir.from_proto(model)).model
+    with monkeypatch.context() as patch:
+        patch.setattr(ir.Graph, "remove", counted_remove)
+        patch.setattr(onnx.shape_inference, "infer_shapes", counted_infer)
+        cleanup_passes()[0](raw)
+    return calls
+
+
+def test_the_cleanup_does_not_repeat_work_per_node(monkeypatch):
+    """Duplicates, dead nodes and replaced nodes leave the graph in one removal per step (each
+    removal copies the list of graph outputs, one per gradient), and the values that lack a shape
+    get it from their nodes' own inference (one per distinct node): nothing grows with the number
+    of layers, where before there was one removal per node and a whole-model inference per round."""
+    small, large = (_cleanup_calls(residual_chain(n), monkeypatch) for n in (5, 50))
+    assert small == large
+    assert large["infer"] <= 1
+
+
+def test_equal_gradients_reach_a_fixed_point():
+    """Two parameters with the same gradient: merging their graph outputs would only swap one
+    node for an Identity, which the folder turns back; the rounds end at once."""
+    nodes = [helper.make_node("Sum", ["a", "b", "c"], ["s"])]
+    feeds = {k: R.standard_normal((3,)).astype(np.float32) for k in "abc"}
+    raw = autodiff_pass(of="s", wrt=["a", "b", "c"], seed="ones")(ir.from_proto(make_model(nodes, feeds, ["s"]))).model
+    cleanup = cleanup_passes()[0]
+    cleanup(raw)
+    assert cleanup.rounds < cleanup.max_rounds
+    once = ir.to_proto(raw)
+    assert not cleanup(raw).modified
+    assert ir.to_proto(raw).SerializeToString() == once.SerializeToString()
+    outputs = run(once, feeds)
+    for name in ("grad_a", "grad_b", "grad_c"):
+        np.testing.assert_array_equal(outputs[name], np.ones(3, np.float32))
+
+
+def test_removing_unused_parts_matches_onnx_ir(monkeypatch):
+    """The cleanup's own removal of unused optional outputs, omitted trailing inputs and
+    initializers does what onnx-ir's RemoveUnusedNodesPass does (reading fewer schemas)."""
+    from onnx_autodiff.passes import cleanup
+
+    x = R.standard_normal((2, 3, 4)).astype(np.float32)
+    nodes = [
+        helper.make_node("LayerNormalization", ["x", "s", "b"], ["y", "mean", "inv"], axis=-1),
+        helper.make_node("Dropout", ["y", "", ""], ["d", "mask"]),
+        helper.make_node("Split", ["d"], ["p", "q"], axis=-1, num_outputs=2),
+        helper.make_node("Clip", ["p", "lo", ""], ["c"]),
+        helper.make_node("Mul", ["c", "q"], ["z"]),
+        helper.make_node("Identity", ["inv"], ["inv_out"]),
+    ]
+    model = make_model(nodes, {"x": x}, ["z", "inv_out"], opset=18,
+                       initializers={"s": np.ones(4, np.float32), "b": np.zeros(4, np.float32),
+                                     "lo": np.array(0, np.float32), "unused": np.ones(2, np.float32)})
+    ours, theirs = ir.from_proto(model), ir.from_proto(model)
+    assert cleanup._remove_unused(ours) is True  # the unused initializer went
+    ir.passes.common.RemoveUnusedNodesPass()(theirs)
+    assert ir.to_proto(ours).SerializeToString() == ir.to_proto(theirs).SerializeToString()
+    assert [len(n.outputs) for n in ours.graph] == [3, 1, 2, 1, 1, 1]  # mean lost its name, mask went
+
+
 # ------------------------------------------------------------------------- conformance cases
 
 
@@ -636,3 +724,26 @@ def test_conformance_sample_gives_the_same_gradients_with_and_without_cleanup():
 @pytest.mark.slow
 def test_conformance_sweep_gives_the_same_gradients_with_and_without_cleanup():
     _check_cases(step=1, minimum=600)
+
+
+def test_transpose_of_a_large_frozen_weight_is_not_folded():
+    """onnxscript's folder folds any Transpose; a frozen weight's would be a second copy of it."""
+    import onnx_ir as ir
+    from onnx import TensorProto, helper, numpy_helper
+
+    from onnx_autodiff import autodiff_pass, cleanup_passes
+
+    big = numpy_helper.from_array(np.ones((64, 32), np.float32), "W")  # 2,048 elements > FOLD_LIMIT
+    small = numpy_helper.from_array(np.ones((4, 8), np.float32), "S")
+    graph = helper.make_graph(
+        [helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]), helper.make_node("MatMul", ["X", "Wt"], ["h"]),
+         helper.make_node("Transpose", ["S"], ["St"], perm=[1, 0]), helper.make_node("MatMul", ["X4", "St"], ["k"]),
+         helper.make_node("ReduceSum", ["h"], ["a"], keepdims=0), helper.make_node("ReduceSum", ["k"], ["b"], keepdims=0),
+         helper.make_node("Add", ["a", "b"], ["loss"])], "g",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [2, 32]), helper.make_tensor_value_info("X4", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [big, small])
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    result = ir.passes.PassManager([autodiff_pass(of="loss", wrt=["X", "X4"]), *cleanup_passes()])(model).model
+    initializers = {name: tuple(v.shape) for name, v in result.graph.initializers.items()}
+    assert initializers.get("W") == (64, 32) and (32, 64) not in initializers.values()  # kept as a node
+    assert (8, 4) in initializers.values() and "S" not in initializers  # a small one still folds
