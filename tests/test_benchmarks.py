@@ -80,3 +80,31 @@ def test_repeat_summarises_the_ratios_of_fresh_processes(capsys):
     for key in ("ort bwd / ort fwd", "fed bwd / fed fwd"):  # "median (min–max)" of the two runs
         median, low, high = map(float, re.fullmatch(r"(-?[\d.]+) \((-?[\d.]+)–(-?[\d.]+)\)", row[key]).groups())
         assert low <= median <= high
+
+
+def test_build_time_runs_on_each_model_family(monkeypatch, capsys):
+    build_time = load("build_time")
+    monkeypatch.setattr(sys, "argv", ["build_time.py", "--models", "gpt1", "res31", "blocks2", "--repeat", "1"])
+    build_time.main()
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [row[0] for row in rows] == ["gpt1", "res31", "blocks2"]
+    for row in rows:
+        raw, cleaned = int(row[2]), int(row[3])
+        assert 0 < cleaned <= raw  # the cleanup never adds nodes
+    assert int(rows[1][1]) == 31
+
+
+def test_llama_lora_runs_at_a_toy_size(tmp_path, capsys):
+    for name in ("torch", "transformers", "peft", "onnxscript"):
+        pytest.importorskip(name)
+    bench = load("llama_lora")
+    assert bench.main(["--tiny", "--layers", "1", "--steps", "3", "--seq", "8", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = table_rows(out)
+    assert len(rows) == 5, rows
+    for row in rows.values():
+        assert float(row["wall s"]) > 0 and float(row["peak RSS MB"]) > 0
+    ours, theirs = ([float(x) for x in line.split()[1:]] for line in re.findall(r"^  losses .*$", out, re.MULTILINE))
+    assert len(ours) == 3 and ours[-1] < ours[0]  # one batch, three steps: the loss falls
+    assert ours == pytest.approx(theirs, rel=1e-5)  # onnxruntime and PyTorch + peft take the same steps
+    assert not list(tmp_path.iterdir())  # the files are removed
