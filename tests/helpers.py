@@ -10,6 +10,7 @@ from onnx import helper, numpy_helper
 
 from onnx_autodiff.conformance import check_vjp
 from onnx_autodiff.conformance.check import backward_model
+from onnx_autodiff.passes.inference import _graphs
 
 RNG_SEED = 0
 _FLOAT_ELEM = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
@@ -138,14 +139,6 @@ def assert_valid_model(model: onnx.ModelProto) -> onnx.ModelProto:
                 assert not (a in transposed and ranks.get(b) == 1), (
                     f"MatMul '{node.name}' multiplies a transposed matrix by a vector ({a}, {b})")
     return inferred
-
-
-def _graphs(graph: onnx.GraphProto):
-    yield graph
-    for node in graph.node:
-        for attribute in node.attribute:
-            for sub in [attribute.g] if attribute.HasField("g") else attribute.graphs:
-                yield from _graphs(sub)
 
 
 def _sequence_dim_names(kind: onnx.TypeProto, inside: bool = False) -> set[str]:
