@@ -8,7 +8,12 @@ class AutodiffError(Exception):
 
 
 class MissingRuleError(AutodiffError):
-    """A node on the path from the variables to the output has no gradient rule."""
+    """Nodes on the path from the variables to the output have no gradient rule; ``nodes`` holds
+    (name, op type, domain, opset) of each."""
+
+    def __init__(self, message: str, nodes=()) -> None:
+        super().__init__(message)
+        self.nodes = list(nodes)
 
 
 class NotDifferentiableError(AutodiffError):

@@ -19,6 +19,7 @@ import onnx
 import onnx_ir as ir
 
 from onnx_autodiff.errors import UnsupportedModelError
+from onnx_autodiff.passes.inference import proto_graphs
 
 PROTO_LIMIT = 2**31  # bytes: protobuf's limit on one serialised message
 _GRAPH_ROOM = 2**26  # bytes left for the graph itself when deciding from the tensors' size
@@ -26,14 +27,13 @@ THRESHOLD = 1024  # bytes: smaller tensors stay in the .onnx file (onnx.save's d
 
 
 def _tensor_protos(graph: onnx.GraphProto):
-    yield from graph.initializer
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.HasField("t"):
-                yield attribute.t
-            yield from attribute.tensors
-            for sub in [attribute.g] if attribute.HasField("g") else attribute.graphs:
-                yield from _tensor_protos(sub)
+    for g in proto_graphs(graph):
+        yield from g.initializer
+        for node in g.node:
+            for attribute in node.attribute:
+                if attribute.HasField("t"):
+                    yield attribute.t
+                yield from attribute.tensors
 
 
 def uses_external_data(proto: onnx.ModelProto) -> bool:

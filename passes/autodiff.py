@@ -378,9 +378,8 @@ def _missing_rules_error(entries: list[tuple[tuple, str, str]], seeds, xs) -> Mi
             f"no gradient rule for {len(entries)} nodes on {path}: {listed}. Register one rule per "
             f"op type, e.g. {how}"
         )
-    error = MissingRuleError(message)
-    error.nodes = [key for key, _, _ in entries]
-    error._entries = entries
+    error = MissingRuleError(message, [key for key, _, _ in entries])
+    error._entries = entries  # the phrases, for a holder's rule that re-raises it
     return error
 
 

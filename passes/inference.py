@@ -244,7 +244,7 @@ def inferred_types(proto: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     """Name → type of the values ``proto`` (an output of :func:`onnx_inferred`) declares: the
     inputs, outputs and value_info of its graph and subgraphs (the first where a name repeats)."""
     types: dict[str, onnx.TypeProto] = {}
-    for graph in _graphs(proto.graph):
+    for graph in proto_graphs(proto.graph):
         for info in (*graph.input, *graph.output, *graph.value_info):
             if info.name not in types and info.type.WhichOneof("value"):
                 types[info.name] = info.type
@@ -260,7 +260,7 @@ def forget_element_names(proto: onnx.ModelProto) -> None:
     reads a tensor of that one name, which claims all elements are equal; onnxruntime then plans to
     reuse one element's buffer for another ("Shape mismatch attempting to re-use buffer").
     """
-    infos = [info for graph in _graphs(proto.graph) for info in (*graph.input, *graph.output, *graph.value_info)]
+    infos = [info for graph in proto_graphs(proto.graph) for info in (*graph.input, *graph.output, *graph.value_info)]
     made_up = {d.dim_param for info in infos if info.type.WhichOneof("value") != "tensor_type"
                for d, in_sequence in _tensor_dims(info.type) if in_sequence and d.dim_param.startswith("unk__")}
     for info in infos if made_up else ():
@@ -269,12 +269,13 @@ def forget_element_names(proto: onnx.ModelProto) -> None:
                 d.ClearField("dim_param")
 
 
-def _graphs(graph: onnx.GraphProto):
+def proto_graphs(graph: onnx.GraphProto):
+    """``graph`` and every subgraph in it, at any depth (GraphProtos)."""
     yield graph
     for node in graph.node:
         for attribute in node.attribute:
             for sub in [attribute.g] if attribute.HasField("g") else attribute.graphs:
-                yield from _graphs(sub)
+                yield from proto_graphs(sub)
 
 
 def _tensor_dims(kind: onnx.TypeProto, in_sequence: bool = False) -> list:

@@ -22,6 +22,7 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
+from onnx_autodiff.errors import AutodiffError
 from onnx_autodiff.rules import GradRegistry, default_registry
 from onnx_autodiff.rules.builder import FLOAT_TYPES
 
@@ -81,7 +82,7 @@ def _finite_and_moderate(tensor: ir.TensorProtocol, step: int = 1 << 22) -> bool
 
 
 def _read_where_gradients_flow(model: ir.Model, registry: GradRegistry) -> set[ir.Value]:
-    from onnx_autodiff.passes.autodiff import captured_values
+    from onnx_autodiff.passes.autodiff import captured_values  # autodiff imports this module
 
     initializers = set(model.graph.initializers.values())
     found: set[ir.Value] = set()
@@ -98,8 +99,6 @@ def _read_where_gradients_flow(model: ir.Model, registry: GradRegistry) -> set[i
 
 def _input_names(rule, node: ir.Node, opset: int) -> list[str] | None:
     """The schema's input names, or None where no rule says (every input then counts as read)."""
-    from onnx_autodiff.errors import AutodiffError
-
     if rule is None:
         return None
     try:

@@ -10,7 +10,7 @@ from onnx import helper, numpy_helper
 
 from onnx_autodiff.conformance import check_vjp
 from onnx_autodiff.conformance.check import backward_model
-from onnx_autodiff.passes.inference import _graphs
+from onnx_autodiff.passes.inference import proto_graphs
 
 RNG_SEED = 0
 _FLOAT_ELEM = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
@@ -113,26 +113,26 @@ def assert_valid_model(model: onnx.ModelProto) -> onnx.ModelProto:
     onnxruntime 1.32's MatmulTransposeFusion miscomputes."""
     onnx.checker.check_model(model, full_check=True)
     inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
-    for graph in _graphs(model.graph):
+    for graph in proto_graphs(model.graph):
         for info in (*graph.input, *graph.output, *graph.value_info):
             names = _sequence_dim_names(info.type)
             assert not any(n.startswith("unk__") for n in names), (
                 f"'{info.name}' in graph '{graph.name}' is a sequence whose element type names "
                 f"dimensions {sorted(names)}, which onnx's inference made up")
     ranks = {info.name: len(info.type.tensor_type.shape.dim)
-             for graph in _graphs(inferred.graph) for info in (*graph.input, *graph.output, *graph.value_info)
+             for graph in proto_graphs(inferred.graph) for info in (*graph.input, *graph.output, *graph.value_info)
              if info.type.tensor_type.HasField("shape")}
-    ranks.update({t.name: len(t.dims) for graph in _graphs(inferred.graph) for t in graph.initializer})
+    ranks.update({t.name: len(t.dims) for graph in proto_graphs(inferred.graph) for t in graph.initializer})
     # Through the Identities and matrix Reshapes that onnxruntime removes before it fuses.
     transposed = set()
-    for graph in _graphs(inferred.graph):
+    for graph in proto_graphs(inferred.graph):
         for n in graph.node:
             if n.domain not in ("", "ai.onnx") or ranks.get(n.input[0] if n.input else "") != 2:
                 continue
             through = n.op_type in ("Identity", "Reshape") and n.input[0] in transposed and ranks.get(n.output[0]) == 2
             if n.op_type == "Transpose" or through:
                 transposed.add(n.output[0])
-    for graph in _graphs(inferred.graph):
+    for graph in proto_graphs(inferred.graph):
         for node in graph.node:
             if node.op_type == "MatMul" and node.domain in ("", "ai.onnx"):
                 a, b = node.input

@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff.errors import BatchError, TrainingError
 from onnx_autodiff.modelfile import from_proto, over_limit, save_model, tensor_array, to_inline_proto, uses_external_data
+from onnx_autodiff.passes.inference import proto_graphs
 from onnx_autodiff.rules.builder import Namer
 from onnx_autodiff.training.artifacts import TrainingArtifacts
 from onnx_autodiff.training.values import load_npz, npz_writer, owned_copy, shape_text, write_atomically
@@ -29,13 +30,13 @@ _ORT_TYPES = {
 
 def _names(graph: onnx.GraphProto) -> set[str]:
     """Every value name of ``graph`` and of its subgraphs."""
-    names = {v.name for v in (*graph.input, *graph.output, *graph.value_info)} | {t.name for t in graph.initializer}
-    for node in graph.node:
-        names.update(node.input)
-        names.update(node.output)
-        for attribute in node.attribute:
-            for sub in (*attribute.graphs, *([attribute.g] if attribute.HasField("g") else [])):
-                names |= _names(sub)
+    names: set[str] = set()
+    for g in proto_graphs(graph):
+        names.update(v.name for v in (*g.input, *g.output, *g.value_info))
+        names.update(t.name for t in g.initializer)
+        for node in g.node:
+            names.update(node.input)
+            names.update(node.output)
     return names
 
 
