@@ -57,7 +57,8 @@ RULE_TAG = "benchmark.rule"  # node metadata key: the forward op type whose rule
 # builder and PyTorch eager), quoted from the issue: (fwd nodes, ort-training nodes, torch
 # fwd+bwd ms, torch fwd ms).
 ANCHORS = {1: (35, 114, 21.5, 7.3), 8: (224, 709, 153.0, 53.0)}
-TARGETS = "L=8 fwd+bwd <= 800 nodes; fwd+bwd time <= 1.0x PyTorch; backward <= 2.5x forward"
+TARGETS = ("L=8 fwd+bwd <= 800 nodes; fwd+bwd time <= 1.0x PyTorch; backward <= 2.5x forward; "
+           "training step peak memory <= 1.0x PyTorch (aim 0.8x)")
 
 
 @dataclasses.dataclass
@@ -210,14 +211,29 @@ def check_against_torch(case: Case, results: dict[str, np.ndarray], gradient_nam
 
 # Peak memory -----------------------------------------------------------------------------------
 
+# Every measurement runs in a fresh process with the same imports (numpy, onnxruntime, onnx_autodiff's
+# trainer, and torch when PyTorch is measured too) and reports the growth of its peak RSS from then on: the
+# weights, the runtime's buffers and the activations, without the interpreter's or the libraries'.
 _MEMORY_WORKER = """
-import sys, numpy as np, onnxruntime as ort
+import json, sys
+import numpy as np, onnxruntime as ort
+from onnx_autodiff.training import Trainer
+torch = None
+if sys.argv[7] == '1':  # compared with PyTorch: the same imports in every process
+    import torch
 def status(key):
     for line in open('/proc/self/status'):
         if line.startswith(key):
             return int(line.split()[1]) / 1024
-model, data, runs, threads = sys.argv[1], np.load(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+kind, model, data, threads, config = sys.argv[1], sys.argv[2], np.load(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 feeds = {k: data[k] for k in data.files}
+if torch is not None:
+    torch.set_num_threads(threads)
+if kind.startswith('torch'):
+    sys.path.insert(0, sys.argv[6])
+    import models
+    spec = json.loads(config)
+    config = getattr(models, spec.pop('class'))(**{k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()})
 start = status('VmRSS')
 try:
     open('/proc/self/clear_refs', 'w').write('5')  # peak RSS := current RSS
@@ -225,24 +241,64 @@ except OSError:
     pass
 options = ort.SessionOptions()
 options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
-session = ort.InferenceSession(model, options, providers=['CPUExecutionProvider'])
-for _ in range(runs):
-    session.run(None, feeds)
+if kind == 'ort':
+    session = ort.InferenceSession(model, options, providers=['CPUExecutionProvider'])
+    for _ in range(3):
+        session.run(None, feeds)
+elif kind == 'trainer':
+    trainer = Trainer(model)  # its own session options, as a user gets them
+    for _ in range(3):
+        trainer.step(feeds)
+else:
+    module = models.torch_module(config)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3) if kind == 'torch-train' else None
+    args = [torch.from_numpy(v) for v in feeds.values()]
+    for _ in range(3):
+        module.zero_grad(set_to_none=True)
+        module(*args).backward()
+        if optimizer is not None:
+            optimizer.step()
 print(status('VmHWM') - start)
 """
 
 
-def peak_rss_mb(proto: onnx.ModelProto, inputs: dict[str, np.ndarray], threads: int,
-                runs: int = 3) -> float:
-    """Peak RSS growth (MB) of a fresh process from session creation through ``runs`` runs: the
-    model's weights, onnxruntime's arena and the activations, without Python's or torch's own."""
+def peak_rss_mb(kind: str, model: str, inputs: dict[str, np.ndarray], threads: int, config=None,
+                with_torch: bool = True) -> float:
+    """Peak RSS growth (MB) of a fresh process doing 3 steps of ``kind``: "ort" (the fwd+bwd
+    model file ``model``), "trainer" (Trainer steps of the artifacts directory ``model``), "torch"
+    (forward+backward of ``config``'s PyTorch module) or "torch-train" (the same with AdamW)."""
     with tempfile.TemporaryDirectory() as folder:
-        model, data = os.path.join(folder, "m.onnx"), os.path.join(folder, "x.npz")
-        onnx.save(proto, model)
+        data = os.path.join(folder, "x.npz")
         np.savez(data, **inputs)
-        command = [sys.executable, "-c", _MEMORY_WORKER, model, data, str(runs), str(threads)]
+        spec = json.dumps({"class": type(config).__name__, **dataclasses.asdict(config)}) if config else "{}"
+        command = [sys.executable, "-c", _MEMORY_WORKER, kind, model, data, str(threads), spec,
+                   str(Path(__file__).resolve().parent), str(int(with_torch))]
         out = subprocess.run(command, capture_output=True, text=True, check=True)
     return float(out.stdout.split()[-1])
+
+
+def memory_row(case: Case, proto: onnx.ModelProto, args) -> dict:
+    """Peak memory of one fwd+bwd step and of one AdamW training step, ours and PyTorch's."""
+    from onnx_autodiff.training import generate_artifacts
+
+    row = {}
+    with tempfile.TemporaryDirectory() as folder:
+        forward, grad = os.path.join(folder, "fwd.onnx"), os.path.join(folder, "grad.onnx")
+        onnx.save(case.forward, forward)
+        onnx.save(proto, grad)
+        artifacts = os.path.join(folder, "artifacts")
+        generate_artifacts(case.forward, requires_grad=parameters(case.forward), loss=None,
+                           optimizer="adamw").save(artifacts)
+        compared = case.module is not None
+        row["ort fwd MB"] = peak_rss_mb("ort", forward, case.inputs, args.threads, with_torch=compared)
+        row["ort fwd+bwd MB"] = peak_rss_mb("ort", grad, case.inputs, args.threads, with_torch=compared)
+        row["train step MB"] = peak_rss_mb("trainer", artifacts, case.inputs, args.threads, with_torch=compared)
+    if case.module is not None:
+        row["torch fwd+bwd MB"] = peak_rss_mb("torch", "", case.inputs, args.threads, case.config)
+        row["torch train MB"] = peak_rss_mb("torch-train", "", case.inputs, args.threads, case.config)
+        row["f+b MB / torch"] = row["ort fwd+bwd MB"] / row["torch fwd+bwd MB"]
+        row["train MB / torch"] = row["train step MB"] / row["torch train MB"]
+    return row
 
 
 # The table --------------------------------------------------------------------------------------
@@ -278,8 +334,7 @@ def measure(case: Case, args) -> dict:
         steps.update(torch_steps(case, args))
     for name, (wall, cpu) in median_ms(steps, args.warmup, args.runs).items():
         row[name + " ms"], row[name + " cpu"] = wall, cpu
-    row["ort fwd MB"] = peak_rss_mb(case.forward, case.inputs, args.threads)
-    row["ort fwd+bwd MB"] = peak_rss_mb(proto, case.inputs, args.threads)
+    row.update(memory_row(case, proto, args))
     return row
 
 
@@ -317,8 +372,14 @@ COLUMNS = [
     ("model", "{}"), ("fwd nodes", "{:d}"), ("fwd+bwd nodes", "{:d}"), ("outlined nodes", "{:d}"),
     ("function nodes", "{:d}"), ("build s", "{:.2f}"),
     ("ort fwd ms", "{:.2f}"), ("ort fwd+bwd ms", "{:.2f}"), ("torch fwd+bwd ms", "{:.2f}"),
-    ("torch fwd ms", "{:.2f}"), ("ort fwd MB", "{:.0f}"), ("ort fwd+bwd MB", "{:.0f}"),
-    ("ort f+b / torch f+b", "{:.2f}"), ("ort bwd / ort fwd", "{:.2f}"), ("max rel err", "{:.1e}"),
+    ("torch fwd ms", "{:.2f}"), ("ort f+b / torch f+b", "{:.2f}"), ("ort bwd / ort fwd", "{:.2f}"),
+    ("max rel err", "{:.1e}"),
+]
+
+MEMORY_COLUMNS = [
+    ("model", "{}"), ("ort fwd MB", "{:.0f}"), ("ort fwd+bwd MB", "{:.0f}"), ("torch fwd+bwd MB", "{:.0f}"),
+    ("f+b MB / torch", "{:.2f}"), ("train step MB", "{:.0f}"), ("torch train MB", "{:.0f}"),
+    ("train MB / torch", "{:.2f}"),
 ]
 
 
@@ -335,6 +396,9 @@ def print_table(rows: list[dict]) -> None:
     print("\nThe same steps with the weights fed as graph inputs, as a training loop runs them "
           "(onnxruntime neither pre-packs nor folds them then):")
     print_markdown(rows, FED_COLUMNS)
+    print("\nPeak memory (MB: growth of a fresh process's peak RSS over 3 steps, equal imports; "
+          "train step: Trainer with AdamW against torch.optim.AdamW):")
+    print_markdown(rows, MEMORY_COLUMNS)
 
 
 def print_markdown(rows: list[dict], columns) -> None:
@@ -395,6 +459,10 @@ def print_anchors(rows: list[dict], layers: list[int]) -> None:
         if "fed bwd / fed fwd" in row:
             ratio = row["fed bwd / fed fwd"]
             marks.append(f"bwd {ratio:.2f}x fwd ({'met' if ratio <= 2.5 else 'missed'})")
+        if "train MB / torch" in row:
+            ratio = row["train MB / torch"]
+            verdict = "aim met" if ratio <= 0.8 else "met" if ratio <= 1.0 else "missed"
+            marks.append(f"train step memory {ratio:.2f}x PyTorch ({verdict})")
         print(f"  {row['model']}: " + "; ".join(marks))
 
 
@@ -561,8 +629,9 @@ def main(argv: list[str] | None = None) -> int:
     print_cpu_table(rows)
     print_anchors(rows, args.layers if "gpt" in args.models and not args.tiny else [])
     print("\nmax rel err: max over parameters of max|ours - torch| / max|torch| (float32 both). "
-          "Peak memory: growth of a fresh process's peak RSS from creating the onnxruntime "
-          "session through 3 runs (weights, arena, activations). Torch forward runs under no_grad. "
+          "Peak memory: growth of a fresh process's peak RSS from after the imports (numpy, "
+          "onnxruntime, torch, onnx_autodiff's trainer, the same in every process) through 3 steps: "
+          "session or module creation, weights, runtime buffers, activations. Torch forward runs under no_grad. "
           "Timings depend on the machine's other load at the time: compare within one run.")
     if args.analyze:
         for case in cases:

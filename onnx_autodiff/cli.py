@@ -271,6 +271,8 @@ def operator_table() -> str:
     for domain, op_type in registry.op_types(differentiable=True):
         rules = [r for r in registry.rules() if (r.domain, r.op_type) == (domain, op_type) and r.backward]
         inputs = sorted({name for r in rules for name in r.differentiable})
+        if any(r.captures for r in rules):
+            inputs.append("the outer values its subgraphs read")
         ranges = ", ".join(_opset_range(b) for b in sorted({r.opsets for r in rules}))
         lines.append(f"| {domain or 'ai.onnx'} | {op_type} | {', '.join(inputs) or '(zero gradient)'} | {ranges} |")
     stopped = [op for _, op in registry.op_types(differentiable=False)]

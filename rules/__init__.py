@@ -41,6 +41,8 @@ def register_gradient(
     *,
     differentiable: Sequence[str] = (),
     opsets: tuple[int, int] | None = None,
+    since: int | None = None,
+    until: int | None = None,
     broadcast: bool | Sequence[str] = False,
     when: Callable[[ir.Node], bool] | None = None,
     inputs: Sequence[str] | None = None,
@@ -50,7 +52,8 @@ def register_gradient(
 ) -> Callable[[Backward], Backward]:
     """Decorator adding (or overriding) the rule of ``domain::op_type`` in ``registry``; the
     options are those of :class:`GradRule` (``saves`` gives the forward node optional outputs the
-    rule reads, ``broadcast`` may name the inputs whose gradients come back unreduced).
+    rule reads, ``broadcast`` may name the inputs whose gradients come back unreduced;
+    ``since``/``until`` bound the opsets it applies to, inclusive).
 
     The default is the shipped registry, so the rule applies to every later pass::
 
@@ -65,6 +68,8 @@ def register_gradient(
         domain,
         differentiable=differentiable,
         opsets=opsets,
+        since=since,
+        until=until,
         broadcast=broadcast,
         when=when,
         inputs=inputs,

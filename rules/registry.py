@@ -180,6 +180,8 @@ class GradRegistry:
         ``inputs`` is only needed for ops without a schema; a trailing ``"name..."`` marks a
         variadic last input. ``since``/``until`` are a shorthand for ``opsets``.
         """
+        if opsets is not None and (since is not None or until is not None):
+            raise TypeError("give the opsets as opsets=(low, high) or as since=/until=, not both")
         bounds = opsets or (since or 1, until or MAX_OPSET)
 
         def decorate(backward: Backward) -> Backward:

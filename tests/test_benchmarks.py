@@ -20,13 +20,16 @@ def load(name: str):
     return module
 
 
-def table_rows(out: str) -> dict[str, list[str]]:
+def table_rows(out: str, column: str | None = None) -> dict[str, dict[str, str]]:
+    """The rows, by their first cell, of the first markdown table printed (with ``column``)."""
     lines = [line for line in out.splitlines() if line.startswith("| ")]
-    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    headers = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    header = next(h for h in headers if column is None or column in h)
     rows = {}
-    for line in lines[1:]:
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        if len(cells) == len(header) and cells[0] != header[0]:
+    for cells in headers[headers.index(header) + 1:]:
+        if cells[0] == header[0]:  # the next table
+            break
+        if len(cells) == len(header):
             rows.setdefault(cells[0], dict(zip(header, cells)))
     return rows
 
@@ -55,7 +58,11 @@ def test_benchmark_runs_on_the_tiny_models(source, capsys):
     for model in ("GPT L=1 (tiny)", "CNN (tiny)", "MLP 784-256-10 (tiny)"):
         row = rows[model]
         assert int(row["fwd+bwd nodes"]) > int(row["fwd nodes"]) > 0
-        assert float(row["ort fwd+bwd ms"]) > 0 and float(row["ort fwd+bwd MB"]) >= 0
+        assert float(row["ort fwd+bwd ms"]) > 0
+        memory = table_rows(out, "train step MB")[model]
+        assert float(memory["ort fwd+bwd MB"]) > 0 and float(memory["train step MB"]) > 0
+        if source == "torch":
+            assert float(memory["torch train MB"]) > 0 and float(memory["torch fwd+bwd MB"]) > 0
         if source == "torch":
             # The printed error is what makes the table trustworthy: it must be small.
             assert float(row["max rel err"]) < 1e-4, row

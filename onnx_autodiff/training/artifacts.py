@@ -35,6 +35,7 @@ from onnx_autodiff.rules.builder import Namer, OpBuilder
 from onnx_autodiff.training.losses import LossSpec, attach_loss, model_opset
 from onnx_autodiff.training.optimizers import (
     emit_update,
+    step_kept,
     make_optimizer,
     optimizer_from_json,
     optimizer_to_json,
@@ -73,6 +74,9 @@ class TrainingArtifacts:
         "accumulate_model": "accumulate_model.onnx",
         "apply_model": "apply_model.onnx",
     }
+    # read from its file when first used: the trainer needs it only to export (and its initial
+    # weights would otherwise stay in memory beside the trained ones)
+    LAZY = ("inference_model",)
 
     @property
     def optimizer(self):
@@ -122,9 +126,24 @@ class TrainingArtifacts:
         for attribute, filename in cls.FILES.items():
             file = os.path.join(directory, filename)
             # external tensors stay in their files, read from there when used
-            models[attribute] = onnx.load(file, load_external_data=False) if os.path.isfile(file) else None
+            if attribute in cls.LAZY:
+                models[attribute] = None
+            else:
+                models[attribute] = onnx.load(file, load_external_data=False) if os.path.isfile(file) else None
         checkpoint = load_npz(os.path.join(directory, "checkpoint.npz"))  # mapped, read when used
-        return cls(checkpoint=checkpoint, layout=layout, base_dir=directory, **models)
+        artifacts = cls(checkpoint=checkpoint, layout=layout, base_dir=directory, **models)
+        for attribute in cls.LAZY:
+            del artifacts.__dict__[attribute]  # __getattr__ reads it when first used
+        return artifacts
+
+    def __getattr__(self, name: str):
+        # only called for a model that load() left in its file
+        if name not in type(self).LAZY or "base_dir" not in self.__dict__:
+            raise AttributeError(name)
+        file = os.path.join(self.base_dir, self.FILES[name])
+        model = onnx.load(file, load_external_data=False) if os.path.isfile(file) else None
+        setattr(self, name, model)
+        return model
 
 
 
@@ -462,7 +481,8 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     if kind == "train":
         lr = fresh_value(namer, "lr", ir.DataType.FLOAT, [])
         step = fresh_value(namer, "step", ir.DataType.INT64, [])
-        states, new_params, new_states = emit_update(op, spec, params, grads, lr, step, namer, max_grad_norm)
+        states, new_params, new_states, kept = emit_update(op, spec, params, grads, lr, step, namer, max_grad_norm,
+                                                           loss=loss)
         for p, new_p in zip(params, new_params):
             outputs.append(_publish(op, namer, new_p, f"{p.name}.new", taken, like=p))
             carry.append([p.name, p.name, outputs[-1].name])
@@ -476,9 +496,11 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
         tail = [lr, step]
     else:  # accumulate: acc + grad
         tail = []
+        kept, _ = step_kept(op, grads, loss)
         for p, g in zip(params, grads):
             acc = fresh_value(namer, f"{p.name}.grad_acc", g.dtype or p.dtype, [dim_value(x) for x in p.shape])
             extra_inputs.append(acc)
+            g = op.Where(kept, g, op.const(0.0, like=acc))
             outputs.append(_publish(op, namer, op.Add(acc, g), f"{acc.name}.new", taken, like=acc))
             carry.append([acc.name, acc.name, outputs[-1].name])
     for name in roles.buffers:
@@ -486,8 +508,12 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
         if value is None:
             continue
         buffer = next(v for v in graph.inputs if v.name == name)
+        # no Where(kept, new, old) here: onnxruntime's BatchNormalization writes the statistics it
+        # returns into the buffers of its inputs unless they are graph outputs (the trainer gives
+        # them spare buffers, kept only when the step is)
         outputs.append(_publish(op, namer, value, f"{name}.new", taken, like=buffer))
         carry.append([name, name, outputs[-1].name])
+    outputs.append(_publish(op, namer, kept, "kept", taken))
     graph.extend(op.nodes)
     for domain, version in op.opsets.items():
         model.opset_imports.setdefault(domain, version)
@@ -500,6 +526,7 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
         "reads": [] if kind == "train" else [[p.name, p.name] for p in params],
         "scalars": scalars,
         "loss": loss_out.name,
+        "kept": outputs[-1].name,
     }
     return {"model": proto_out, "layout": layout, "labels": [v.name for v in labels], "state": state_layout}
 
@@ -550,8 +577,8 @@ def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumul
     step = fresh_value(namer, "step", ir.DataType.INT64, [])
     scale = fresh_value(namer, "grad_scale", ir.DataType.FLOAT, [])
     grads = [op.Mul(a, op.CastLike(scale, a)) for a in accs]
-    states, new_params, new_states = emit_update(op, spec, params, grads, lr, step, namer, max_grad_norm,
-                                                  [state.get(p, []) for p in roles.params])
+    states, new_params, new_states, kept = emit_update(op, spec, params, grads, lr, step, namer, max_grad_norm,
+                                                        [state.get(p, []) for p in roles.params])
     taken: set = set()
     outputs, carry = [], []
     for p, new_p in zip(params, new_params):
@@ -561,6 +588,7 @@ def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumul
         for s, new_s in zip(inputs, news):
             outputs.append(_publish(op, namer, new_s, f"{s.name}.new", taken, like=s))
             carry.append([s.name, s.name, outputs[-1].name])
+    outputs.append(_publish(op, namer, kept, "kept", taken))
     state_inputs = [s for inputs in states for s in inputs]
     graph = ir.Graph([*params, *accs, *state_inputs, lr, step, scale], outputs, nodes=op.nodes,
                      opset_imports={"": opset}, name="apply")
@@ -572,5 +600,6 @@ def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumul
         "reads": [[a.name, a.name] for a in accs],
         "scalars": {"lr": lr.name, "step": step.name, "grad_scale": scale.name},
         "loss": None,
+        "kept": outputs[-1].name,
     }
     return proto_out, layout

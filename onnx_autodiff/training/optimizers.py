@@ -95,28 +95,52 @@ def optimizer_from_json(data: dict):
     return make_optimizer(data.pop("name"), **data)
 
 
+def step_kept(op: OpBuilder, grads, loss: ir.Value | None = None) -> tuple[ir.Value, ir.Value]:
+    """(kept, Σ‖g‖²): kept is True when the loss (when given) and the float32 sum of the squared
+    gradients are finite, i.e. no gradient is NaN or ±Inf (nor so large that its square is)."""
+    float32 = ir.DataType.FLOAT
+    squares = [op.Cast(op.ReduceSumSquare(g if g.dtype in (float32, ir.DataType.DOUBLE) else op.Cast(g, to=float32),
+                                          keepdims=0), to=float32) for g in grads]
+    total = op.Sum(*squares) if len(squares) > 1 else squares[0]
+    checked = total if loss is None else op.Add(total, op.Abs(op.Cast(loss, to=float32)))
+    return op.Less(op.Abs(checked), op.const(float("inf"), dtype=float32)), total  # Less is False for NaN
+
+
 def emit_update(op: OpBuilder, spec, params, grads, lr: ir.Value, step: ir.Value, namer: Namer, max_grad_norm,
-                 state_names=None):
-    """Optimiser nodes: returns (state inputs per param, new params, new states per param)."""
+                 state_names=None, loss: ir.Value | None = None):
+    """Optimiser nodes: returns (state inputs per param, new params, new states per param, kept).
+
+    ``kept`` is a bool scalar, True when the step counts: the loss (when given) and the sum of
+    the squared gradients are finite. When it is False every new value equals its old one (the
+    gradients enter as zeros and the coefficients as those of an identity update), so a trainer
+    may write the new values over the old ones and still keep nothing of a failed step; every
+    update also waits for it, so the updates run after the whole backward pass.
+    """
+    float32, double = ir.DataType.FLOAT, ir.DataType.DOUBLE
+    kept, total = step_kept(op, grads, loss)
     if max_grad_norm is not None:
         # torch.nn.utils.clip_grad_norm_: g ·= min(max_norm / (‖g‖₂ + 1e-6), 1) over all gradients
-        squares = [op.Cast(op.ReduceSumSquare(g, keepdims=0), to=ir.DataType.FLOAT) for g in grads]
-        total = op.Sqrt(op.Sum(*squares) if len(squares) > 1 else squares[0])
-        coef = op.Min(op.Div(op.const(float(max_grad_norm), dtype=ir.DataType.FLOAT), op.Add(total, 1e-6)), 1.0)
+        coef = op.Min(op.Div(op.const(float(max_grad_norm), dtype=float32), op.Add(op.Sqrt(total), 1e-6)), 1.0)
         grads = [op.Mul(g, op.CastLike(coef, g)) for g in grads]
-    double = ir.DataType.DOUBLE
     # scalar coefficients in float64, like torch's Python-float arithmetic, then cast per dtype
     lr_d = op.Cast(lr, to=double)
     t = op.Cast(step, to=double)
     coefficients: dict = {}
 
-    def scalar(key, build, like):
+    def scalar(key, build, like, identity=None):
+        """A coefficient in ``like``'s dtype; ``identity``: its value when the step is not kept."""
         if (key, like.dtype) not in coefficients:
-            coefficients[(key, like.dtype)] = op.Cast(build(), to=like.dtype)
+            value = op.Cast(build(), to=like.dtype)
+            if identity is not None:
+                value = op.Where(kept, value, op.const(identity, like=like))
+            coefficients[(key, like.dtype)] = value
         return coefficients[(key, like.dtype)]
 
     def d(x):
         return op.const(float(x), dtype=double)
+
+    def gated(g, p):  # zeros when the step is not kept: a NaN gradient must not reach the state
+        return op.Where(kept, g, op.const(0.0, like=p))
 
     states, new_params, new_states = [], [], []
     for i, (p, g) in enumerate(zip(params, grads)):
@@ -131,28 +155,33 @@ def emit_update(op: OpBuilder, spec, params, grads, lr: ir.Value, step: ir.Value
         if isinstance(spec, SGD):
             if spec.weight_decay:
                 g = op.Add(g, op.Mul(p, op.const(spec.weight_decay, like=p)))
+            g = gated(g, p)
             if spec.momentum:
                 buf = inputs[0]
-                m = op.const(spec.momentum, like=p)
+                m = scalar("momentum", lambda: d(spec.momentum), p, identity=1.0)
                 if spec.dampening:
-                    mixed = op.Add(op.Mul(buf, m), op.Mul(g, op.const(1 - spec.dampening, like=p)))
+                    keep = scalar("dampening", lambda: d(1 - spec.dampening), p, identity=0.0)
+                    mixed = op.Add(op.Mul(buf, m), op.Mul(g, keep))
                     buf = op.Where(op.Equal(step, op.const(1, dtype=step.dtype)), g, mixed)
                 else:
                     buf = op.Add(op.Mul(buf, m), g)  # buf = 0 before step 1: exactly g
                 outs.append(buf)
-                g = op.Add(g, op.Mul(buf, m)) if spec.nesterov else buf
-            new_p = op.Sub(p, op.Mul(g, scalar("lr", lambda: lr_d, p)))
+                g = op.Add(g, op.Mul(buf, op.const(spec.momentum, like=p))) if spec.nesterov else buf
+            new_p = op.Sub(p, op.Mul(g, scalar("lr", lambda: lr_d, p, identity=0.0)))
         else:
             b1, b2 = spec.betas
             m, v = inputs[0], inputs[1]
             if spec.weight_decay and not spec.decoupled:
                 g = op.Add(g, op.Mul(p, op.const(spec.weight_decay, like=p)))
+            g = gated(g, p)
             if spec.weight_decay and spec.decoupled:
-                p_decayed = op.Mul(p, scalar("decay", lambda: op.Sub(d(1), op.Mul(lr_d, d(spec.weight_decay))), p))
+                decay = scalar("decay", lambda: op.Sub(d(1), op.Mul(lr_d, d(spec.weight_decay))), p, identity=1.0)
+                p_decayed = op.Mul(p, decay)
             else:
                 p_decayed = p
-            m = op.Add(m, op.Mul(op.Sub(g, m), op.const(1 - b1, like=p)))
-            v = op.Add(op.Mul(v, op.const(b2, like=p)), op.Mul(op.Mul(g, g), op.const(1 - b2, like=p)))
+            m = op.Add(m, op.Mul(op.Sub(g, m), scalar("1-b1", lambda: d(1 - b1), p, identity=0.0)))
+            v = op.Add(op.Mul(v, scalar("b2", lambda: d(b2), p, identity=1.0)),
+                       op.Mul(op.Mul(g, g), scalar("1-b2", lambda: d(1 - b2), p, identity=0.0)))
             outs += [m, v]
             second = v
             if spec.amsgrad:
@@ -163,9 +192,10 @@ def emit_update(op: OpBuilder, spec, params, grads, lr: ir.Value, step: ir.Value
                 return op.Sqrt(op.Sub(d(1), op.Pow(d(b2), t)))
 
             eps = scalar("eps", lambda: op.Mul(bc2_sqrt(), d(spec.eps)), p)
-            step_size = scalar("step_size", lambda: op.Div(op.Mul(lr_d, bc2_sqrt()), op.Sub(d(1), op.Pow(d(b1), t))), p)
+            step_size = scalar("step_size", lambda: op.Div(op.Mul(lr_d, bc2_sqrt()), op.Sub(d(1), op.Pow(d(b1), t))), p,
+                               identity=0.0)
             denom = op.Add(op.Sqrt(second), eps)
             new_p = op.Sub(p_decayed, op.Mul(op.Div(m, denom), step_size))
         new_params.append(new_p)
         new_states.append(outs)
-    return states, new_params, new_states
+    return states, new_params, new_states, kept

@@ -34,7 +34,7 @@ def npz_writer(arrays: Mapping[str, np.ndarray]) -> Callable[[BinaryIO], None]:
     return lambda stream: np.savez(stream, **arrays)
 
 
-def load_npz(path: str | os.PathLike, map_from: int = 1 << 20) -> dict[str, np.ndarray]:
+def load_npz(path: str | os.PathLike, map_from: int = 1 << 16) -> dict[str, np.ndarray]:
     """The arrays of an npz file; those of at least ``map_from`` bytes stored uncompressed (as
     ``np.savez`` writes them) are memory-mapped read-only, so a multi-GB checkpoint is read
     only as it is used, not held in memory whole."""

@@ -671,3 +671,24 @@ def test_tied_bias_summed_before_one_reduction_per_broadcast_shape():
     proto, _ = differentiate(model, of="y", wrt=["b"], seed="ones")
     assert _reductions(proto) == 3  # + the Mul's own (2,4,6)->(4,6)
     assert_gradients(model, {"x": x, "w": w, "b": b}, ["x", "w", "b"])
+
+
+@pytest.mark.parametrize("opset", [17, 18])
+def test_register_gradient_since_until_bound_the_opsets(opset):
+    from onnx_autodiff import register_gradient
+
+    registry = default_registry().copy()
+    used = []
+
+    # a rule of one's own for opsets up to 17; the shipped rule stays for later ones
+    @register_gradient("LayerNormalization", differentiable=("X",), until=17, registry=registry)
+    def layer_norm_until_17(op, node, dY, *rest):
+        used.append(opset)
+        return {"X": op.Mul(dY, op.const(2.0, like=dY))}
+
+    model, _ = _layer_norms(1)
+    model.opset_import[0].version = opset
+    differentiate(model, of="y0", wrt=["x"], registry=registry, seed="ones")
+    assert used == ([17] if opset <= 17 else [])
+    with pytest.raises(TypeError):  # one way to give the bounds: not both
+        register_gradient("Relu", opsets=(1, 5), since=2, registry=registry)
