@@ -1,4 +1,4 @@
-"""The ``onnx-autodiff`` command line: grad, jvp, hvp, jacobian, check, artifacts, ops, demo, conformance."""
+"""The ``onnx-autodiff`` command line: grad, jvp, hvp, jacobian, check, artifacts, train, ops, demo, conformance."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import BinaryIO
 
 import onnx
 import onnx_ir as ir
@@ -104,8 +105,9 @@ def check_output_path(path: str) -> None:
         raise UsageError(f"output directory does not exist: {directory}")
 
 
-def write_file(path: str, data: bytes) -> None:
-    """Write ``data`` atomically (never half-written); a permission error or a full disk is one plain line."""
+def write_file(path: str, data: bytes | Callable[[BinaryIO], object]) -> None:
+    """Write ``data`` (bytes, or a function writing them to a stream) atomically (never half-written);
+    a permission error or a full disk is one plain line."""
     try:
         write_atomically(path, data)
     except OSError as error:
@@ -254,9 +256,16 @@ def _check_generated(model: onnx.ModelProto | str) -> None:
 
 
 def cmd_demo(args) -> int:
-    from onnx_autodiff.demo import run_demo
+    from onnx_autodiff.demo import run_demo, write_example
     from onnx_autodiff.training import run_training_demo
 
+    if args.write_example is not None:
+        try:
+            paths = write_example(args.write_example)
+        except OSError as error:
+            raise CommandError(f"cannot write the example to {args.write_example}: {error.strerror or error}") from error
+        print(f"wrote {', '.join(paths)}")
+        return EXIT_OK
     gradients = run_demo(steps=args.steps)
     print()
     return gradients or run_training_demo()
@@ -320,6 +329,7 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from onnx_autodiff import training
+    from onnx_autodiff.training import train_command
 
     parser = _Parser(prog="onnx-autodiff", description=__doc__)
     commands = parser.add_subparsers(dest="command", parser_class=_Parser)
@@ -362,10 +372,14 @@ def build_parser() -> argparse.ArgumentParser:
     ops.set_defaults(run=cmd_ops)
     demo = commands.add_parser("demo", help="differentiate, check and train an embedded classifier")
     demo.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    demo.add_argument("--write-example", metavar="DIR",
+                      help="instead: write the classifier (model.onnx) and its data (train.npz, val.npz) to DIR")
     demo.set_defaults(run=cmd_demo)
     artifacts = commands.add_parser("artifacts", help="write train-step, eval and checkpoint files for plain onnxruntime")
     training.add_arguments(artifacts)
     artifacts.set_defaults(run=training.run)
+    train = commands.add_parser("train", help="train a model on arrays from an .npz or .safetensors file")
+    train_command.add_arguments(train)
     try:
         from onnx_autodiff.conformance import runner
     except ImportError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -13,8 +14,9 @@ from onnx import TensorProto, helper, numpy_helper
 FEATURES, HIDDEN, CLASSES, SAMPLES = 16, 32, 4, 256
 
 
-def classifier_model(seed: int = 0) -> onnx.ModelProto:
-    """An MLP 16-32-4 with Gemm, Relu and a mean cross-entropy loss; outputs loss and logits."""
+def classifier_model(seed: int = 0, loss: bool = True) -> onnx.ModelProto:
+    """An MLP 16-32-4 with Gemm and Relu; with ``loss``, it also takes ``labels`` and outputs the
+    mean cross-entropy loss before the logits, else it is the forward model alone (logits)."""
     rng = np.random.default_rng(seed)
 
     def init(name, *shape, scale):
@@ -24,19 +26,18 @@ def classifier_model(seed: int = 0) -> onnx.ModelProto:
         helper.make_node("Gemm", ["X", "W1", "b1"], ["h"], transB=1),
         helper.make_node("Relu", ["h"], ["a"]),
         helper.make_node("Gemm", ["a", "W2", "b2"], ["logits"], transB=1),
-        helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "labels"], ["loss"], reduction="mean"),
     ]
+    inputs = [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", FEATURES])]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", CLASSES])]
+    if loss:
+        nodes.append(helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "labels"], ["loss"], reduction="mean"))
+        inputs.append(helper.make_tensor_value_info("labels", TensorProto.INT64, ["N"]))
+        outputs.insert(0, helper.make_tensor_value_info("loss", TensorProto.FLOAT, []))
     graph = helper.make_graph(
         nodes,
         "classifier",
-        [
-            helper.make_tensor_value_info("X", TensorProto.FLOAT, ["N", FEATURES]),
-            helper.make_tensor_value_info("labels", TensorProto.INT64, ["N"]),
-        ],
-        [
-            helper.make_tensor_value_info("loss", TensorProto.FLOAT, []),
-            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", CLASSES]),
-        ],
+        inputs,
+        outputs,
         [
             init("W1", HIDDEN, FEATURES, scale=(2 / FEATURES) ** 0.5),
             init("b1", HIDDEN, scale=0.0),
@@ -55,6 +56,27 @@ def blobs(seed: int = 1, samples: int = SAMPLES) -> tuple[np.ndarray, np.ndarray
     labels = rng.integers(0, CLASSES, samples)
     X = centres[labels] + rng.standard_normal((samples, FEATURES))
     return X.astype(np.float32), labels.astype(np.int64)
+
+
+def write_example(directory: str | os.PathLike, samples: int = 768, validation: int = 256) -> list[str]:
+    """Writes the classifier's forward model (``model.onnx``, logits only) and the four-cluster data
+    split into ``train.npz`` and ``val.npz`` (arrays ``X`` and ``labels``) to ``directory``, ready
+    for ``onnx-autodiff train``; returns the paths written."""
+    from onnx_autodiff.training.values import npz_writer, write_atomically
+
+    os.makedirs(directory, exist_ok=True)
+    X, labels = blobs(seed=1, samples=samples)
+    cut = samples - validation
+    files = {
+        "model.onnx": classifier_model(loss=False).SerializeToString(deterministic=True),
+        "train.npz": npz_writer({"X": X[:cut], "labels": labels[:cut]}),
+        "val.npz": npz_writer({"X": X[cut:], "labels": labels[cut:]}),
+    }
+    paths = []
+    for name, data in files.items():
+        paths.append(os.path.join(directory, name))
+        write_atomically(paths[-1], data)
+    return paths
 
 
 def run_demo(steps: int = 60, learning_rate: float = 0.5, out=print) -> int:

@@ -18,3 +18,20 @@ def test_two_setup_commands_at_the_top():
     block = lines[lines.index("```bash") + 1 : lines.index("```")]
     assert block == ['pip install . && onnx-autodiff demo', 'pip install -e ".[test]" && python -m pytest -q']
     assert lines.index("```bash") < 5
+
+
+def test_train_section_runs_as_written(tmp_path, monkeypatch, capsys):
+    import shlex
+
+    from onnx_autodiff.cli import main
+
+    section = README.read_text(encoding="utf-8").split("## Train from the command line", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    for line in block.splitlines():
+        command = shlex.split(line, comments=True)
+        assert command[0] == "onnx-autodiff"
+        assert main(command[1:]) == 0, line
+    out = capsys.readouterr().out
+    assert "epoch 5/5:" in out and "epoch 8/8:" in out
+    assert (tmp_path / "example" / "run" / "model.onnx").is_file()

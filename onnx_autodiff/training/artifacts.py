@@ -42,13 +42,14 @@ from onnx_autodiff.training.optimizers import (
 )
 from onnx_autodiff.training.values import (
     dim_value,
+    arrays_writer,
     fresh_value,
-    load_npz,
-    npz_writer,
+    load_arrays,
     write_atomically,
 )
 
 FORMAT_VERSION = 1
+CHECKPOINT_FILES = {"npz": "checkpoint.npz", "safetensors": "checkpoint.safetensors"}
 
 
 
@@ -86,12 +87,17 @@ class TrainingArtifacts:
     def params(self) -> list[str]:
         return list(self.layout["params"])
 
-    def save(self, directory: str | os.PathLike, external_data: bool | None = None) -> dict[str, str]:
-        """Writes the models, ``checkpoint.npz`` and ``artifacts.json`` (each file atomically).
+    def save(self, directory: str | os.PathLike, external_data: bool | None = None,
+             checkpoint_format: str = "npz") -> dict[str, str]:
+        """Writes the models, the checkpoint and ``artifacts.json`` (each file atomically).
 
         A model whose tensors are stored externally (read from a model with external data, or
         over protobuf's 2 GB) gets them in a data file beside it (``training_model.onnx.data``,
-        copied a tensor at a time); ``external_data=True`` does that for every model."""
+        copied a tensor at a time); ``external_data=True`` does that for every model.
+        ``checkpoint_format``: "npz" (``checkpoint.npz``) or "safetensors"
+        (``checkpoint.safetensors``, which the JavaScript trainer reads); ``load`` reads either."""
+        if checkpoint_format not in CHECKPOINT_FILES:
+            raise TrainingError(f"checkpoint_format must be one of {', '.join(CHECKPOINT_FILES)}, not {checkpoint_format!r}")
         directory = os.fspath(directory)
         os.makedirs(directory, exist_ok=True)
         written = {}
@@ -104,9 +110,12 @@ class TrainingArtifacts:
                 else:
                     write_atomically(path, proto.SerializeToString(deterministic=True))
                 written[attribute] = path
-        path = os.path.join(directory, "checkpoint.npz")
-        write_atomically(path, npz_writer(self.checkpoint))
+        path = os.path.join(directory, CHECKPOINT_FILES[checkpoint_format])
+        write_atomically(path, arrays_writer(path, self.checkpoint))
         written["checkpoint"] = path
+        for other in CHECKPOINT_FILES.values():  # one checkpoint per directory: load must not pick a stale one
+            if other != CHECKPOINT_FILES[checkpoint_format] and os.path.exists(os.path.join(directory, other)):
+                os.remove(os.path.join(directory, other))
         path = os.path.join(directory, "artifacts.json")
         write_atomically(path, json.dumps(self.layout, indent=1, sort_keys=True).encode())
         written["layout"] = path
@@ -130,7 +139,11 @@ class TrainingArtifacts:
                 models[attribute] = None
             else:
                 models[attribute] = onnx.load(file, load_external_data=False) if os.path.isfile(file) else None
-        checkpoint = load_npz(os.path.join(directory, "checkpoint.npz"))  # mapped, read when used
+        files = [os.path.join(directory, f) for f in CHECKPOINT_FILES.values()
+                 if os.path.isfile(os.path.join(directory, f))]
+        if not files:
+            raise TrainingError(f"{directory} holds no checkpoint ({' or '.join(CHECKPOINT_FILES.values())})")
+        checkpoint = load_arrays(files[0])  # mapped, read when used
         artifacts = cls(checkpoint=checkpoint, layout=layout, base_dir=directory, **models)
         for attribute in cls.LAZY:
             del artifacts.__dict__[attribute]  # __getattr__ reads it when first used

@@ -11,7 +11,7 @@ from onnx import helper, numpy_helper
 
 from onnx_autodiff.errors import TrainingError, names_summary
 from onnx_autodiff.passes.lora import LoraConfig
-from onnx_autodiff.training.artifacts import generate_artifacts
+from onnx_autodiff.training.artifacts import TrainingArtifacts, generate_artifacts
 from onnx_autodiff.training.losses import LOSSES
 from onnx_autodiff.training.optimizers import OPTIMIZERS
 from onnx_autodiff.training.trainer import Trainer
@@ -22,65 +22,88 @@ def add_arguments(parser) -> None:
     """Arguments of ``onnx-autodiff artifacts MODEL -o DIR``."""
     parser.add_argument("model", help="forward .onnx model")
     parser.add_argument("-o", "--output", required=True, help="directory to write the artifacts to")
-    parser.add_argument("--loss", default="cross_entropy", choices=[*LOSSES, "none"],
-                        help="loss on the model's output; 'none': the model's output is the loss (default cross_entropy)")
-    parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="default adamw")
-    parser.add_argument("--requires-grad", nargs="+", metavar="NAME", help="initializers to train (default: the float initializers that are not constants)")
-    parser.add_argument("--frozen", nargs="+", metavar="NAME", help="initializers to keep fixed")
-    parser.add_argument("--output-name", metavar="NAME", help="the model output the loss applies to (default: the first)")
-    parser.add_argument("--lr", type=float, help="default learning rate recorded in the artifacts")
-    parser.add_argument("--momentum", type=float, help="SGD momentum")
-    parser.add_argument("--nesterov", action="store_true", help="SGD Nesterov momentum")
-    parser.add_argument("--weight-decay", type=float, help="weight decay (AdamW: decoupled)")
-    parser.add_argument("--max-grad-norm", type=float, help="clip gradients by their global L2 norm")
+    add_generation_arguments(parser)
     parser.add_argument("--gradient-accumulation", action="store_true", help="also write the accumulate and apply models")
-    parser.add_argument("--lora", type=int, metavar="RANK",
-                        help="train LoRA adapters of this rank on the MatMul/Gemm weights instead of the weights "
-                             "(--requires-grad then names extra initializers to train)")
-    parser.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA scale numerator: scale = A / RANK (default RANK)")
-    parser.add_argument("--lora-targets", nargs="+", metavar="PATTERN",
-                        help="weights to adapt, shell-style patterns on initializer names, e.g. '*q_proj*' (default: all)")
-    parser.add_argument("--lora-dropout", type=float, metavar="P", help="dropout on the adapters' input in training (default 0)")
-    from onnx_autodiff.cli import NO_UPGRADE_HELP  # cli imports us
-
-    parser.add_argument("--no-upgrade", action="store_true", help=NO_UPGRADE_HELP)
     parser.add_argument("--external-data", action="store_true",
                         help="write each model's tensors to a data file beside it (done anyway for models over "
                              "protobuf's 2 GB limit and for models read with external data)")
+    parser.add_argument("--checkpoint-format", choices=["npz", "safetensors"], default="npz",
+                        help="checkpoint.npz (default) or checkpoint.safetensors (what the JavaScript trainer reads)")
+
+
+def add_generation_arguments(parser) -> list[str]:
+    """The options of :func:`generate_artifacts` (loss, optimiser, parameters, LoRA), shared by the
+    ``artifacts`` and ``train`` commands; returns their destinations. Each defaults to None (or
+    False), so that a command can tell which were given; :func:`artifacts_from_args` fills in the
+    defaults the help names."""
+    from onnx_autodiff.cli import NO_UPGRADE_HELP  # cli imports us
+
+    actions = [
+        parser.add_argument("--loss", choices=[*LOSSES, "none"],
+                            help="loss on the model's output; 'none': the model's output is the loss (default cross_entropy)"),
+        parser.add_argument("--optimizer", choices=OPTIMIZERS, help="default adamw"),
+        parser.add_argument("--requires-grad", nargs="+", metavar="NAME", help="initializers to train (default: the float initializers that are not constants)"),
+        parser.add_argument("--frozen", nargs="+", metavar="NAME", help="initializers to keep fixed"),
+        parser.add_argument("--output-name", metavar="NAME", help="the model output the loss applies to (default: the first)"),
+        parser.add_argument("--lr", type=float, help="learning rate (default: the optimiser's, recorded in the artifacts)"),
+        parser.add_argument("--momentum", type=float, help="SGD momentum"),
+        parser.add_argument("--nesterov", action="store_true", help="SGD Nesterov momentum"),
+        parser.add_argument("--weight-decay", type=float, help="weight decay (AdamW: decoupled)"),
+        parser.add_argument("--max-grad-norm", type=float, help="clip gradients by their global L2 norm"),
+        parser.add_argument("--lora", type=int, metavar="RANK",
+                            help="train LoRA adapters of this rank on the MatMul/Gemm weights instead of the weights "
+                                 "(--requires-grad then names extra initializers to train)"),
+        parser.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA scale numerator: scale = A / RANK (default RANK)"),
+        parser.add_argument("--lora-targets", nargs="+", metavar="PATTERN",
+                            help="weights to adapt, shell-style patterns on initializer names, e.g. '*q_proj*' (default: all)"),
+        parser.add_argument("--lora-dropout", type=float, metavar="P", help="dropout on the adapters' input in training (default 0)"),
+        parser.add_argument("--no-upgrade", action="store_true", help=NO_UPGRADE_HELP),
+    ]
+    return [action.dest for action in actions]
+
+
+def artifacts_from_args(args, gradient_accumulation: bool = False) -> TrainingArtifacts:
+    """The artifacts of ``args.model`` with the options of :func:`add_generation_arguments`."""
+    from onnx_autodiff.cli import UsageError, read_model_proto  # cli imports us
+
+    options = {k: v for k, v in (("lr", args.lr), ("momentum", args.momentum), ("weight_decay", args.weight_decay)) if v is not None}
+    if args.nesterov:
+        options["nesterov"] = True
+    optimizer = args.optimizer or "adamw"
+    if optimizer != "sgd" and ("momentum" in options or args.nesterov):
+        raise TrainingError("--momentum and --nesterov apply to --optimizer sgd only")
+    lora = _lora_config(args, UsageError)
+    read_model_proto(args.model)  # checked; read again from the path, which locates its external data
+    loss = args.loss or "cross_entropy"
+    return generate_artifacts(
+        args.model, requires_grad=args.requires_grad, frozen_params=args.frozen,
+        loss=None if loss == "none" else loss, optimizer=optimizer, optimizer_options=options,
+        output=args.output_name, max_grad_norm=args.max_grad_norm, gradient_accumulation=gradient_accumulation,
+        upgrade_opset=not args.no_upgrade, lora=lora,
+    )
 
 
 def run(args) -> int:
     """``onnx-autodiff artifacts``: writes the artifacts; exit 0, or raises an AutodiffError or one of the
     command line's errors (UsageError, CommandError)."""
-    from onnx_autodiff.cli import CommandError, UsageError, note_left_out, read_model_proto  # cli imports us
+    from onnx_autodiff.cli import CommandError, UsageError, note_left_out  # cli imports us
 
-    options = {k: v for k, v in (("lr", args.lr), ("momentum", args.momentum), ("weight_decay", args.weight_decay)) if v is not None}
-    if args.nesterov:
-        options["nesterov"] = True
-    if args.optimizer != "sgd" and ("momentum" in options or args.nesterov):
-        raise TrainingError("--momentum and --nesterov apply to --optimizer sgd only")
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise UsageError(f"-o {args.output} is a file: name the directory to write the artifacts to")
-    lora = _lora_config(args, UsageError)
     start = time.perf_counter()
-    read_model_proto(args.model)  # checked; read again from the path, which locates its external data
-    artifacts = generate_artifacts(
-        args.model, requires_grad=args.requires_grad, frozen_params=args.frozen,
-        loss=None if args.loss == "none" else args.loss, optimizer=args.optimizer, optimizer_options=options,
-        output=args.output_name, max_grad_norm=args.max_grad_norm, gradient_accumulation=args.gradient_accumulation,
-        upgrade_opset=not args.no_upgrade, lora=lora,
-    )
+    artifacts = artifacts_from_args(args, args.gradient_accumulation)
     try:
-        written = artifacts.save(args.output, True if args.external_data else None)
+        written = artifacts.save(args.output, True if args.external_data else None, args.checkpoint_format)
     except OSError as error:  # each file is written atomically: none is half-written
         raise CommandError(f"cannot write the artifacts to {args.output}: {error.strerror or error}") from error
     seconds = time.perf_counter() - start
     note_left_out(getattr(artifacts, "left_out", []), "--requires-grad", "train")
-    count = len(artifacts.layout["lora"]["adapters"]) if lora else 0
-    adapted = f", LoRA rank {lora.rank} on {count} weight{'s' if count != 1 else ''}" if lora else ""
+    lora = artifacts.layout.get("lora")
+    count = len(lora["adapters"]) if lora else 0
+    adapted = f", LoRA rank {lora['rank']} on {count} weight{'s' if count != 1 else ''}" if lora else ""
     print(
         f"wrote {len(written)} files to {args.output} in {seconds:.2f} s: {len(artifacts.params)} parameters "
-        f"({names_summary(artifacts.params)}){adapted}, {args.optimizer}, train model {len(artifacts.train_model.graph.node)} nodes"
+        f"({names_summary(artifacts.params)}){adapted}, {artifacts.optimizer.name}, train model {len(artifacts.train_model.graph.node)} nodes"
     )
     return 0
 

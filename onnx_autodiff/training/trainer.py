@@ -15,8 +15,9 @@ from onnx_autodiff.errors import BatchError, TrainingError
 from onnx_autodiff.modelfile import from_proto, over_limit, save_model, tensor_array, to_inline_proto, uses_external_data
 from onnx_autodiff.passes.inference import proto_graphs
 from onnx_autodiff.rules.builder import Namer
+from onnx_autodiff.training import distributed
 from onnx_autodiff.training.artifacts import TrainingArtifacts
-from onnx_autodiff.training.values import load_npz, npz_writer, owned_copy, shape_text, write_atomically
+from onnx_autodiff.training.values import arrays_writer, load_arrays, owned_copy, shape_text, write_atomically
 
 
 LARGE_STATE = 1 << 30  # bytes of parameters and optimiser state from which the CPU arena is off
@@ -286,7 +287,7 @@ class Trainer:
 
     def __init__(self, artifacts: TrainingArtifacts | str | os.PathLike, lr: float | None = None,
                  providers: Sequence | None = None, session_options=None, checkpoint: Mapping | None = None,
-                 nonfinite: str = "raise") -> None:
+                 nonfinite: str = "raise", comm=None) -> None:
         import onnxruntime as ort
 
         if nonfinite not in ("raise", "skip"):
@@ -294,6 +295,7 @@ class Trainer:
         self.nonfinite = nonfinite
         self.skipped_steps = 0
         self._poisoned = False  # skip mode: a pending micro-batch was not finite
+        self._failure: str | None = None  # with ranks: what was not finite here, told when all decide
         if not isinstance(artifacts, TrainingArtifacts):
             artifacts = TrainingArtifacts.load(artifacts)
         self.artifacts = artifacts
@@ -323,8 +325,15 @@ class Trainer:
         first = self.providers[0] if self.providers else "CPUExecutionProvider"
         first = first[0] if isinstance(first, tuple) else first
         self.device = "cuda" if first == "CUDAExecutionProvider" else "cpu"
-        self._runner("train")
+        self.comm = comm if distributed.size(comm) > 1 else None
+        if self.comm is None:
+            self._runner("train")
+        elif artifacts.accumulate_model is None:
+            raise TrainingError("data-parallel training sums the ranks' gradients between the accumulate and apply "
+                                "models: generate the artifacts with gradient_accumulation=True")
         self.load_state_dict(checkpoint if checkpoint is not None else artifacts.checkpoint)
+        if self.comm is not None:  # every rank starts from rank 0's state
+            distributed.broadcast(self.comm, [self._value(key).numpy() for key in self.artifacts.checkpoint])
 
     # state storage: two OrtValues per key, the current one and a spare the next step writes
 
@@ -384,9 +393,17 @@ class Trainer:
     # training
 
     def step(self, batch, lr: float | None = None) -> float:
-        """One optimiser step on ``batch``; returns the loss (before the update)."""
+        """One optimiser step on ``batch``; returns the loss (before the update).
+
+        Data-parallel (``comm`` of several ranks): ``batch`` is this rank's slice of the global
+        batch (slices of equal size), the update is the one of the whole batch, and the loss
+        returned is the mean of the ranks' losses."""
         if self._micro_batches:
             raise TrainingError("accumulated gradients are pending: call apply() before step()")
+        if self.comm is not None:
+            loss = self.accumulate(batch)
+            self.apply(lr)
+            return distributed.mean(self.comm, loss)
         runner, number = self._runner("train"), self.step_count + 1
         loss, finite = runner.run(batch, {"lr": self.lr if lr is None else lr, "step": number})
         if finite:
@@ -405,8 +422,10 @@ class Trainer:
                 value = self._value(param)
                 self._set(acc, np.zeros(value.shape(), _ORT_TYPES[value.data_type()]))
         loss, finite = runner.run(batch, {})
-        if not finite and self.nonfinite == "raise":
+        if not finite and self.nonfinite == "raise" and self.comm is None:  # with ranks: all decide in apply()
             raise self._not_finite(f"micro-batch {self._micro_batches + 1} of step {self.step_count + 1}", loss, runner, batch)
+        if not finite and self.comm is not None and not self._poisoned:
+            self._failure = f"micro-batch {self._micro_batches + 1}: {self._cause(loss, runner, batch)}"
         self._poisoned |= not finite
         self._micro_batches += 1
         return loss
@@ -416,7 +435,11 @@ class Trainer:
         if self._micro_batches == 0:
             raise TrainingError("apply() needs accumulate() first: no gradient has been accumulated")
         runner, number = self._runner("apply"), self.step_count + 1
-        scalars = {"lr": self.lr if lr is None else lr, "step": number, "grad_scale": 1.0 / self._micro_batches}
+        ranks = distributed.size(self.comm)
+        if self.comm is not None:
+            self._combine_ranks(number)
+        scalars = {"lr": self.lr if lr is None else lr, "step": number,
+                   "grad_scale": 1.0 / (self._micro_batches * ranks)}
         finite = not self._poisoned and runner.run(None, scalars)[1]
         if not finite and self.nonfinite == "raise":
             raise self._not_finite(f"step {number}", None, runner, None)
@@ -425,10 +448,31 @@ class Trainer:
         else:
             self.skipped_steps += 1
         self._micro_batches = 0
-        self._poisoned = False
+        self._poisoned, self._failure = False, None
+
+    def _combine_ranks(self, number: int) -> None:
+        """Sums the ranks' accumulated gradients and averages the buffers, in place; when a micro-batch
+        was not finite on some rank, every rank skips the step (or raises, naming those ranks)."""
+        failed = distributed.failed_ranks(self.comm, self._poisoned)
+        if failed:
+            if self.nonfinite == "raise":
+                here = f" (here, {self._failure})" if self._failure else ""
+                self._micro_batches, self._poisoned, self._failure = 0, False, None
+                raise TrainingError(f"step {number}: not finite on rank {', '.join(map(str, failed))} of "
+                                    f"{self.comm.Get_size()}{here}; nothing was updated on any rank")
+            self._poisoned = True  # every rank skips the step
+            return
+        accumulators = [key for key, _, _ in self._runner("accumulate").carry if key not in self.layout["buffers"]]
+        distributed.sum_in_place(self.comm, [self._value(key).numpy() for key in accumulators])
+        distributed.mean_in_place(self.comm, [self._value(key).numpy() for key in self.layout["buffers"]])
 
     def _not_finite(self, what: str, loss: float | None, runner: _Runner, batch) -> TrainingError:
         """The error for a step that was not kept, naming what was not finite."""
+        return TrainingError(f"{what}: {self._cause(loss, runner, batch)}. Nothing was updated; "
+                             "Trainer(..., nonfinite='skip') skips such steps instead")
+
+    def _cause(self, loss: float | None, runner: _Runner, batch) -> str:
+        """What was not finite in a step that was not kept."""
         if loss is None or math.isfinite(loss):
             cause = ("the update is not finite: " if loss is None else f"the loss is {loss:g} but ")
             cause += "a gradient (or the new value of a parameter) is NaN or Inf"
@@ -439,7 +483,7 @@ class Trainer:
                if np.issubdtype(array.dtype, np.inexact) and not np.isfinite(array).all()]
         if bad:
             cause += f"; batch input {', '.join(bad)} holds NaN or Inf"
-        return TrainingError(f"{what}: {cause}. Nothing was updated; Trainer(..., nonfinite='skip') skips such steps instead")
+        return cause
 
     def evaluate(self, batch) -> dict[str, np.ndarray]:
         """The eval model on ``batch`` (inputs and labels): {"loss": ..., model outputs...}."""
@@ -498,10 +542,10 @@ class Trainer:
         self._poisoned = False
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
-        write_atomically(os.fspath(path), npz_writer(self.state_dict()))
+        write_atomically(os.fspath(path), arrays_writer(path, self.state_dict()))
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
-        self.load_state_dict(load_npz(path))
+        self.load_state_dict(load_arrays(path))
 
     def export(self, path: str | os.PathLike | None = None, merge: bool = True,
                external_data: bool | None = None) -> onnx.ModelProto:

@@ -1,0 +1,232 @@
+"""Trains the digits classifier in headless Chromium and prints its test accuracy.
+
+    python examples/web/check.py [--screenshot PATH] [--timeout SECONDS]
+    python examples/web/check.py --serve      # only serve the page, to open it in a browser yourself
+
+Writes the artifacts and data (prepare.py), serves the repository root on 127.0.0.1 (a free port),
+opens examples/web/index.html in headless Chromium driven over the DevTools protocol (on a pipe, no
+port), waits for the training to finish, saves a screenshot of the page and prints
+``browser: test accuracy X%``. Exit status 0 when X >= 90, 1 when lower or the page failed, 2 when
+Chromium or js/node_modules is missing. Needs Debian's ``chromium`` and ``npm ci --ignore-scripts
+--prefix js``; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import fcntl
+import functools
+import http.server
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import ClassVar
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+THRESHOLD = 0.90
+
+
+class PageError(Exception):
+    """The page or the browser failed: one line for the user."""
+
+
+class Handler(http.server.SimpleHTTPRequestHandler):
+    # whatever the system's mime.types says: browsers run modules and compile WebAssembly only
+    # when served with these types
+    extensions_map: ClassVar[dict[str, str]] = {
+        **http.server.SimpleHTTPRequestHandler.extensions_map,
+        ".mjs": "text/javascript", ".js": "text/javascript", ".wasm": "application/wasm",
+    }
+
+    def log_message(self, format, *args):
+        pass  # quiet: the check prints its own lines
+
+
+def serve() -> http.server.ThreadingHTTPServer:
+    """The repository root on 127.0.0.1 at a free port (not serving yet)."""
+    return http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=ROOT))
+
+
+def _moved_above(fd: int, lowest: int) -> int:
+    moved = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, lowest)
+    os.close(fd)
+    return moved
+
+
+class Chromium:
+    """Headless Chromium with the DevTools protocol on a pipe: JSON messages ended by NUL, the
+    browser reading commands on its fd 3 and writing replies and events on its fd 4."""
+
+    def __init__(self, executable: str, profile: str) -> None:
+        to_browser, self._commands = os.pipe()
+        self._replies, from_browser = os.pipe()
+        # the child's ends above fd 10, so that moving them to 3 and 4 overwrites neither (dup2 onto
+        # another fd also makes the copy inheritable)
+        to_browser, from_browser = (_moved_above(fd, 10) for fd in (to_browser, from_browser))
+
+        def pipes():  # in the child
+            os.dup2(to_browser, 3)
+            os.dup2(from_browser, 4)
+
+        flags = ["--headless", "--remote-debugging-pipe", f"--user-data-dir={profile}", "--no-first-run",
+                 "--no-default-browser-check", "--disable-gpu", "--disable-extensions", "--mute-audio",
+                 "--hide-scrollbars"]
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            flags.append("--no-sandbox")  # Chromium refuses to run as root with its sandbox
+        # preexec_fn is safe here: the check starts Chromium before any thread; close_fds=False
+        # passes fds 3 and 4 on, and no others: Python's own are not inheritable (PEP 446)
+        self.process = subprocess.Popen(
+            [executable, *flags, "about:blank"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, preexec_fn=pipes, close_fds=False)  # noqa: PLW1509
+        os.close(to_browser)
+        os.close(from_browser)
+        self._buffer = b""
+        self._next = 0
+        self.errors: list[str] = []  # exceptions thrown and console errors of the page
+
+    def send(self, method: str, params: dict | None = None, session: str | None = None, timeout: float = 30) -> dict:
+        self._next += 1
+        message = {"id": self._next, "method": method, "params": params or {}}
+        if session:
+            message["sessionId"] = session
+        try:
+            os.write(self._commands, json.dumps(message).encode() + b"\0")
+        except BrokenPipeError:
+            raise PageError(f"Chromium exited (status {self.process.wait()})") from None
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = self._receive(deadline)
+            if reply.get("id") == self._next:
+                if "error" in reply:
+                    raise PageError(f"Chromium refused {method}: {reply['error'].get('message')}")
+                return reply.get("result", {})
+            self._note(reply)
+
+    def _receive(self, deadline: float) -> dict:
+        while b"\0" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._replies], [], [], left)[0]:
+                raise PageError("Chromium did not answer in time")
+            chunk = os.read(self._replies, 1 << 16)
+            if not chunk:
+                raise PageError(f"Chromium exited (status {self.process.poll()})")
+            self._buffer += chunk
+        message, self._buffer = self._buffer.split(b"\0", 1)
+        return json.loads(message)
+
+    def _note(self, event: dict) -> None:
+        params = event.get("params", {})
+        if event.get("method") == "Runtime.exceptionThrown":
+            details = params.get("exceptionDetails", {})
+            self.errors.append(details.get("exception", {}).get("description") or details.get("text", "an exception"))
+        elif event.get("method") == "Runtime.consoleAPICalled" and params.get("type") == "error":
+            self.errors.append(" ".join(str(a.get("value", a.get("description", ""))) for a in params.get("args", [])))
+
+    def close(self) -> None:
+        try:
+            self.send("Browser.close", timeout=5)
+        except (PageError, OSError):
+            pass  # it is killed below
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        os.close(self._commands)
+        os.close(self._replies)
+
+
+def train_in_browser(browser: Chromium, url: str, screenshot: str, timeout: float) -> dict:
+    """Opens ``url``, waits for its training and returns window.trainingResult; saves a screenshot."""
+    from onnx_autodiff.training.values import write_atomically
+
+    target = browser.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+    session = browser.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+
+    def evaluate(expression: str):
+        return browser.send("Runtime.evaluate", {"expression": expression, "returnByValue": True},
+                            session=session)["result"].get("value")
+
+    browser.send("Runtime.enable", session=session)
+    browser.send("Emulation.setDeviceMetricsOverride",
+                 {"width": 900, "height": 520, "deviceScaleFactor": 1, "mobile": False}, session=session)
+    browser.send("Page.navigate", {"url": url}, session=session)
+    deadline = time.monotonic() + timeout
+    state = None
+    while state not in ("done", "error"):
+        if time.monotonic() > deadline:
+            raise PageError(f"the page did not finish training in {timeout:g} s (state {state!r})"
+                            + (f": {browser.errors[0]}" if browser.errors else ""))
+        time.sleep(0.2)
+        state = evaluate("document.body && document.body.dataset.state")
+    shot = browser.send("Page.captureScreenshot", {"format": "png"}, session=session)["data"]
+    write_atomically(screenshot, base64.b64decode(shot))
+    if state == "error":
+        raise PageError(f"the page failed: {evaluate('window.trainingError')}")
+    return json.loads(evaluate("JSON.stringify(window.trainingResult)"))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--screenshot", default=os.path.join(HERE, "screenshot.png"), help="default: %(default)s")
+    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for the training (default %(default)s)")
+    parser.add_argument("--serve", action="store_true", help="only serve the page (no browser) until interrupted")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.screenshot))):
+        parser.error(f"--screenshot {args.screenshot}: no such directory")
+    executable = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    if not executable and not args.serve:
+        print("check.py: error: no chromium on PATH (Debian: apt-get install chromium)", file=sys.stderr)
+        return 2
+    if not os.path.isfile(os.path.join(ROOT, "js", "node_modules", "onnxruntime-web", "dist", "ort.wasm.min.mjs")):
+        print("check.py: error: js/node_modules lacks onnxruntime-web: run npm ci --ignore-scripts --prefix js", file=sys.stderr)
+        return 2
+    sys.path.insert(0, HERE)
+    import prepare
+
+    prepare.main([])
+    if args.serve:
+        server = serve()
+        print(f"serving http://127.0.0.1:{server.server_address[1]}/examples/web/index.html (Ctrl-C stops)")
+        with contextlib.suppress(KeyboardInterrupt):
+            server.serve_forever()
+        server.server_close()
+        return 0
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="onnx-autodiff-chromium-") as profile:
+        try:
+            browser = Chromium(executable, profile)  # before the server's thread: it starts with a pre-exec hook
+        except OSError as error:
+            print(f"check.py: error: cannot start {executable}: {error}", file=sys.stderr)
+            return 2
+        server = serve()
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}/examples/web/index.html"
+        try:
+            result = train_in_browser(browser, url, args.screenshot, args.timeout)
+        except PageError as error:
+            print(f"check.py: error: {str(error).strip().splitlines()[0]}", file=sys.stderr)
+            return 1
+        finally:
+            browser.close()
+            server.shutdown()
+            server.server_close()
+    accuracy = result["accuracy"]
+    print(f"browser: test accuracy {accuracy * 100:.1f}% ({result['source']} digits, {result['train']} train / "
+          f"{result['test']} test, {result['steps']} steps in {result['seconds']:.1f} s on {result['threads']} "
+          f"WebAssembly thread(s); page and browser {time.perf_counter() - start:.1f} s)")
+    print(f"saved {args.screenshot}")
+    return 0 if accuracy >= THRESHOLD else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

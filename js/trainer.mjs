@@ -1,0 +1,276 @@
+// Runs onnx-autodiff training artifacts on onnxruntime-js: the same module in Node (onnxruntime-node)
+// and in the browser (onnxruntime-web), which pass their `ort` in. The train-step model takes
+// [batch, parameters, optimiser state, buffers, lr, step] and returns [loss, new parameters, new
+// state, new buffers]; artifacts.json names them ("train": batch, carry [key, input, output],
+// reads, scalars, loss). Parameters and state stay onnxruntime tensors from step to step: the
+// outputs of step k are the inputs of step k + 1.
+
+import { parse, serialize } from "./safetensors.mjs";
+
+export const FORMAT_VERSION = 1;
+export const STEP_KEY = "__step__"; // the int64 scalar a checkpoint stores the number of steps taken in
+
+export class TrainingError extends Error {}
+export class BatchError extends TrainingError {}
+
+const FLOATS = new Set(["float32", "float64", "float16"]);
+const INTEGERS = new Set(["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]);
+const ARRAYS = {
+  float32: Float32Array, float64: Float64Array, int8: Int8Array, int16: Int16Array, int32: Int32Array,
+  int64: BigInt64Array, uint8: Uint8Array, uint16: Uint16Array, uint32: Uint32Array, uint64: BigUint64Array,
+};
+
+const firstLine = (error) => String(error?.message ?? error).trim().split("\n")[0] || String(error?.name);
+const shapeText = (dims) => `[${dims.map((d) => (typeof d === "number" && d >= 0 ? d : d || "?")).join(", ")}]`;
+
+/** Whether every element of a float tensor is finite (float16 read from its bits); true for other types. */
+export function allFinite(tensor) {
+  const { type, data } = tensor;
+  if (type === "float16") return data.every((bits) => (bits & 0x7c00) !== 0x7c00);
+  return !FLOATS.has(type) || data.every(Number.isFinite);
+}
+
+/** Rows [start, end) of each tensor of {name: tensor} along the first axis (views, no copy). */
+export function sliceRows(tensors, start, end) {
+  const rows = {};
+  for (const [name, { type, dims, data }] of Object.entries(tensors)) {
+    const width = dims.slice(1).reduce((n, d) => n * d, 1);
+    rows[name] = { type, dims: [end - start, ...dims.slice(1)], data: data.subarray(start * width, end * width) };
+  }
+  return rows;
+}
+
+/** The common first dimension of the tensors of {name: tensor} (an error when they differ). */
+export function rowCount(tensors) {
+  const counts = Object.entries(tensors).map(([name, t]) => [name, t.dims.length ? t.dims[0] : undefined]);
+  const [name, rows] = counts[0] ?? [];
+  const other = counts.find(([, n]) => n !== rows);
+  if (rows === undefined || other) {
+    throw new BatchError(other ? `'${other[0]}' has ${other[1] ?? "no"} rows and '${name}' ${rows}: every array needs the same first dimension`
+      : `'${name}' is a scalar: the data needs arrays of examples`);
+  }
+  return rows;
+}
+
+/** `tensor` converted to `type` within its kind (float to float, integer to integer), as numpy's same_kind cast. */
+function converted(name, tensor, type) {
+  if (tensor.type === type) return tensor;
+  const kind = (t) => (FLOATS.has(t) ? "float" : INTEGERS.has(t) ? "integer" : t);
+  if (kind(tensor.type) !== kind(type) || !ARRAYS[type] || !ARRAYS[tensor.type]) {
+    throw new BatchError(`batch input '${name}' is ${tensor.type}; the model expects ${type}`);
+  }
+  const cast = type.endsWith("int64") ? BigInt : tensor.type.endsWith("int64") ? Number : undefined;
+  return { type, dims: tensor.dims, data: ARRAYS[type].from(tensor.data, cast) };
+}
+
+class Runner {
+  // One model's session and the names of its inputs and outputs ("train" or "eval" layout).
+  constructor(session, layout, kind) {
+    this.session = session;
+    this.layout = layout;
+    this.kind = kind;
+    this.meta = Object.fromEntries((session.inputMetadata ?? []).map((m) => [m.name, m]));
+  }
+
+  /** The batch {name: tensor} as the model's feeds, checked against its declared types and shapes. */
+  feeds(ort, batch) {
+    const names = this.layout.batch;
+    const missing = names.filter((n) => !(n in batch));
+    const unknown = Object.keys(batch).filter((n) => !names.includes(n)).sort();
+    if (missing.length || unknown.length) {
+      throw new BatchError(`the ${this.kind} model takes the batch inputs ${JSON.stringify(names)}`
+        + (missing.length ? `; missing ${JSON.stringify(missing)}` : "") + (unknown.length ? `; unknown ${JSON.stringify(unknown)}` : ""));
+    }
+    const sizes = {};
+    const feeds = {};
+    for (const name of names) {
+      const meta = this.meta[name];
+      const tensor = meta?.isTensor ? converted(name, batch[name], meta.type) : batch[name];
+      const dims = Array.from(tensor.dims);
+      const want = meta?.isTensor ? meta.shape : undefined;
+      if (want?.length) { // onnxruntime gives [] for a scalar and for an unknown shape alike
+        if (dims.length !== want.length) {
+          throw new BatchError(`batch input '${name}' has shape ${shapeText(dims)}; the model expects rank ${want.length} ${shapeText(want)}`);
+        }
+        want.forEach((size, axis) => {
+          if (typeof size === "number" && size >= 0 && size !== dims[axis]) {
+            throw new BatchError(`batch input '${name}' has shape ${shapeText(dims)}; the model expects ${shapeText(want)} (axis ${axis} must be ${size})`);
+          }
+          if (typeof size === "string" && size) {
+            const seen = (sizes[size] ??= [dims[axis], name]);
+            if (seen[0] !== dims[axis]) {
+              throw new BatchError(`batch input '${name}' has shape ${shapeText(dims)}, but its axis ${axis} (${size}) must match '${seen[1]}', where ${size} = ${seen[0]}`);
+            }
+          }
+        });
+      }
+      if (dims.length && dims[0] === 0) {
+        throw new BatchError(`batch input '${name}' has shape ${shapeText(dims)}: the batch is empty; the ${this.kind} model needs at least one example`);
+      }
+      feeds[name] = tensor instanceof ort.Tensor ? tensor : new ort.Tensor(tensor.type, tensor.data, dims);
+    }
+    return feeds;
+  }
+
+  async run(feeds) {
+    try {
+      return await this.session.run(feeds);
+    } catch (error) {
+      throw new TrainingError(`the ${this.kind} step failed on onnxruntime; nothing was updated: ${firstLine(error)}`);
+    }
+  }
+}
+
+/**
+ * Trains from an artifacts directory. `Trainer.open(ort, read, options)` reads it through
+ * `read(name)`, a function returning the bytes of a file of the directory (a Uint8Array) or null
+ * when there is none: fs.readFile in Node, fetch in the browser.
+ *
+ * options: lr (default: the optimiser's, from artifacts.json), nonfinite ("raise", the default, or
+ * "skip"), checkpoint ({name: tensor}, e.g. safetensors' parse(bytes).tensors; default: the
+ * directory's checkpoint.safetensors), sessionOptions (for onnxruntime's InferenceSession.create).
+ *
+ * A step whose loss or update is not finite keeps nothing: it throws a TrainingError naming the
+ * step, or with nonfinite "skip" counts it in skippedSteps (not in stepCount), as the Python
+ * Trainer does.
+ */
+export class Trainer {
+  static async open(ort, read, options = {}) {
+    const text = await read("artifacts.json");
+    if (!text) throw new TrainingError("the directory holds no training artifacts (no artifacts.json)");
+    const layout = JSON.parse(new TextDecoder().decode(text));
+    if (layout.format !== FORMAT_VERSION) {
+      throw new TrainingError(`artifacts.json: unsupported artifacts format ${JSON.stringify(layout.format)}`);
+    }
+    let checkpoint = options.checkpoint;
+    if (!checkpoint) {
+      const bytes = await read("checkpoint.safetensors");
+      if (!bytes) {
+        throw new TrainingError("the artifacts have no checkpoint.safetensors: save them with "
+          + "TrainingArtifacts.save(directory, checkpoint_format=\"safetensors\"), or give a safetensors checkpoint");
+      }
+      checkpoint = parse(bytes).tensors;
+    }
+    const model = await read("training_model.onnx");
+    if (!model) throw new TrainingError("the artifacts have no training_model.onnx");
+    const sessionOptions = { graphOptimizationLevel: "all", ...options.sessionOptions };
+    let session;
+    try {
+      session = await ort.InferenceSession.create(model, sessionOptions);
+    } catch (error) {
+      throw new TrainingError(`onnxruntime cannot load training_model.onnx: ${firstLine(error)}`);
+    }
+    const trainer = new Trainer(ort, layout, new Runner(session, layout.train, "train"), options);
+    trainer.read = read;
+    trainer.sessionOptions = sessionOptions;
+    trainer.loadStateDict(checkpoint);
+    return trainer;
+  }
+
+  constructor(ort, layout, runner, { lr, nonfinite = "raise" } = {}) {
+    if (!["raise", "skip"].includes(nonfinite)) throw new TrainingError(`nonfinite must be "raise" or "skip", not ${JSON.stringify(nonfinite)}`);
+    this.ort = ort;
+    this.layout = layout;
+    this.runner = runner;
+    this.lr = lr ?? layout.optimizer.lr;
+    this.nonfinite = nonfinite;
+    this.stepCount = 0;
+    this.skippedSteps = 0;
+    this.state = new Map(); // key -> ort.Tensor: parameters, optimiser state, buffers
+  }
+
+  get batchNames() {
+    return [...this.layout.train.batch];
+  }
+
+  /** One optimiser step on `batch` ({name: tensor}); resolves to the loss (before the update). */
+  async step(batch, { lr = this.lr } = {}) {
+    const { ort, runner } = this;
+    const train = this.layout.train;
+    const number = this.stepCount + 1; // the step being taken counts from 1 (Adam's bias correction)
+    const feeds = runner.feeds(ort, batch);
+    for (const [key, input] of train.carry) feeds[input] = this.state.get(key);
+    for (const [key, input] of train.reads) feeds[input] = this.state.get(key);
+    feeds[train.scalars.lr] = new ort.Tensor("float32", Float32Array.of(lr), []);
+    feeds[train.scalars.step] = new ort.Tensor("int64", BigInt64Array.of(BigInt(number)), []);
+    const results = await runner.run(feeds);
+    const loss = Number(results[train.loss].data[0]);
+    // artifacts with a "kept" output decide in the graph; older ones by the new parameters and
+    // buffers, which a non-finite gradient makes non-finite (already on the host in onnxruntime-js)
+    const checked = new Set([...this.layout.params, ...this.layout.buffers]);
+    const kept = Number.isFinite(loss) && (train.kept ? Boolean(results[train.kept].data[0])
+      : train.carry.every(([key, , output]) => !checked.has(key) || allFinite(results[output])));
+    if (kept) {
+      for (const [key, , output] of train.carry) this.state.set(key, results[output]);
+      this.stepCount += 1;
+    } else if (this.nonfinite === "skip") {
+      this.skippedSteps += 1;
+    } else {
+      const cause = Number.isFinite(loss) ? `the loss is ${loss} but a gradient (or the new value of a parameter) is NaN or Inf`
+        : `the loss is ${loss}`;
+      const bad = Object.entries(feeds).filter(([name, t]) => runner.layout.batch.includes(name) && !allFinite(t));
+      const inputs = bad.length ? `; batch input ${bad.map(([name]) => `'${name}'`).join(", ")} holds NaN or Inf` : "";
+      throw new TrainingError(`step ${number}: ${cause}${inputs}. Nothing was updated; nonfinite "skip" skips such steps instead`);
+    }
+    return loss;
+  }
+
+  /** The eval model on `batch` (inputs and labels): {loss, ...model outputs as tensors}. */
+  async evaluate(batch) {
+    if (!this.evalRunner) {
+      const model = await this.read("eval_model.onnx");
+      if (!model) throw new TrainingError("the artifacts have no eval_model.onnx");
+      const session = await this.ort.InferenceSession.create(model, this.sessionOptions);
+      this.evalRunner = new Runner(session, this.layout.eval, "eval");
+    }
+    const runner = this.evalRunner;
+    const feeds = runner.feeds(this.ort, batch);
+    for (const [key, input] of runner.layout.reads) feeds[input] = this.state.get(key);
+    const results = await runner.run(feeds);
+    const out = { loss: Number(results[runner.layout.loss].data[0]) };
+    for (const name of runner.layout.outputs) out[name] = results[name];
+    return out;
+  }
+
+  /** The trained parameters: {name: ort.Tensor}. */
+  parameters() {
+    return Object.fromEntries(this.layout.params.map((name) => [name, this.state.get(name)]));
+  }
+
+  /** Parameters, optimiser state and buffers with __step__, as a checkpoint holds them. */
+  stateDict() {
+    const state = Object.fromEntries(this.state);
+    state[STEP_KEY] = { type: "int64", dims: [], data: BigInt64Array.of(BigInt(this.stepCount)) };
+    return state;
+  }
+
+  /** Loads {name: tensor}; checks every value against the train model before changing any. */
+  loadStateDict(checkpoint) {
+    const { carry, reads } = this.layout.train;
+    const inputs = new Map([...carry, ...reads].map(([key, input]) => [key, input]));
+    const missing = [...inputs.keys()].filter((key) => !(key in checkpoint));
+    if (missing.length) throw new TrainingError(`the checkpoint lacks ${JSON.stringify(missing)}`);
+    const loaded = new Map();
+    for (const [key, tensor] of Object.entries(checkpoint)) {
+      if (key === STEP_KEY) continue;
+      const meta = this.runner.meta[inputs.get(key)];
+      const dims = Array.from(tensor.dims);
+      if (meta?.isTensor && (meta.type !== tensor.type || (meta.shape.length && (meta.shape.length !== dims.length
+          || meta.shape.some((d, i) => typeof d === "number" && d >= 0 && d !== dims[i]))))) {
+        throw new TrainingError(`checkpoint value '${key}' is ${tensor.type} ${shapeText(dims)}; the train model takes ${meta.type} ${shapeText(meta.shape)}`);
+      }
+      if (!allFinite(tensor)) {
+        throw new TrainingError(`checkpoint value '${key}' holds NaN or Inf: refusing to load it (a diverged run or a damaged file); load an earlier checkpoint`);
+      }
+      loaded.set(key, tensor instanceof this.ort.Tensor ? tensor : new this.ort.Tensor(tensor.type, tensor.data, dims));
+    }
+    const step = checkpoint[STEP_KEY];
+    this.state = loaded;
+    this.stepCount = step ? Number(step.data[0]) : 0;
+  }
+
+  /** The state as the bytes of a safetensors checkpoint. */
+  checkpointBytes() {
+    return serialize(this.stateDict());
+  }
+}

@@ -1,0 +1,201 @@
+"""The JavaScript trainer (js/) on onnxruntime-node gives what the Python Trainer gives.
+
+Skipped without node or without js/node_modules (CI installs it with npm ci --ignore-scripts --prefix js).
+"""
+
+import importlib.util
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from onnx_autodiff.demo import blobs, classifier_model
+from onnx_autodiff.training import Trainer, generate_artifacts
+
+ROOT = Path(__file__).resolve().parents[1]
+JS = ROOT / "js"
+
+if shutil.which("node") is None:
+    pytest.skip("node is not installed", allow_module_level=True)
+if not (JS / "node_modules" / "onnxruntime-node").is_dir():
+    pytest.skip("js/node_modules is missing: run npm ci --ignore-scripts --prefix js", allow_module_level=True)
+safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="the safetensors package is not installed")
+
+
+def _prepare_module():
+    spec = importlib.util.spec_from_file_location("web_prepare", ROOT / "examples" / "web" / "prepare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+save_artifacts = _prepare_module().save_artifacts  # artifacts with checkpoint.safetensors, which js/ reads
+
+OPTIMIZERS = {
+    "adamw": ("adamw", {"lr": 0.01, "weight_decay": 0.05}),
+    "sgd_momentum": ("sgd", {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3}),
+}
+
+
+def logits_model():
+    """The demo classifier without its loss node: X in, logits out (the loss comes from the artifacts)."""
+    model = classifier_model()
+    graph = model.graph
+    del graph.node[-1]
+    graph.output.remove(graph.output[0])
+    graph.input.remove(graph.input[1])
+    return model
+
+
+@pytest.fixture(scope="module", params=list(OPTIMIZERS))
+def artifacts_dir(request, tmp_path_factory):
+    name, options = OPTIMIZERS[request.param]
+    directory = tmp_path_factory.mktemp(request.param) / "artifacts"
+    save_artifacts(generate_artifacts(logits_model(), loss="cross_entropy", optimizer=name, optimizer_options=options),
+                   str(directory))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def batch():
+    X, labels = blobs(samples=64)
+    return {"X": X, "labels": labels}
+
+
+def write_data(path, arrays):
+    safetensors_numpy.save_file(arrays, str(path))
+    return str(path)
+
+
+def node(*args, check=True):
+    result = subprocess.run(["node", str(JS / "train.mjs"), *map(str, args)], capture_output=True, text=True, check=False, timeout=60)
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def python_state(directory, batches, lr=None, state=None):
+    trainer = Trainer(str(directory), lr=lr)
+    if state is not None:
+        trainer.load_state_dict(state)
+    losses = [trainer.step(b) for b in batches]
+    return trainer.state_dict(), losses
+
+
+def assert_same_state(js, python):
+    assert sorted(js) == sorted(python)
+    for key, value in python.items():
+        assert js[key].dtype == value.dtype and js[key].shape == value.shape, key
+        np.testing.assert_allclose(js[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+def test_node_steps_match_the_python_trainer(artifacts_dir, batch, tmp_path):
+    data = write_data(tmp_path / "batch.safetensors", batch)
+    out = tmp_path / "trained.safetensors"
+    result = node(artifacts_dir, "--data", data, "--steps", 6, "--out", out)
+    python, losses = python_state(artifacts_dir, [batch] * 6)
+    js = safetensors_numpy.load_file(str(out))
+    assert_same_state(js, python)
+    assert js["__step__"].shape == () and int(js["__step__"]) == 6
+    printed = [float(line.split("loss")[1]) for line in result.stdout.splitlines() if line.startswith("step ")]
+    np.testing.assert_allclose(printed, losses, atol=2e-6)
+    assert losses[-1] < losses[0] * 0.9  # it trained
+    initial = safetensors_numpy.load_file(str(artifacts_dir / "checkpoint.safetensors"))
+    assert not np.allclose(js["W1"], initial["W1"])
+
+
+def test_epochs_slice_in_order_and_resume_counts_steps(artifacts_dir, batch, tmp_path):
+    data = write_data(tmp_path / "batch.safetensors", batch)
+    first, second = tmp_path / "first.safetensors", tmp_path / "second.safetensors"
+    # 64 rows in batches of 24: 24, 24 and 16 rows per epoch; --lr overrides the optimiser's
+    node(artifacts_dir, "--data", data, "--epochs", 2, "--batch-size", 24, "--lr", 0.02, "--out", first, "--quiet")
+    node(artifacts_dir, "--data", data, "--steps", 2, "--checkpoint", first, "--lr", 0.02, "--out", second, "--quiet")
+    slices = [{k: v[i:i + 24] for k, v in batch.items()} for i in (0, 24, 48)]
+    python, _ = python_state(artifacts_dir, slices * 2 + [batch] * 2, lr=0.02)
+    js = safetensors_numpy.load_file(str(second))
+    assert int(js["__step__"]) == 8  # resumed at step 7: Adam's bias correction and SGD's first step depend on it
+    assert_same_state(js, python)
+
+
+def test_nonfinite_step_raises_or_skips_and_keeps_nothing(artifacts_dir, batch, tmp_path):
+    bad = dict(batch, X=batch["X"].copy())
+    bad["X"][3, 2] = np.nan
+    data = write_data(tmp_path / "bad.safetensors", bad)
+    out = tmp_path / "out.safetensors"
+    result = node(artifacts_dir, "--data", data, "--steps", 2, "--out", out, check=False)
+    assert result.returncode == 1 and not out.exists()
+    assert result.stderr.count("\n") == 1 and "step 1" in result.stderr and "'X' holds NaN" in result.stderr, result.stderr
+    node(artifacts_dir, "--data", data, "--steps", 2, "--out", out, "--nonfinite", "skip")
+    js = safetensors_numpy.load_file(str(out))
+    initial = safetensors_numpy.load_file(str(artifacts_dir / "checkpoint.safetensors"))
+    assert int(js["__step__"]) == 0
+    assert_same_state({k: v for k, v in js.items() if k != "__step__"}, initial)
+
+
+@pytest.mark.parametrize("case, status, message", [
+    ("no data option", 2, "--data is required"),
+    ("no artifacts", 2, "holds no training artifacts"),
+    ("labels missing", 1, "missing [\"labels\"]"),
+    ("no safetensors checkpoint", 1, "checkpoint_format=\"safetensors\""),
+    ("damaged data", 2, "not a safetensors file"),
+    ("zero steps", 2, "--steps must be a whole number >= 1"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(case, status, message, batch, tmp_path):
+    directory = tmp_path / "artifacts"
+    save_artifacts(generate_artifacts(logits_model(), loss="cross_entropy", optimizer="sgd"), str(directory))
+    data = write_data(tmp_path / "batch.safetensors", batch)
+    out = tmp_path / "out.safetensors"
+    args = [directory, "--data", data, "--steps", 1, "--out", out]
+    if case == "no data option":
+        args = [directory, "--steps", 1, "--out", out]
+    elif case == "no artifacts":
+        args[0] = tmp_path
+    elif case == "labels missing":
+        args[2] = write_data(tmp_path / "x.safetensors", {"X": batch["X"]})
+    elif case == "no safetensors checkpoint":
+        (directory / "checkpoint.safetensors").unlink()
+    elif case == "damaged data":
+        Path(data).write_bytes(Path(data).read_bytes()[:50])
+    elif case == "zero steps":
+        args[4] = 0
+    result = node(*args, check=False)
+    assert result.returncode == status, result.stderr
+    assert result.stderr.startswith("train.mjs: error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert message in result.stderr and not out.exists()
+
+
+def test_safetensors_module_round_trips_what_python_writes(tmp_path):
+    rng = np.random.default_rng(0)
+    arrays = {
+        "scalar": np.array(3, np.int64), "f64": rng.standard_normal((2, 3)), "f32": rng.standard_normal(5).astype(np.float32),
+        "f16": rng.standard_normal((3, 1)).astype(np.float16), "odd": np.arange(3, dtype=np.uint8),
+        "mask": np.array([True, False, True]), "i32": np.array([-1, 2**31 - 1], np.int32), "empty": np.zeros((0, 4), np.float32),
+    }
+    source, copy = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    safetensors_numpy.save_file(arrays, str(source), metadata={"source": "test"})
+    script = (f"import {{ parse, serialize }} from {json.dumps((JS / 'safetensors.mjs').as_uri())};"
+              "import fs from 'node:fs';"
+              "const { tensors, metadata } = parse(fs.readFileSync(process.argv[1]));"
+              "fs.writeFileSync(process.argv[2], serialize(tensors, metadata));"
+              "console.log(JSON.stringify(Object.fromEntries(Object.entries(tensors).map(([k, t]) => [k, [t.type, t.dims]]))));")
+    result = subprocess.run(["node", "--input-type=module", "-e", script, str(source), str(copy)],
+                            capture_output=True, text=True, check=False, timeout=60)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout)
+    assert seen["scalar"] == ["int64", []] and seen["f16"] == ["float16", [3, 1]] and seen["mask"] == ["bool", [3]]
+    from safetensors import safe_open
+
+    with safe_open(str(copy), "numpy") as handle:
+        assert handle.metadata() == {"source": "test"}
+    back = safetensors_numpy.load_file(str(copy))
+    assert sorted(back) == sorted(arrays)
+    for key, value in arrays.items():
+        assert back[key].dtype == value.dtype and back[key].shape == value.shape, key
+        np.testing.assert_array_equal(back[key], value, err_msg=key)
+    # the same bytes again: the writer is deterministic
+    again = subprocess.run(["node", "--input-type=module", "-e", script, str(copy), str(tmp_path / "again.safetensors")],
+                           capture_output=True, text=True, check=False, timeout=60)
+    assert again.returncode == 0 and (tmp_path / "again.safetensors").read_bytes() == copy.read_bytes()
