@@ -49,19 +49,23 @@ def broadcast(comm, arrays: Iterable[np.ndarray]) -> None:
         comm.Bcast(array, root=0)
 
 
-def sum_in_place(comm, arrays: Iterable[np.ndarray]) -> None:
+def sum_in_place(comm, arrays: Iterable[np.ndarray], weight: float = 1.0) -> None:
+    """The sum over the ranks of each array times its rank's ``weight``, in place."""
     from mpi4py import MPI
 
     for array in arrays:
+        if weight != 1.0:
+            array *= array.dtype.type(weight)
         comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
 
 
-def mean_in_place(comm, arrays: Iterable[np.ndarray]) -> None:
-    """The mean over the ranks of each floating-point array, in place (others stay: equal anyway)."""
+def mean_in_place(comm, arrays: Iterable[np.ndarray], weight: float = 1.0) -> None:
+    """The mean over the ranks of each floating-point array times its rank's ``weight``, in place
+    (other arrays stay as they are: every rank advanced them alike)."""
     for array in arrays:
         if np.issubdtype(array.dtype, np.inexact):
-            sum_in_place(comm, [array])
-            array /= comm.Get_size()
+            sum_in_place(comm, [array], weight)
+            array /= array.dtype.type(comm.Get_size())
 
 
 def failed_ranks(comm, failed: bool) -> list[int]:
@@ -69,8 +73,9 @@ def failed_ranks(comm, failed: bool) -> list[int]:
     return [r for r, flag in enumerate(comm.allgather(bool(failed))) if flag]
 
 
-def mean(comm, value: float) -> float:
-    return float(comm.allreduce(float(value))) / comm.Get_size()
+def any_rank(comm, flag: bool) -> bool:
+    """Whether ``flag`` is true on some rank (every rank gets the same answer)."""
+    return flag if comm is None else any(comm.allgather(bool(flag)))
 
 
 @contextlib.contextmanager

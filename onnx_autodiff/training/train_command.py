@@ -39,6 +39,7 @@ from onnx import helper
 
 from onnx_autodiff.errors import TrainingError, names_summary
 from onnx_autodiff.passes import progress
+from onnx_autodiff.training import distributed
 from onnx_autodiff.training.artifacts import TrainingArtifacts
 from onnx_autodiff.training.cli import add_generation_arguments, artifacts_from_args
 from onnx_autodiff.training.trainer import Trainer
@@ -100,20 +101,43 @@ def run(args) -> int:
             raise UsageError(f"{option} {path}: give an .npz or .safetensors file")
         if path is not None and not os.path.isfile(path):
             raise UsageError(f"{option}: no such file: {path}")
+    comm = distributed.world()  # under mpiexec: data-parallel, rank 0 writing every file and line
+    ranks = distributed.size(comm)
+    if args.batch_size % ranks:
+        raise UsageError(f"--batch-size {args.batch_size} is the global batch: it must divide among the {ranks} "
+                         f"ranks (give a multiple of {ranks})")
+    with distributed.abort_on_error(comm):
+        return _run(args, comm, _progress_bar, _count)
+
+
+def _run(args, comm, progress_bar, count) -> int:
+    out, leader = args.output, distributed.rank(comm) == 0
     start = time.perf_counter()
     checkpoint = os.path.join(out, "checkpoint")
-    with _progress_bar():  # on a terminal: the artifacts' build, then each epoch's batches
-        artifacts, run_state, state = _resumed(args) if args.resume else _started(args)
-        data = _checked_data(args.data, "--data", artifacts, args.batch_size)
-        run_state.check_examples(_examples(data), args.data, out)
-        val = _checked_data(args.val_data, "--val-data", artifacts, args.batch_size) if args.val_data else None
+    with progress_bar() if leader else contextlib.nullcontext():  # on a terminal: the build, then the batches
+        if args.resume:
+            artifacts, run_state, state = _resumed(args)
+        elif leader:  # the other ranks read the artifacts rank 0 writes
+            artifacts, run_state, state = _started(args, gradient_accumulation=comm is not None)
+        if leader or args.resume:
+            data = _checked_data(args.data, "--data", artifacts, args.batch_size)
+            run_state.check_examples(_examples(data), args.data, out)
         directory = os.path.join(out, "artifacts")
-        if state is None:
+        if leader and not args.resume:
             _save_artifacts(artifacts, directory, args.model)
-        trainer = Trainer(directory, lr=args.lr)  # as a resumed run will: the same models, read back
+        if comm is not None:
+            comm.Barrier()
+        trainer = Trainer(directory, lr=args.lr, comm=comm)  # as a resumed run will: the same models, read back
+        if not leader and not args.resume:
+            run_state, state = RunState(_settings(args)), None
+            data = _checked_data(args.data, "--data", trainer.artifacts, args.batch_size)
+            run_state.check_examples(_examples(data), args.data, out)
+        val = _checked_data(args.val_data, "--val-data", trainer.artifacts, args.batch_size) if args.val_data else None
         if state is not None:
             trainer.load_state_dict(state)
         finished = _train(trainer, run_state, data, val, args)
+    if not leader:
+        return 0 if finished else INTERRUPTED
     if not finished:
         batches = -(-run_state.examples // args.batch_size)
         print(f"onnx-autodiff: interrupted after {run_state.batch} of {batches} batches of epoch {run_state.epoch + 1}: "
@@ -121,7 +145,8 @@ def run(args) -> int:
         return INTERRUPTED
     written = _finish(trainer, run_state, out)
     history = run_state.history
-    print(f"wrote {', '.join(written)}: {_count(args.epochs, 'epoch')}, {_count(trainer.step_count, 'step')} "
+    on = f" on {distributed.size(comm)} ranks" if comm is not None else ""
+    print(f"wrote {', '.join(written)}: {count(args.epochs, 'epoch')}, {count(trainer.step_count, 'step')}{on} "
           f"({time.perf_counter() - start:.2f} s); loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}")
     return 0
 
@@ -161,8 +186,9 @@ def _settings(args) -> dict:
     return json.loads(json.dumps({name: getattr(args, name) for name in names}))
 
 
-def _started(args) -> tuple[TrainingArtifacts, RunState, None]:
-    """A new run: the artifacts of MODEL (generated, or read from its directory); no state yet."""
+def _started(args, gradient_accumulation: bool = False) -> tuple[TrainingArtifacts, RunState, None]:
+    """A new run: the artifacts of MODEL (generated, or read from its directory); no state yet.
+    Data-parallel runs need the accumulate and apply models (``gradient_accumulation``)."""
     from onnx_autodiff.cli import UsageError, note_left_out  # cli imports us
 
     checkpoint = os.path.join(args.output, "checkpoint")
@@ -177,7 +203,7 @@ def _started(args) -> tuple[TrainingArtifacts, RunState, None]:
                              "options (--lr alone applies to them)")
         artifacts = _load_artifacts(args.model)
     else:
-        artifacts = artifacts_from_args(args)
+        artifacts = artifacts_from_args(args, gradient_accumulation)
         note_left_out(artifacts.left_out, "--requires-grad", "train")
     return artifacts, RunState(_settings(args)), None
 
@@ -333,9 +359,12 @@ def _train(trainer: Trainer, run_state: RunState, data: dict, val: dict | None, 
     examples, size = run_state.examples, args.batch_size
     batches = -(-examples // size)
     checkpoint = os.path.join(args.output, "checkpoint")
+    comm = trainer.comm
+    leader, ranks = distributed.rank(comm) == 0, distributed.size(comm)
 
     def save() -> None:
-        write_file(checkpoint, safetensors_writer(trainer.state_dict(), {RUN_KEY: run_state.to_json()}))
+        if leader:
+            write_file(checkpoint, safetensors_writer(trainer.state_dict(), {RUN_KEY: run_state.to_json()}))
 
     with _deferred_interrupt() as interrupt:
         while run_state.epoch < args.epochs:
@@ -343,23 +372,26 @@ def _train(trainer: Trainer, run_state: RunState, data: dict, val: dict | None, 
             stage = f"epoch {run_state.epoch + 1}/{args.epochs}"
             while run_state.batch < batches:
                 rows = order[run_state.batch * size:(run_state.batch + 1) * size]
-                loss = trainer.step({name: array[rows] for name, array in data.items()})
+                mine = np.array_split(rows, ranks)[distributed.rank(comm)]  # this rank's slice of the batch
+                loss = trainer.step({name: array[mine] for name, array in data.items()})
                 run_state.loss_sum += loss * len(rows)
                 run_state.batch += 1
-                progress.report(stage, run_state.batch, batches)
-                if interrupt.requested:
+                if leader:
+                    progress.report(stage, run_state.batch, batches)
+                if distributed.any_rank(comm, interrupt.requested):  # every rank stops at the same step
                     save()
                     return False
             row = {"epoch": run_state.epoch + 1, "loss": run_state.loss_sum / examples}
-            if val is not None:
+            if val is not None and leader:
                 row.update(_validation(trainer, val, size))
             run_state.history.append(row)
             run_state.epoch, run_state.batch, run_state.loss_sum = run_state.epoch + 1, 0, 0.0
             save()
-            write_file(os.path.join(args.output, "metrics.csv"), _metrics_csv(run_state.history))
-            tqdm.write(f"{stage}: " + ", ".join(_shown(key, value) for key, value in row.items() if key != "epoch"),
-                       file=sys.stdout)
-            if interrupt.requested:
+            if leader:
+                write_file(os.path.join(args.output, "metrics.csv"), _metrics_csv(run_state.history))
+                tqdm.write(f"{stage}: " + ", ".join(_shown(key, value) for key, value in row.items() if key != "epoch"),
+                           file=sys.stdout)
+            if distributed.any_rank(comm, interrupt.requested):
                 return run_state.epoch >= args.epochs
     return True
 

@@ -72,6 +72,13 @@ def _with_finite_flag(proto: onnx.ModelProto, names: Sequence[str]) -> tuple[byt
     return proto.SerializeToString() + onnx.ModelProto(graph=extra).SerializeToString(), flag
 
 
+def _rows(batch) -> int:
+    """The number of examples in ``batch`` (the length of its first array)."""
+    first = next(iter(batch.values())) if isinstance(batch, Mapping) else (
+        batch[0] if isinstance(batch, (list, tuple)) else batch)
+    return len(np.asarray(first)) if np.ndim(first) else 1
+
+
 # Elementwise writers: each output element is computed from the input elements at its own index,
 # so the node may write into the buffer of an input it reads.
 _ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Where", "Max", "Min"}
@@ -283,6 +290,11 @@ class Trainer:
     the step in ``skipped_steps`` (not in ``step_count``), as AMP's gradient scaler does; a
     non-finite micro-batch then makes ``apply()`` skip the whole step. A checkpoint holding NaN or
     Inf is refused.
+
+    ``comm``: an MPI communicator (mpi4py) of several ranks trains data-parallel: each rank steps on
+    its slice of the global batch, the gradients are summed over the ranks before the one update
+    they all apply (see :mod:`onnx_autodiff.training.distributed`); the artifacts need
+    ``gradient_accumulation=True``.
     """
 
     def __init__(self, artifacts: TrainingArtifacts | str | os.PathLike, lr: float | None = None,
@@ -401,9 +413,11 @@ class Trainer:
         if self._micro_batches:
             raise TrainingError("accumulated gradients are pending: call apply() before step()")
         if self.comm is not None:
-            loss = self.accumulate(batch)
-            self.apply(lr)
-            return distributed.mean(self.comm, loss)
+            rows = _rows(batch)
+            counts = self.comm.allgather(rows)  # the last batch of an epoch may not split evenly
+            loss = self.accumulate(batch) if rows else self._accumulate_nothing()
+            self._apply(lr, share=rows * len(counts) / sum(counts))
+            return sum(n * value for n, value in zip(counts, self.comm.allgather(loss))) / sum(counts)
         runner, number = self._runner("train"), self.step_count + 1
         loss, finite = runner.run(batch, {"lr": self.lr if lr is None else lr, "step": number})
         if finite:
@@ -417,10 +431,8 @@ class Trainer:
     def accumulate(self, batch) -> float:
         """Adds the gradients of ``batch`` to the accumulators; returns its loss."""
         runner = self._runner("accumulate")
-        if self._micro_batches == 0:  # the accumulators come first in carry, one per parameter read
-            for (acc, _, _), (param, _) in zip(runner.carry, runner.reads):
-                value = self._value(param)
-                self._set(acc, np.zeros(value.shape(), _ORT_TYPES[value.data_type()]))
+        if self._micro_batches == 0:
+            self._zero_accumulators()
         loss, finite = runner.run(batch, {})
         if not finite and self.nonfinite == "raise" and self.comm is None:  # with ranks: all decide in apply()
             raise self._not_finite(f"micro-batch {self._micro_batches + 1} of step {self.step_count + 1}", loss, runner, batch)
@@ -430,14 +442,31 @@ class Trainer:
         self._micro_batches += 1
         return loss
 
+    def _zero_accumulators(self) -> None:
+        runner = self._runner("accumulate")  # the accumulators come first in carry, one per parameter read
+        for (acc, _, _), (param, _) in zip(runner.carry, runner.reads):
+            value = self._value(param)
+            self._set(acc, np.zeros(value.shape(), _ORT_TYPES[value.data_type()]))
+
+    def _accumulate_nothing(self) -> float:
+        """A rank without examples in this step: zero gradients, its share of the update none."""
+        self._zero_accumulators()
+        self._micro_batches = 1
+        return 0.0
+
     def apply(self, lr: float | None = None) -> None:
-        """One optimiser step with the mean of the accumulated gradients."""
+        """One optimiser step with the mean of the accumulated gradients (with ranks: of all ranks',
+        each rank having accumulated as many micro-batches of equal size)."""
+        self._apply(lr)
+
+    def _apply(self, lr: float | None, share: float = 1.0) -> None:
+        """``share``: this rank's examples over the mean number per rank (1 when they split evenly)."""
         if self._micro_batches == 0:
             raise TrainingError("apply() needs accumulate() first: no gradient has been accumulated")
         runner, number = self._runner("apply"), self.step_count + 1
         ranks = distributed.size(self.comm)
         if self.comm is not None:
-            self._combine_ranks(number)
+            self._combine_ranks(number, share)
         scalars = {"lr": self.lr if lr is None else lr, "step": number,
                    "grad_scale": 1.0 / (self._micro_batches * ranks)}
         finite = not self._poisoned and runner.run(None, scalars)[1]
@@ -450,9 +479,10 @@ class Trainer:
         self._micro_batches = 0
         self._poisoned, self._failure = False, None
 
-    def _combine_ranks(self, number: int) -> None:
-        """Sums the ranks' accumulated gradients and averages the buffers, in place; when a micro-batch
-        was not finite on some rank, every rank skips the step (or raises, naming those ranks)."""
+    def _combine_ranks(self, number: int, share: float) -> None:
+        """Sums the ranks' accumulated gradients and averages the buffers, each weighted by its
+        rank's ``share`` of the examples, in place; when a micro-batch was not finite on some rank,
+        every rank skips the step (or raises, naming those ranks)."""
         failed = distributed.failed_ranks(self.comm, self._poisoned)
         if failed:
             if self.nonfinite == "raise":
@@ -463,8 +493,8 @@ class Trainer:
             self._poisoned = True  # every rank skips the step
             return
         accumulators = [key for key, _, _ in self._runner("accumulate").carry if key not in self.layout["buffers"]]
-        distributed.sum_in_place(self.comm, [self._value(key).numpy() for key in accumulators])
-        distributed.mean_in_place(self.comm, [self._value(key).numpy() for key in self.layout["buffers"]])
+        distributed.sum_in_place(self.comm, [self._value(key).numpy() for key in accumulators], share)
+        distributed.mean_in_place(self.comm, [self._value(key).numpy() for key in self.layout["buffers"]], share)
 
     def _not_finite(self, what: str, loss: float | None, runner: _Runner, batch) -> TrainingError:
         """The error for a step that was not kept, naming what was not finite."""
