@@ -16,6 +16,7 @@ from onnx import numpy_helper
 from test_training import batches, bn_dropout_model, mlp
 
 from onnx_autodiff.demo import write_example
+from onnx_autodiff.passes.lora import LoraConfig
 from onnx_autodiff.training import Trainer, generate_artifacts
 from onnx_autodiff.training import distributed
 
@@ -65,10 +66,13 @@ def run_ranks(tmp_path, artifacts, ranks=2) -> list[dict]:
     return [dict(np.load(tmp_path / f"state.{r}.npz")) for r in range(ranks)]
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_two_ranks_end_where_one_process_ends(tmp_path, optimizer):
+@pytest.mark.parametrize("optimizer, lora", [("adamw", None), ("sgd", None), ("adamw", LoraConfig(rank=2))])
+def test_two_ranks_end_where_one_process_ends(tmp_path, optimizer, lora):
     options = {"lr": 0.05, "momentum": 0.9} if optimizer == "sgd" else {"lr": 0.01}
-    artifacts = generate_artifacts(mlp(), optimizer=optimizer, optimizer_options=options, gradient_accumulation=True)
+    artifacts = generate_artifacts(mlp(), optimizer=optimizer, optimizer_options=options, gradient_accumulation=True,
+                                   lora=lora)
+    if lora is not None:  # only the adapters are parameters: only their gradients travel
+        assert all(".lora_" in name for name in artifacts.params)
     states = run_ranks(tmp_path, artifacts)
     alone = Trainer(artifacts)
     losses = [alone.step(batch) for batch in global_batches()]
