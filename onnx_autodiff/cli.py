@@ -5,141 +5,38 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import sys
 import time
-from collections.abc import Callable, Sequence
-from typing import BinaryIO
+from collections.abc import Sequence
 
-import onnx
 import onnx_ir as ir
 
+from onnx_autodiff.commands import (
+    EXTERNAL_DATA_HELP,
+    NO_UPGRADE_HELP,
+    CommandError,
+    UsageError,
+    check_output_path,
+    count,
+    load_model,
+    note_left_out,
+    positive_int,
+    progress_bar,
+    save_output,
+    write_file,
+)
 from onnx_autodiff.errors import AutodiffError, UnknownValueError, names_summary
 from onnx_autodiff.modelfile import (
-    check_model,
-    from_proto,
     needs_external_data,
-    save_model,
     tensor_bytes,
     to_inline_proto,
 )
 from onnx_autodiff.passes import progress
-from onnx_autodiff.training.values import write_atomically
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-NO_UPGRADE_HELP = ("refuse, instead of converting with onnx.version_converter, a model whose gradient "
-                   "rules need a newer opset than it imports")
-PROGRESS_DELAY = 2.0  # seconds of building before a progress bar shows (on a terminal)
-EXTERNAL_DATA_HELP = ("write the tensors to OUTPUT.data beside the model (done anyway for models over "
-                      "protobuf's 2 GB limit and for models read with external data)")
-
-
-class UsageError(Exception):
-    """Bad command-line usage: exit 2 with one line."""
-
-
-class CommandError(Exception):
-    """An ordinary failure the user can fix (an invalid input model, an unwritable output): exit 1 with one line."""
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, no usage dump
         raise UsageError(message)
-
-
-def read_model_proto(path: str) -> onnx.ModelProto:
-    """The ModelProto in ``path`` without its external data (tensors stored beside the file stay
-    there), checked by onnx.checker so that a bad input is blamed on the input."""
-    if os.path.isdir(path):
-        raise UsageError(f"{path} is a directory, not a model file")
-    if not os.path.isfile(path):
-        raise UsageError(f"no such model file: {path}")
-    if os.path.getsize(path) == 0:
-        raise CommandError(f"cannot read {path} as an ONNX model: the file is empty")
-    try:
-        proto = onnx.load(path, load_external_data=False)
-    except Exception as error:  # noqa: BLE001 - any parse failure is a malformed model
-        raise CommandError(f"cannot read {path} as an ONNX model: {type(error).__name__}: {error}") from error
-    if not proto.HasField("graph"):  # some other protobuf, or bytes that happen to parse
-        raise CommandError(f"cannot read {path} as an ONNX model: it holds no graph")
-    try:  # tensors stored beside it are read from there (small ones) or checked as inputs
-        check_model(proto, os.path.dirname(os.path.abspath(path)))
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
-        raise CommandError(f"the input model {path} is invalid (onnx.checker): {_brief(error)}{_unshaped(proto)}") from error
-    return proto
-
-
-def _unshaped(proto: onnx.ModelProto) -> str:
-    """Names the graph inputs and outputs whose tensor type has no shape: the checker's message
-    ("Field 'shape' of 'type' is required") does not."""
-    names = [v.name for v in (*proto.graph.input, *proto.graph.output)
-             if v.type.HasField("tensor_type") and not v.type.tensor_type.HasField("shape")]
-    if not names:
-        return ""
-    declare = "declares" if len(names) == 1 else "declare"
-    return (f" ({', '.join(repr(n) for n in names)} {declare} no shape: ONNX requires at least the rank "
-            "of graph inputs and outputs; symbolic dimensions such as ['batch', 4] will do)")
-
-
-def load_model(path: str) -> ir.Model:
-    """The model in ``path``; tensors stored beside it are read from their file when used."""
-    proto = read_model_proto(path)
-    try:
-        return from_proto(proto, os.path.dirname(os.path.abspath(path)))
-    except Exception as error:  # noqa: BLE001
-        raise CommandError(f"{path} is not a well-formed ONNX model: {error}") from error
-
-
-def _brief(error: BaseException, limit: int = 400) -> str:
-    """An error's message on one line, cut to ``limit`` characters (checker messages embed whole nodes)."""
-    text = " ".join(str(error).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def check_output_path(path: str) -> None:
-    """Refuse an output path that cannot be a file before any work is done."""
-    if os.path.isdir(path):
-        raise UsageError(f"-o {path} is a directory: name the output file")
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise UsageError(f"output directory does not exist: {directory}")
-
-
-def write_file(path: str, data: bytes | Callable[[BinaryIO], object]) -> None:
-    """Write ``data`` (bytes, or a function writing them to a stream) atomically (never half-written);
-    a permission error or a full disk is one plain line."""
-    try:
-        write_atomically(path, data)
-    except OSError as error:
-        raise CommandError(f"cannot write {path}: {error.strerror or error}") from error
-
-
-def save_output(model: ir.Model, path: str, external_data: bool = False) -> str:
-    """Check the generated ``model`` and write it to ``path`` (never half-written), its tensors in
-    ``path``.data when asked, when it is over protobuf's 2 GB or when it was read with external
-    data; returns what to add to the success line ("" or where the tensors went)."""
-    check_output_path(path)
-    try:
-        written = save_model(model, path, True if external_data else None, check=_check_generated)
-    except OSError as error:
-        raise CommandError(f"cannot write {path}: {error.strerror or error}") from error
-    return f" (tensors in {os.path.basename(path)}.data)" if written else ""
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
-def note_left_out(left_out: Sequence[str], option: str = "--wrt", verb: str = "differentiate") -> None:
-    """One line on stderr naming the float initializers that the default variables left out as constants."""
-    if left_out:
-        are = "is a constant and was" if len(left_out) == 1 else "are constants and were"
-        done = verb + ("d" if verb.endswith("e") else "ed")
-        print(
-            f"onnx-autodiff: note: {_count(len(left_out), 'float initializer')} {are} not {done} "
-            f"({names_summary(left_out, 3)}); name them with {option} to {verb} them",
-            file=sys.stderr,
-        )
 
 
 def _single_output(model: ir.Model) -> str:
@@ -151,7 +48,7 @@ def _single_output(model: ir.Model) -> str:
 
 def cmd_grad(args) -> int:
     from onnx_autodiff.passes import AutodiffPass, cleanup_passes
-    from onnx_autodiff.passes.cleanup import collector_paused
+    from onnx_autodiff.passes.progress import collector_paused
 
     check_output_path(args.output)
     model = load_model(args.model)
@@ -161,7 +58,7 @@ def cmd_grad(args) -> int:
     autodiff = AutodiffPass(of=of, wrt=args.wrt or None, upgrade_opset=not args.no_upgrade)
     passes = [autodiff] if args.no_cleanup else [autodiff, *cleanup_passes(outline=args.outline)]
     # Python's collector would rescan the large graph while it is written, as while it is built.
-    with _progress_bar(), collector_paused():
+    with progress_bar(), collector_paused():
         result = ir.passes.PassManager(passes)(model)
         seconds = time.perf_counter() - start
         progress.report("writing", 0, 1)
@@ -171,7 +68,7 @@ def cmd_grad(args) -> int:
     seed = f"; seed input '{autodiff.seed_name}'" if autodiff.seed_name else ""
     print(
         f"wrote {args.output}{data}: {forward_nodes} forward + {len(result.model.graph) - forward_nodes} "
-        f"backward nodes in {seconds:.2f} s; {_count(len(gradients), 'gradient output')} "
+        f"backward nodes in {seconds:.2f} s; {count(len(gradients), 'gradient output')} "
         f"{names_summary(gradients)}{seed}"
     )
     return EXIT_OK
@@ -192,8 +89,8 @@ def cmd_transform(args) -> int:
     data = save_output(result.model, args.output, args.external_data)
     note_left_out(getattr(transform, "left_out", []))
     outputs, inputs = list(transform.output_names.values()), list(transform.input_names.values())
-    added = f"; {_count(len(inputs), 'input')} {names_summary(inputs)}" if inputs else ""
-    print(f"wrote {args.output}{data} in {seconds:.2f} s: {_count(len(outputs), 'output')} {names_summary(outputs)}{added}")
+    added = f"; {count(len(inputs), 'input')} {names_summary(inputs)}" if inputs else ""
+    print(f"wrote {args.output}{data} in {seconds:.2f} s: {count(len(outputs), 'output')} {names_summary(outputs)}{added}")
     return EXIT_OK
 
 
@@ -217,42 +114,6 @@ def cmd_check(args) -> int:
     report = check_grads(proto, of=args.of, wrt=args.wrt, order=args.order, feeds=feeds, seed=args.seed)
     print(report)
     return EXIT_OK if report.ok else EXIT_FAILED
-
-
-@contextlib.contextmanager
-def _progress_bar():
-    """Within: a progress bar on stderr, when it is a terminal, shown once the build has taken
-    PROGRESS_DELAY seconds (tqdm's delay), and gone when it ends."""
-    if not sys.stderr.isatty():
-        yield
-        return
-    from tqdm import tqdm
-
-    bar = tqdm(total=1, delay=PROGRESS_DELAY, leave=False, file=sys.stderr,
-               bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}")
-    shown = [""]
-
-    def listen(stage: str, done: int, total: int) -> None:
-        if stage != shown[0]:  # a new stage: the same bar, its clock running since the start
-            shown[0] = stage
-            bar.set_description_str(stage, refresh=False)
-            bar.total, bar.n, bar.last_print_n = max(total, 1), 0, 0
-        bar.update(done - bar.n)
-
-    try:
-        with progress.reporting(listen):
-            yield
-    finally:
-        bar.close()
-
-
-def _check_generated(model: onnx.ModelProto | str) -> None:
-    """onnx.checker on the generated model (a proto, or the path of a file with its data beside it)."""
-    try:
-        check_model(model)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
-        first = str(error).strip().splitlines()[0]
-        raise AutodiffError(f"the generated model fails the ONNX checker (a bug, please report): {first}")
 
 
 def cmd_demo(args) -> int:
@@ -317,16 +178,6 @@ def cmd_ops(args) -> int:
     return EXIT_OK
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     from onnx_autodiff import training
     from onnx_autodiff.training import train_command
@@ -357,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
         transform.add_argument("--no-upgrade", action="store_true", help=NO_UPGRADE_HELP)
         transform.add_argument("--external-data", action="store_true", help=EXTERNAL_DATA_HELP)
         if name == "jacobian":
-            transform.add_argument("--chunk", type=_positive_int, default=1, help="VJPs per loop iteration")
+            transform.add_argument("--chunk", type=positive_int, default=1, help="VJPs per loop iteration")
         transform.set_defaults(run=cmd_transform)
     check = commands.add_parser("check", help="check a model's derivatives against finite differences")
     check.add_argument("model", help="input .onnx file")

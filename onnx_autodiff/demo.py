@@ -62,7 +62,8 @@ def write_example(directory: str | os.PathLike, samples: int = 768, validation: 
     """Writes the classifier's forward model (``model.onnx``, logits only) and the four-cluster data
     split into ``train.npz`` and ``val.npz`` (arrays ``X`` and ``labels``) to ``directory``, ready
     for ``onnx-autodiff train``; returns the paths written."""
-    from onnx_autodiff.training.values import npz_writer, write_atomically
+    from onnx_autodiff.files import write_atomically
+    from onnx_autodiff.training.values import npz_writer
 
     os.makedirs(directory, exist_ok=True)
     X, labels = blobs(seed=1, samples=samples)

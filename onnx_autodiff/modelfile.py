@@ -19,7 +19,8 @@ import onnx
 import onnx_ir as ir
 
 from onnx_autodiff.errors import UnsupportedModelError
-from onnx_autodiff.passes.inference import proto_graphs
+from onnx_autodiff.files import write_atomically
+from onnx_autodiff.passes.graphs import proto_graphs
 
 PROTO_LIMIT = 2**31  # bytes: protobuf's limit on one serialised message
 _GRAPH_ROOM = 2**26  # bytes left for the graph itself when deciding from the tensors' size
@@ -179,7 +180,6 @@ def save_model(model: ir.Model, path: str | os.PathLike, external_data: bool | N
     Files get the modes an ordinary write gives (a replaced file keeps its mode); the data file is
     put in place first, then the model.
     """
-    from onnx_autodiff.training.values import write_atomically  # the training package imports us
 
     path = os.fspath(path)
     if external_data is None:

@@ -20,17 +20,13 @@ from onnx_autodiff.errors import (
     names_summary,
 )
 from onnx_autodiff.passes import progress
-from onnx_autodiff.passes.cleanup import collector_paused, record_differentiated
+from onnx_autodiff.passes.graphs import captured_values, graph_and_subgraphs, subgraphs
+from onnx_autodiff.passes.metadata import GRAD_OF, grad_of_tag, record_differentiated
 from onnx_autodiff.passes.opsets import build_upgrading
 from onnx_autodiff.passes.parameters import default_parameters
-from onnx_autodiff.passes.rewrites import GRAD_OF
+from onnx_autodiff.passes.progress import collector_paused
 from onnx_autodiff.rules import GradRegistry, GradRule, default_registry, shapes
 from onnx_autodiff.rules.builder import FLOAT_TYPES, Namer, OpBuilder
-
-
-def grad_of_tag(node: ir.Node) -> str:
-    """The GRAD_OF metadata of the backward nodes a rule emits for ``node``."""
-    return f"{node.op_type}:{node.name or node.outputs[0].name}"
 
 
 DEFAULT_OPSET = 18  # the default-domain version backward nodes use when the model imports none
@@ -38,45 +34,6 @@ DEFAULT_OPSET = 18  # the default-domain version backward nodes use when the mod
 
 def _can_carry_gradient(value: ir.Value) -> bool:
     return value.dtype is None or value.dtype in FLOAT_TYPES
-
-
-def _subgraphs(node: ir.Node) -> list[ir.Graph]:
-    graphs: list[ir.Graph] = []
-    if not node.attributes:  # most nodes: their attributes' view costs more than this check
-        return graphs
-    for attribute in node.attributes.values():
-        if attribute.type == ir.AttributeType.GRAPH:
-            graphs.append(attribute.value)
-        elif attribute.type == ir.AttributeType.GRAPHS:
-            graphs.extend(attribute.value)
-    return graphs
-
-
-def captured_values(node: ir.Node) -> list[ir.Value]:
-    """Outer-scope values that the node's subgraphs read (its implicit inputs), in first-use order."""
-    graphs = _subgraphs(node)
-    if not graphs:
-        return []
-    defined: set[ir.Value] = set()
-    used: list[ir.Value] = []
-    for graph in graphs:
-        defined.update(graph.inputs)
-        defined.update(graph.initializers.values())
-        for inner in ir.traversal.RecursiveGraphIterator(graph):
-            defined.update(inner.outputs)
-            for sub in _subgraphs(inner):
-                defined.update(sub.inputs)
-                defined.update(sub.initializers.values())
-                used.extend(sub.outputs)
-            used.extend(v for v in inner.inputs if v is not None)
-        used.extend(graph.outputs)
-    captured: list[ir.Value] = []
-    seen: set[ir.Value] = set()
-    for value in used:
-        if value not in defined and value not in seen:
-            seen.add(value)
-            captured.append(value)
-    return captured
 
 
 def topological_order(nodes: ir.Graph | ir.Function | Sequence[ir.Node]) -> list[ir.Node]:
@@ -172,7 +129,7 @@ class Backward:
         # Every node without a rule is reported at once. Those inside subgraphs show up only when
         # the rule holding them runs, so with subgraphs on the path the walk goes on to find them.
         missing = [self._missing_entry(node) for node in active if rules[node] is None]
-        if missing and not any(_subgraphs(node) for node in active):
+        if missing and not any(subgraphs(node) for node in active):
             raise _missing_rules_error(missing, seeds, xs)
         for done, node in enumerate(reversed(active)):
             if self.outermost and done % 512 == 0:
@@ -345,7 +302,7 @@ class Backward:
         where = f" in a subgraph of {holder_name}"
         found = [
             self._missing_entry(inner, where)
-            for graph in _subgraphs(holder)
+            for graph in subgraphs(holder)
             for inner in ir.traversal.RecursiveGraphIterator(graph)
             if (inner.op_type, inner.domain) in kinds
             and self.registry.lookup(inner, self.opset_of(inner)) is None
@@ -416,7 +373,6 @@ def infer_shapes(model: ir.Model) -> None:
 
 def _infer_model_shapes(model: ir.Model) -> None:
     from onnx_autodiff.passes.inference import frozen_shape, inferred_types, onnx_inferred
-    from onnx_autodiff.passes.rewrites import graph_and_subgraphs
 
     proto = onnx_inferred(ir.to_proto(model))
     if proto is None:
@@ -614,3 +570,20 @@ def autodiff_pass(
 ) -> AutodiffPass:
     """The :class:`AutodiffPass` computing the gradient of ``of`` with respect to ``wrt``."""
     return AutodiffPass(of=of, wrt=wrt, registry=registry, **options)
+
+
+def backward_trial(of: Sequence[str], wrt: Sequence[str] | None = None,
+                   registry: GradRegistry | None = None):
+    """A trial build of the gradients of ``of`` with respect to ``wrt`` (None: the default
+    parameters), for :func:`~onnx_autodiff.passes.opsets.upgraded_for` to find the opset they need."""
+    registry = registry or default_registry()
+
+    def trial(model: ir.Model) -> None:
+        infer_shapes(model)
+        graph = model.graph
+        xs, _ = choose_variables(model, wrt, registry)
+        ys = [find_value(graph, name, "of") for name in of]
+        backward = Backward(graph, registry, model.opset_imports, Namer.for_graph(graph))
+        backward.vjp([(y, shapes.ones_like(backward.op, y)) for y in ys if y.dtype in FLOAT_TYPES], xs)
+
+    return trial

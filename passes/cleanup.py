@@ -20,55 +20,24 @@ floating-point initializer ``W`` for which the graph has an output named ``grad_
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
-import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import onnx
 import onnx_ir as ir
 from onnx_autodiff.passes import progress, rewrites
+from onnx_autodiff.passes.graphs import all_graphs, subgraphs
+from onnx_autodiff.passes.metadata import DIFFERENTIATED_KEY, differentiated  # noqa: F401 - DIFFERENTIATED_KEY: public here too
+from onnx_autodiff.passes.progress import collector_paused
 from onnx_ir.passes import common
 
-DIFFERENTIATED_KEY = "onnx_autodiff.differentiated"
 FOLD_LIMIT = 1024  # elements: larger folded tensors stay computed (a seed Expand(1, Shape(y)) stays a node)
 # Values without a shape up to which each one's node is inferred alone first, whatever the graph
 # inputs' shapes (the few the rewrites made): onnx's inference of the whole model costs as much for
 # a few values as for all of them. With static inputs the nodes are always inferred alone first.
 BY_NODE = 1000
 _FLOAT = {ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE}
-
-
-@contextlib.contextmanager
-def collector_paused():
-    """Pause Python's cyclic garbage collector while a pass runs: it would rescan the ever larger
-    graph many times (half the build time of a 20,000-node model); the garbage a pass leaves
-    (removed nodes) is collected once, afterwards."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def record_differentiated(model: ir.Model, names: Iterable[str]) -> None:
-    """Add ``names`` to the model's list of differentiated values (read by :class:`CleanupPass`)."""
-    recorded = differentiated(model)
-    recorded += [n for n in names if n not in recorded]
-    model.metadata_props[DIFFERENTIATED_KEY] = json.dumps(recorded)
-
-
-def differentiated(model: ir.Model) -> list[str]:
-    """The names recorded under :data:`DIFFERENTIATED_KEY` (empty when there are none)."""
-    try:
-        names = json.loads(model.metadata_props.get(DIFFERENTIATED_KEY, "[]"))
-    except ValueError:
-        return []
-    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
 
 
 def _with_gradient_output(graph: ir.Graph) -> set[str]:
@@ -110,7 +79,7 @@ class CleanupPass(ir.passes.InPlacePass):
     def _shrink(self, model: ir.Model) -> ir.passes.PassResult:
         protected = self.protected(model)
         hidden: dict[ir.Value, ir.TensorProtocol | None] = {}
-        graphs = rewrites._all_graphs(model)
+        graphs = all_graphs(model)
         # Nothing here adds a subgraph: without one, the list of graphs stays the same.
         flat = len(graphs) == 1 + len(model.functions)
         modified = False
@@ -126,8 +95,8 @@ class CleanupPass(ir.passes.InPlacePass):
                     hidden = _hide(protected)
                 # Common subexpressions in every round: the one that finds the fixed point checks them too.
                 progress.report(stage, 1, 5)
-                changed = self._fold(model, graphs if flat else rewrites._all_graphs(model))
-                graphs = graphs if flat else rewrites._all_graphs(model)
+                changed = self._fold(model, graphs if flat else all_graphs(model))
+                graphs = graphs if flat else all_graphs(model)
                 progress.report(stage, 2, 5)
                 changed |= rewrites.Rewriter(model, graphs).run() > 0
                 progress.report(stage, 3, 5)
@@ -147,7 +116,7 @@ class CleanupPass(ir.passes.InPlacePass):
         modified |= _lift_constants(model)
         if not all(_in_order(g) for g in (model.graph, *model.functions.values())):  # else it stays as it is
             modified |= common.TopologicalSortPass()(model).modified
-        _drop_folding_notes(graphs if flat else rewrites._all_graphs(model))
+        _drop_folding_notes(graphs if flat else all_graphs(model))
         return ir.passes.PassResult(model, modified=modified)
 
     def _fold(self, model: ir.Model, graphs: list[ir.Graph]) -> bool:
@@ -238,9 +207,9 @@ def _remove_dead(graph: ir.Graph) -> int:
     removed = 0
     for node in reversed(list(graph)):
         if any(out.uses() or out in outputs for out in node.outputs):
-            removed += sum(_remove_dead(sub) for sub in rewrites._subgraphs(node))
+            removed += sum(_remove_dead(sub) for sub in subgraphs(node))
             continue
-        for sub in rewrites._subgraphs(node):
+        for sub in subgraphs(node):
             for inner in ir.traversal.RecursiveGraphIterator(sub):
                 _detach(inner)
         _detach(node)  # its producers, further up, may then be dead too
@@ -356,7 +325,7 @@ def _trim(graph: ir.Graph | ir.Function, opset: int | None) -> None:
             node.resize_inputs(count)
         if opset is not None and node.domain == "" and (len(node.outputs) > 1 or node.op_type == "BatchNormalization"):
             _drop_optional_outputs(node, outputs, opset)
-        for sub in rewrites._subgraphs(node):
+        for sub in subgraphs(node):
             _trim(sub, opset)
 
 
@@ -412,7 +381,7 @@ def _in_order(graph: ir.Graph | ir.Function) -> bool:
     whose order also depends on what they read)."""
     seen: set[ir.Node] = set()
     for node in graph:
-        if any(True for _ in rewrites._subgraphs(node)):
+        if any(True for _ in subgraphs(node)):
             return False
         for value in node.inputs:
             producer = None if value is None else value.producer()

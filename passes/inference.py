@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from onnx_autodiff.passes.graphs import captured_values, proto_graphs, subgraphs
 from onnx_autodiff.rules import shapes
 
 _INDEX_TYPES = frozenset({ir.DataType.INT64, ir.DataType.INT32})
@@ -36,21 +37,19 @@ def complete_shapes(graph: ir.Graph, opsets: dict[str, int]) -> int:
 
 
 def _complete(graph: ir.Graph, opset: int, imports) -> int:
-    from onnx_autodiff.passes.autodiff import _subgraphs, captured_values
-
     filled = 0
     for node in graph:
-        subgraphs = _subgraphs(node)
-        for sub in subgraphs:
+        held = subgraphs(node)
+        for sub in held:
             filled += _complete(sub, opset, imports)
         if not any(_incomplete(out) for out in node.outputs):
             continue
         schema = _schema(node.op_type, opset) if node.domain in ("", "ai.onnx") else None
         inputs = [v for v in node.inputs if v is not None]
-        outer = captured_values(node) if subgraphs else []
+        outer = captured_values(node) if held else []
         if schema is None or any(v.type is None for v in (*inputs, *outer)):
             continue
-        if not subgraphs and all(v.shape is None for v in inputs):
+        if not held and all(v.shape is None for v in inputs):
             continue
         filled += _infer_node(node, schema, inputs, outer, imports)
         if node.op_type in ("Loop", "Scan"):
@@ -127,7 +126,6 @@ def static_by_node(graph: ir.Graph, missing: dict[str, ir.Value], opsets: dict[s
     dimensions, data through several nodes). Nodes that agree in all that
     inference reads (op, attributes, input types and constant data) are inferred once: a backward
     graph repeats a few patterns thousands of times."""
-    from onnx_autodiff.passes.autodiff import _subgraphs
 
     opset = opsets.get("", opsets.get("ai.onnx", 1))
     imports = [onnx.helper.make_opsetid(d, v) for d, v in opsets.items()]
@@ -136,7 +134,7 @@ def static_by_node(graph: ir.Graph, missing: dict[str, ir.Value], opsets: dict[s
     seen: dict[bytes, ir.Shape | None] = {}
     for node in graph:
         outputs = [out for out in node.outputs if out.name in left]
-        if not outputs or node.domain not in ("", "ai.onnx") or _subgraphs(node):
+        if not outputs or node.domain not in ("", "ai.onnx") or subgraphs(node):
             continue
         schema = _schema(node.op_type, opset)
         inputs = [v for v in node.inputs if v is not None]
@@ -267,15 +265,6 @@ def forget_element_names(proto: onnx.ModelProto) -> None:
         for d, _ in _tensor_dims(info.type):
             if d.dim_param in made_up:
                 d.ClearField("dim_param")
-
-
-def proto_graphs(graph: onnx.GraphProto):
-    """``graph`` and every subgraph in it, at any depth (GraphProtos)."""
-    yield graph
-    for node in graph.node:
-        for attribute in node.attribute:
-            for sub in [attribute.g] if attribute.HasField("g") else attribute.graphs:
-                yield from proto_graphs(sub)
 
 
 def _tensor_dims(kind: onnx.TypeProto, in_sequence: bool = False) -> list:

@@ -12,14 +12,13 @@ with ``upgrade=False`` the error says which rule needs which opset and how to co
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 import onnx
 import onnx_ir as ir
 
 from onnx_autodiff.errors import AutodiffError, OpsetTooOldError, UnsupportedModelError
-from onnx_autodiff.rules import GradRegistry, default_registry, shapes
-from onnx_autodiff.rules.builder import FLOAT_TYPES, Namer
+from onnx_autodiff.modelfile import from_proto
 
 logger = logging.getLogger(__name__)
 
@@ -163,37 +162,22 @@ def build_upgrading(
     return result
 
 
-def upgraded_for_gradients(
+def upgraded_for(
     proto: onnx.ModelProto,
-    of: Sequence[str],
-    wrt: Sequence[str] | None = None,
-    registry: GradRegistry | None = None,
+    trial: Callable[[ir.Model], None],
     upgrade: bool = True,
     base_dir: str | None = None,
 ) -> onnx.ModelProto:
-    """``proto`` converted to the opset that the gradients of its outputs ``of`` with respect to
-    ``wrt`` (None: the default parameters) need; ``proto`` itself when its own opset serves.
+    """``proto`` converted to the opset that ``trial`` (a build run on a copy of it, such as
+    :func:`~onnx_autodiff.passes.autodiff.backward_trial`) needs; ``proto`` itself when its own
+    opset serves.
 
     For builders (training artifacts) that must fix the opset before making several models from
-    one forward graph: a trial backward build finds the opset. Errors other than an opset one
-    are left to the real build to report. ``base_dir``: where ``proto``'s external tensors are.
+    one forward graph. Errors other than an opset one are left to the real build to report.
+    ``base_dir``: where ``proto``'s external tensors are.
     """
-    from onnx_autodiff.passes.autodiff import Backward, choose_variables, find_value, infer_shapes  # it imports this module
-
-    from onnx_autodiff.modelfile import from_proto
-
     model = from_proto(proto, base_dir)
     before = default_opset(model)
-
-    def trial(model: ir.Model) -> None:
-        infer_shapes(model)
-        graph = model.graph
-        xs, _ = choose_variables(model, wrt, registry or default_registry())
-        ys = [find_value(graph, name, "of") for name in of]
-        namer = Namer.for_graph(graph)
-        backward = Backward(graph, registry or default_registry(), model.opset_imports, namer)
-        backward.vjp([(y, shapes.ones_like(backward.op, y)) for y in ys if y.dtype in FLOAT_TYPES], xs)
-
     try:
         build_upgrading(model, trial, upgrade)
     except AutodiffError as error:
@@ -201,4 +185,3 @@ def upgraded_for_gradients(
             raise
     after = default_opset(model)
     return proto if after == before else convert_proto(proto, after, f"the gradient needs opset {after}")
-

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 
 import onnx_ir as ir
-from onnx_autodiff.passes.rewrites import GRAD_OF
+from onnx_autodiff.passes.metadata import GRAD_OF
 from onnx_ir.passes import common
 
 DOMAIN = "onnx_autodiff.grad"

@@ -23,6 +23,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_autodiff.errors import AutodiffError
+from onnx_autodiff.passes.graphs import captured_values
 from onnx_autodiff.rules import GradRegistry, default_registry
 from onnx_autodiff.rules.builder import FLOAT_TYPES
 
@@ -82,7 +83,6 @@ def _finite_and_moderate(tensor: ir.TensorProtocol, step: int = 1 << 22) -> bool
 
 
 def _read_where_gradients_flow(model: ir.Model, registry: GradRegistry) -> set[ir.Value]:
-    from onnx_autodiff.passes.autodiff import captured_values  # autodiff imports this module
 
     initializers = set(model.graph.initializers.values())
     found: set[ir.Value] = set()

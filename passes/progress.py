@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import gc
 from collections.abc import Callable, Iterator
 
 Listener = Callable[[str, int, int], None]  # (stage, done, total)
@@ -28,3 +29,17 @@ def reporting(listener: Listener) -> Iterator[None]:
         yield
     finally:
         _listener.reset(token)
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Pause Python's cyclic garbage collector while a pass runs: it would rescan the ever larger
+    graph many times (half the build time of a 20,000-node model); the garbage a pass leaves
+    (removed nodes) is collected once, afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -7,9 +7,9 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import onnx_ir as ir
 
-# Node metadata "<op type>:<forward node>": the forward node whose rule emitted a backward node
-# (set by the engine, kept by the rewrites, read by OutlinePass and by readers of the graph).
-GRAD_OF = "onnx_autodiff.grad_of"
+from onnx_autodiff.passes.graphs import all_graphs
+from onnx_autodiff.passes.metadata import GRAD_OF
+
 
 # Dims of a value: a tuple of int (static) or str (named symbolic) or None (unknown) per axis.
 Dims = tuple
@@ -114,7 +114,7 @@ class Rewriter:
     def __init__(self, model: ir.Model, graphs: list[ir.Graph] | None = None) -> None:
         self.model = model
         self.opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
-        self.graphs = _all_graphs(model) if graphs is None else graphs
+        self.graphs = all_graphs(model) if graphs is None else graphs
         self._taken: set[str] | None = None
         self.fills: dict[ir.Value, float | None] = {}
         self.captured = _captured_outputs(self.graphs)
@@ -302,32 +302,6 @@ def _node(op_type: str, inputs, name: str | None, **attributes) -> ir.Node:
         node.outputs[0].shape = ir.Shape(tensor.shape)
         node.outputs[0].const_value = tensor
     return node
-
-
-def _subgraphs(node: ir.Node) -> Iterator[ir.Graph]:
-    if not node.attributes:  # most nodes: their attributes' view costs more than this check
-        return
-    for attribute in node.attributes.values():
-        if attribute.type == ir.AttributeType.GRAPH:
-            yield attribute.value
-        elif attribute.type == ir.AttributeType.GRAPHS:
-            yield from attribute.value
-
-
-def _all_graphs(model: ir.Model) -> list[ir.Graph]:
-    graphs = graph_and_subgraphs(model.graph)
-    for function in model.functions.values():
-        graphs += graph_and_subgraphs(function.graph if hasattr(function, "graph") else function)
-    return graphs
-
-
-def graph_and_subgraphs(graph: ir.Graph) -> list[ir.Graph]:
-    """``graph`` and the graphs its nodes hold, at any depth (depth first)."""
-    graphs = [graph]
-    for node in graph:
-        for sub in _subgraphs(node):
-            graphs += graph_and_subgraphs(sub)
-    return graphs
 
 
 def _all_values(graphs: list[ir.Graph]) -> Iterator[ir.Value]:

@@ -18,8 +18,8 @@ from onnx_autodiff.training.values import (
     load_arrays,
     safetensors_metadata,
     safetensors_writer,
-    write_atomically,
 )
+from onnx_autodiff.files import write_atomically
 
 
 def arrays() -> dict[str, np.ndarray]:

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnx_autodiff.passes
 from onnx_autodiff.cli import main
-from onnx_autodiff.training.values import write_atomically
+from onnx_autodiff.files import write_atomically
 
 
 def save(path, nodes, initializers, ir_version=8, opset=18, output_shape=()):

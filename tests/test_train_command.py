@@ -15,7 +15,8 @@ import pytest
 from onnx_autodiff.cli import main
 from onnx_autodiff.demo import blobs, classifier_model
 from onnx_autodiff.training import Trainer, generate_artifacts
-from onnx_autodiff.training.values import load_arrays, safetensors_writer, write_atomically
+from onnx_autodiff.files import write_atomically
+from onnx_autodiff.training.values import load_arrays, safetensors_writer
 
 EXAMPLES, VALIDATION, BATCH, SEED, LR = 120, 50, 50, 3, 0.01  # 120 = 2 batches of 50 and one of 20
 
@@ -251,10 +252,10 @@ class _Terminal(io.StringIO):
 
 @pytest.mark.parametrize("terminal", [True, False])
 def test_progress_bar_on_a_terminal_only(artifacts_dir, files, tmp_path, capsys, monkeypatch, terminal):
-    from onnx_autodiff import cli
+    from onnx_autodiff import commands
 
     stderr = _Terminal() if terminal else io.StringIO()
-    monkeypatch.setattr(cli, "PROGRESS_DELAY", 0.0)
+    monkeypatch.setattr(commands, "PROGRESS_DELAY", 0.0)
     monkeypatch.setattr("sys.stderr", stderr)
     assert main(["train", artifacts_dir, "--data", files["data.npz"], "-o", str(tmp_path / "run"), "--epochs", "2"]) == 0
     assert ("%|" in stderr.getvalue()) == terminal

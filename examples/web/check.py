@@ -147,7 +147,7 @@ class Chromium:
 
 def train_in_browser(browser: Chromium, url: str, screenshot: str, timeout: float) -> dict:
     """Opens ``url``, waits for its training and returns window.trainingResult; saves a screenshot."""
-    from onnx_autodiff.training.values import write_atomically
+    from onnx_autodiff.files import write_atomically
 
     target = browser.send("Target.createTarget", {"url": "about:blank"})["targetId"]
     session = browser.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]

@@ -21,7 +21,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff.training import TrainingArtifacts, generate_artifacts
-from onnx_autodiff.training.values import safetensors_writer, write_atomically
+from onnx_autodiff.files import write_atomically
+from onnx_autodiff.training.values import safetensors_writer
 
 BUILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "build")
 LEARNING_RATE = 3e-3

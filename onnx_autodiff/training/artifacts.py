@@ -12,6 +12,7 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
+from onnx_autodiff.files import write_atomically
 from onnx_autodiff.errors import (
     AutodiffError,
     NotDifferentiableError,
@@ -29,7 +30,8 @@ from onnx_autodiff.modelfile import (
 )
 from onnx_autodiff.passes.inference import onnx_inferred
 from onnx_autodiff.passes.lora import adapted
-from onnx_autodiff.passes.opsets import upgraded_for_gradients
+from onnx_autodiff.passes.autodiff import backward_trial
+from onnx_autodiff.passes.opsets import upgraded_for
 from onnx_autodiff.passes.parameters import default_parameters
 from onnx_autodiff.rules.builder import Namer, OpBuilder
 from onnx_autodiff.training.losses import LossSpec, attach_loss, model_opset
@@ -45,7 +47,6 @@ from onnx_autodiff.training.values import (
     arrays_writer,
     fresh_value,
     load_arrays,
-    write_atomically,
 )
 
 FORMAT_VERSION = 1
@@ -414,7 +415,7 @@ def generate_artifacts(
         requires_grad = list(dict.fromkeys([*adapters, *(n for n in injected.extra if n not in frozen), *extra]))
     # Once here, so that every model built from the forward graph has the opset its rules need.
     of = [output] if output is not None else [v.name for v in proto.graph.output]
-    proto = upgraded_for_gradients(proto, of, requires_grad, registry, upgrade_opset, base_dir)
+    proto = upgraded_for(proto, backward_trial(of, requires_grad, registry), upgrade_opset, base_dir)
     proto = onnx_inferred(proto) or proto
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise TrainingError(f"max_grad_norm must be > 0, not {max_grad_norm}")

@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from onnx_autodiff.commands import NO_UPGRADE_HELP, CommandError, UsageError, note_left_out, read_model_proto
 from onnx_autodiff.errors import TrainingError, names_summary
 from onnx_autodiff.passes.lora import LoraConfig
 from onnx_autodiff.training.artifacts import TrainingArtifacts, generate_artifacts
@@ -36,7 +37,6 @@ def add_generation_arguments(parser) -> list[str]:
     ``artifacts`` and ``train`` commands; returns their destinations. Each defaults to None (or
     False), so that a command can tell which were given; :func:`artifacts_from_args` fills in the
     defaults the help names."""
-    from onnx_autodiff.cli import NO_UPGRADE_HELP  # cli imports us
 
     actions = [
         parser.add_argument("--loss", choices=[*LOSSES, "none"],
@@ -64,7 +64,6 @@ def add_generation_arguments(parser) -> list[str]:
 
 def artifacts_from_args(args, gradient_accumulation: bool = False) -> TrainingArtifacts:
     """The artifacts of ``args.model`` with the options of :func:`add_generation_arguments`."""
-    from onnx_autodiff.cli import UsageError, read_model_proto  # cli imports us
 
     options = {k: v for k, v in (("lr", args.lr), ("momentum", args.momentum), ("weight_decay", args.weight_decay)) if v is not None}
     if args.nesterov:
@@ -86,7 +85,6 @@ def artifacts_from_args(args, gradient_accumulation: bool = False) -> TrainingAr
 def run(args) -> int:
     """``onnx-autodiff artifacts``: writes the artifacts; exit 0, or raises an AutodiffError or one of the
     command line's errors (UsageError, CommandError)."""
-    from onnx_autodiff.cli import CommandError, UsageError, note_left_out  # cli imports us
 
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise UsageError(f"-o {args.output} is a file: name the directory to write the artifacts to")

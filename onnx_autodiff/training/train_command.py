@@ -37,6 +37,7 @@ import types
 import numpy as np
 from onnx import helper
 
+from onnx_autodiff.commands import CommandError, UsageError, count, note_left_out, positive_int, progress_bar, write_file
 from onnx_autodiff.errors import TrainingError, names_summary
 from onnx_autodiff.passes import progress
 from onnx_autodiff.training import distributed
@@ -59,7 +60,6 @@ INTERRUPTED = 130  # the shell's code for a command stopped by Ctrl-C
 
 def add_arguments(parser) -> None:
     """Arguments of ``onnx-autodiff train``."""
-    from onnx_autodiff.cli import _positive_int  # cli imports us
 
     parser.add_argument("model", help="forward .onnx model, or a directory of training artifacts (holding artifacts.json)")
     parser.add_argument("--data", required=True, metavar="FILE",
@@ -68,8 +68,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("-o", "--output", required=True, metavar="OUTDIR",
                         help="directory of the run: model.onnx, checkpoint, metrics.csv, loss.png, artifacts/")
     generation = add_generation_arguments(parser)
-    parser.add_argument("--epochs", type=_positive_int, default=1, help="epochs to train in all (default 1)")
-    parser.add_argument("--batch-size", type=_positive_int, default=32,
+    parser.add_argument("--epochs", type=positive_int, default=1, help="epochs to train in all (default 1)")
+    parser.add_argument("--batch-size", type=positive_int, default=32,
                         help="examples per step (default 32); the last batch of an epoch holds the remainder")
     parser.add_argument("--seed", type=_seed, default=0, help="seed of the example order (default 0)")
     parser.add_argument("--val-data", metavar="FILE", help="validation arrays, as --data: loss (and accuracy) per epoch")
@@ -91,7 +91,6 @@ def _seed(text: str) -> int:
 def run(args) -> int:
     """``onnx-autodiff train``; exit 0, or INTERRUPTED after Ctrl-C (the checkpoint saved), or raises
     one of the command line's errors."""
-    from onnx_autodiff.cli import UsageError, _count, _progress_bar  # cli imports us
 
     out = args.output
     if os.path.exists(out) and not os.path.isdir(out):
@@ -107,7 +106,7 @@ def run(args) -> int:
         raise UsageError(f"--batch-size {args.batch_size} is the global batch: it must divide among the {ranks} "
                          f"ranks (give a multiple of {ranks})")
     with distributed.abort_on_error(comm):
-        return _run(args, comm, _progress_bar, _count)
+        return _run(args, comm, progress_bar, count)
 
 
 def _run(args, comm, progress_bar, count) -> int:
@@ -171,7 +170,6 @@ class RunState:
         return cls(**data)
 
     def check_examples(self, examples: int, path: str, out: str) -> None:
-        from onnx_autodiff.cli import CommandError  # cli imports us
 
         if self.examples is None:
             self.examples = examples
@@ -189,7 +187,6 @@ def _settings(args) -> dict:
 def _started(args, gradient_accumulation: bool = False) -> tuple[TrainingArtifacts, RunState, None]:
     """A new run: the artifacts of MODEL (generated, or read from its directory); no state yet.
     Data-parallel runs need the accumulate and apply models (``gradient_accumulation``)."""
-    from onnx_autodiff.cli import UsageError, note_left_out  # cli imports us
 
     checkpoint = os.path.join(args.output, "checkpoint")
     if os.path.exists(checkpoint):
@@ -210,7 +207,6 @@ def _started(args, gradient_accumulation: bool = False) -> tuple[TrainingArtifac
 
 def _resumed(args) -> tuple[TrainingArtifacts, RunState, dict]:
     """The run in OUTDIR, checked against the options given, and the trainer state it reached."""
-    from onnx_autodiff.cli import UsageError  # cli imports us
 
     checkpoint = os.path.join(args.output, "checkpoint")
     if not os.path.isfile(checkpoint):
@@ -240,7 +236,6 @@ def _flag(name: str, value) -> str:
 
 
 def _load_artifacts(directory: str) -> TrainingArtifacts:
-    from onnx_autodiff.cli import UsageError  # cli imports us
 
     if not os.path.isfile(os.path.join(directory, "artifacts.json")):
         raise UsageError(f"{directory} is a directory without artifacts.json: give an .onnx model or a directory "
@@ -249,7 +244,6 @@ def _load_artifacts(directory: str) -> TrainingArtifacts:
 
 
 def _save_artifacts(artifacts: TrainingArtifacts, directory: str, model: str) -> None:
-    from onnx_autodiff.cli import CommandError  # cli imports us
 
     if os.path.isdir(directory) and os.path.samefile(directory, model):
         return  # MODEL is this run's own artifacts directory
@@ -261,7 +255,6 @@ def _save_artifacts(artifacts: TrainingArtifacts, directory: str, model: str) ->
 
 def _read_checkpoint(path: str) -> tuple[dict, RunState]:
     """The trainer state and the run of a checkpoint the train command wrote."""
-    from onnx_autodiff.cli import CommandError  # cli imports us
 
     try:
         state, metadata = load_arrays(path), safetensors_metadata(path)
@@ -298,7 +291,6 @@ def _classes(artifacts: TrainingArtifacts) -> tuple[str, str, int | None] | None
 def _checked_data(path: str, option: str, artifacts: TrainingArtifacts, batch_size: int) -> dict[str, np.ndarray]:
     """The arrays of ``path`` that the model takes, checked against its inputs: present, one row
     per example in each, the declared shape and a dtype the Trainer casts to, class labels in range."""
-    from onnx_autodiff.cli import CommandError  # cli imports us
 
     try:
         arrays = load_arrays(path)
@@ -353,8 +345,6 @@ def _train(trainer: Trainer, run_state: RunState, data: dict, val: dict | None, 
     """Trains from the run's position to ``args.epochs``, saving the checkpoint after each epoch;
     False when Ctrl-C stopped it (the checkpoint then holds the position reached)."""
     from tqdm import tqdm
-
-    from onnx_autodiff.cli import write_file  # cli imports us
 
     examples, size = run_state.examples, args.batch_size
     batches = -(-examples // size)
@@ -432,7 +422,6 @@ def _metrics_csv(history: list[dict]) -> bytes:
 
 def _finish(trainer: Trainer, run_state: RunState, out: str) -> list[str]:
     """Writes the trained model, the metrics and the plot; returns the paths written."""
-    from onnx_autodiff.cli import CommandError, write_file  # cli imports us
 
     model = os.path.join(out, "model.onnx")
     try:

@@ -13,11 +13,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff.errors import BatchError, TrainingError
 from onnx_autodiff.modelfile import from_proto, over_limit, save_model, tensor_array, to_inline_proto, uses_external_data
-from onnx_autodiff.passes.inference import proto_graphs
+from onnx_autodiff.passes.graphs import proto_graphs
 from onnx_autodiff.rules.builder import Namer
 from onnx_autodiff.training import distributed
 from onnx_autodiff.training.artifacts import TrainingArtifacts
-from onnx_autodiff.training.values import arrays_writer, load_arrays, owned_copy, shape_text, write_atomically
+from onnx_autodiff.files import write_atomically
+from onnx_autodiff.training.values import arrays_writer, load_arrays, owned_copy, shape_text
 
 
 LARGE_STATE = 1 << 30  # bytes of parameters and optimiser state from which the CPU arena is off

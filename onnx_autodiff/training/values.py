@@ -1,15 +1,12 @@
 """Small helpers shared by the training modules: fresh values, dimensions, array files (npz and
-safetensors), atomic writes."""
+safetensors)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import mmap
 import os
-import secrets
-import stat
 import struct
 from collections.abc import Callable, Mapping
 from typing import BinaryIO
@@ -17,6 +14,7 @@ from typing import BinaryIO
 import numpy as np
 import onnx_ir as ir
 
+from onnx_autodiff.files import write_atomically  # noqa: F401 - for the conformance runner, until it imports it from there
 from onnx_autodiff.rules.builder import Namer
 
 
@@ -194,38 +192,3 @@ def owned_copy(array: np.ndarray, dtype) -> np.ndarray:
         return np.fromfile(array.filename, array.dtype, array.size, offset=array.offset).reshape(array.shape)
     with np.errstate(over="ignore"):
         return np.array(array, dtype, order="C")
-
-
-def write_atomically(path: str | os.PathLike, data: bytes | Callable[[BinaryIO], object]) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same directory and ``os.replace``,
-    so ``path`` is never half-written and nothing is left behind when writing fails. ``data`` is
-    the bytes, or a function that writes them to the stream it is given (streaming a large file).
-
-    The file gets the mode an ordinary ``open(path, "wb")`` gives: a replaced file keeps its mode,
-    a new one gets 0o666 less the umask (mkstemp's private 0o600 would surprise users)."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        mode = stat.S_IMODE(os.stat(path).st_mode)
-    except FileNotFoundError:
-        mode = None
-    while True:
-        temporary = os.path.join(directory, f".onnx-autodiff-{secrets.token_hex(6)}.tmp")
-        try:  # 0o666: the kernel applies the umask (and a directory's default ACL) as for any new file
-            handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-            break
-        except FileExistsError:
-            continue
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            if callable(data):
-                data(stream)
-            else:
-                stream.write(data)
-        if mode is not None:
-            os.chmod(temporary, mode)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-        raise

@@ -1,5 +1,9 @@
 """The finite-difference oracle: agreement with analytic gradients, flags, backends, caps."""
 
+import ast
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -297,3 +301,31 @@ def test_reference_loop_without_cond_stacks_scan_outputs():
     assert got[1].shape == (2, 3, 2)
     for a, b in zip(got, expected):
         np.testing.assert_array_equal(a, b)
+
+
+# ----------------------------------------------------------------- independence
+
+ORACLE_MODULES = ("oracle", "widening", "kernels", "evaluator", "differences")
+
+
+def imported_modules(module: str) -> set[str]:
+    """Every module that ``onnx_autodiff.conformance.<module>`` imports, at the top or inside functions."""
+    source = Path(importlib.util.find_spec(f"onnx_autodiff.conformance.{module}").origin).read_text()
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            package = ".".join("onnx_autodiff.conformance".split(".")[: 3 - node.level]) if node.level else ""
+            names.add(".".join(p for p in (package, node.module) if p))
+    return names
+
+
+def test_the_oracle_imports_nothing_of_what_it_checks():
+    # the reference values must not depend on the engine or the rules they judge
+    allowed = {f"onnx_autodiff.conformance.{m}" for m in ORACLE_MODULES}
+    for module in ORACLE_MODULES:
+        foreign = sorted(n for n in imported_modules(module) if n.startswith("onnx_autodiff") and n not in allowed)
+        assert not foreign, f"onnx_autodiff.conformance.{module} imports {foreign}"
+    # the scan sees such imports: the gradient checks, which run the engine, have one
+    assert any(n.startswith("onnx_autodiff.passes") for n in imported_modules("check"))

@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 from helpers import make_model, rng
 from onnx import TensorProto, helper, numpy_helper
-from onnx_autodiff.passes.cleanup import DIFFERENTIATED_KEY
+from onnx_autodiff.passes.metadata import DIFFERENTIATED_KEY
 
 from onnx_autodiff import OutlinePass, autodiff_pass, cleanup_passes
 

@@ -9,7 +9,7 @@ import pytest
 from helpers import make_model, rng
 from onnx import helper
 from onnx_autodiff.passes.outline import DOMAIN
-from onnx_autodiff.passes.rewrites import GRAD_OF
+from onnx_autodiff.passes.metadata import GRAD_OF
 from onnx_ir.passes import common
 
 from onnx_autodiff import OutlinePass, autodiff_pass, cleanup_passes

@@ -11,7 +11,7 @@ from helpers import make_model, rng
 from onnx import helper
 from onnx_autodiff.passes import progress
 
-from onnx_autodiff import autodiff_pass, cleanup_passes, cli
+from onnx_autodiff import autodiff_pass, cleanup_passes, cli, commands
 
 R = rng(5)
 
@@ -46,7 +46,7 @@ class _Terminal(io.StringIO):
 def _grad_stderr(tmp_path, monkeypatch, stderr) -> str:
     path = tmp_path / "chain.onnx"
     onnx.save(chain(3), path)
-    monkeypatch.setattr(cli, "PROGRESS_DELAY", 0.0)
+    monkeypatch.setattr(commands, "PROGRESS_DELAY", 0.0)
     monkeypatch.setattr("sys.stderr", stderr)
     assert cli.main(["grad", str(path), "-o", str(tmp_path / "out.onnx")]) == 0
     return stderr.getvalue()
@@ -58,9 +58,9 @@ def test_the_command_line_shows_a_progress_bar_on_a_terminal(tmp_path, monkeypat
 
 def test_the_bar_follows_the_stages(monkeypatch):
     terminal = _Terminal()
-    monkeypatch.setattr(cli, "PROGRESS_DELAY", 0.0)
+    monkeypatch.setattr(commands, "PROGRESS_DELAY", 0.0)
     monkeypatch.setattr("sys.stderr", terminal)
-    with cli._progress_bar():
+    with commands.progress_bar():
         progress.report("gradients", 1, 4)
         time.sleep(0.2)  # tqdm redraws at most every 0.1 s
         progress.report("cleanup, round 1", 3, 5)

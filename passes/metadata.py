@@ -1,0 +1,36 @@
+"""What the passes tell each other through a model: its metadata keys and their readers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+
+import onnx_ir as ir
+
+# Node metadata "<op type>:<forward node>": the forward node whose rule emitted a backward node
+# (set by the engine, kept by the rewrites, read by OutlinePass and by readers of the graph).
+GRAD_OF = "onnx_autodiff.grad_of"
+
+# Model metadata: a JSON list of the values being differentiated, which the cleanup never folds.
+DIFFERENTIATED_KEY = "onnx_autodiff.differentiated"
+
+
+def grad_of_tag(node: ir.Node) -> str:
+    """The GRAD_OF metadata of the backward nodes a rule emits for ``node``."""
+    return f"{node.op_type}:{node.name or node.outputs[0].name}"
+
+
+def record_differentiated(model: ir.Model, names: Iterable[str]) -> None:
+    """Add ``names`` to the model's list of differentiated values (read by the cleanup)."""
+    recorded = differentiated(model)
+    recorded += [n for n in names if n not in recorded]
+    model.metadata_props[DIFFERENTIATED_KEY] = json.dumps(recorded)
+
+
+def differentiated(model: ir.Model) -> list[str]:
+    """The names recorded under :data:`DIFFERENTIATED_KEY` (empty when there are none)."""
+    try:
+        names = json.loads(model.metadata_props.get(DIFFERENTIATED_KEY, "[]"))
+    except ValueError:
+        return []
+    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
