@@ -18,6 +18,7 @@ from onnx_autodiff.passes import (
     gradient_of_function,
     gradient_of_nodes,
 )
+from onnx_autodiff.passes.rewrite_rules import cleanup_rules
 from onnx_autodiff.passes.transforms import (
     HvpPass,
     JacobianPass,
@@ -59,6 +60,7 @@ __all__ = [
     "autodiff_pass",
     "check_grads",
     "cleanup_passes",
+    "cleanup_rules",
     "default_registry",
     "gradient_of_function",
     "gradient_of_nodes",

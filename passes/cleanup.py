@@ -30,6 +30,7 @@ from onnx_autodiff.passes import progress, rewrites
 from onnx_autodiff.passes.graphs import all_graphs, subgraphs
 from onnx_autodiff.passes.metadata import DIFFERENTIATED_KEY, differentiated  # noqa: F401 - DIFFERENTIATED_KEY: public here too
 from onnx_autodiff.passes.progress import collector_paused
+from onnx_autodiff.passes.rewrite_rules import RuleIndex, cleanup_rules
 from onnx_ir.passes import common
 
 FOLD_LIMIT = 1024  # elements: larger folded tensors stay computed (a seed Expand(1, Shape(y)) stays a node)
@@ -52,13 +53,16 @@ class CleanupPass(ir.passes.InPlacePass):
 
     ``keep`` names further initializers never to fold (see the module's docstring); ``fold=False``
     skips constant folding; ``fold_limit`` bounds the size of folded tensors (elements);
-    ``cse=False`` skips common-subexpression elimination.
-    Mul by zeros folds to zeros even where the other factor is not finite, as gradients assume.
+    ``cse=False`` skips common-subexpression elimination; ``rules``: onnxscript ``RewriteRule`` or
+    ``RewriteRuleSet`` objects applied in every round after the project's own
+    (:func:`~onnx_autodiff.passes.rewrite_rules.cleanup_rules`), on each node whose op ends their
+    pattern. Mul by zeros folds to zeros even where the other factor is not finite, as gradients assume.
     """
 
     def __init__(self, keep: Sequence[str] = (), fold: bool = True, fold_limit: int = FOLD_LIMIT,
-                 cse: bool = True, max_rounds: int = 8) -> None:
+                 cse: bool = True, max_rounds: int = 8, rules: Sequence = ()) -> None:
         super().__init__()
+        self.rules = RuleIndex([cleanup_rules(), *rules])
         self.keep = [keep] if isinstance(keep, str) else list(keep)
         self.fold = fold
         self.fold_limit = fold_limit
@@ -98,7 +102,7 @@ class CleanupPass(ir.passes.InPlacePass):
                 changed = self._fold(model, graphs if flat else all_graphs(model))
                 graphs = graphs if flat else all_graphs(model)
                 progress.report(stage, 2, 5)
-                changed |= rewrites.Rewriter(model, graphs).run() > 0
+                changed |= rewrites.Rewriter(model, graphs, self.rules).run() > 0
                 progress.report(stage, 3, 5)
                 changed |= _remove_unused(model)
                 progress.report(stage, 4, 5)
@@ -439,13 +443,14 @@ def _drop_folding_notes(graphs: list[ir.Graph]) -> None:
 
 
 def cleanup_passes(*, keep: Sequence[str] = (), fold: bool = True, fold_limit: int = FOLD_LIMIT,
-                   cse: bool = True, outline: bool = False) -> list[ir.passes.PassBase]:
-    """Passes to run after :class:`AutodiffPass` (see :class:`CleanupPass` for the options).
+                   cse: bool = True, outline: bool = False, rules: Sequence = ()) -> list[ir.passes.PassBase]:
+    """Passes to run after :class:`AutodiffPass` (see :class:`CleanupPass` for the options;
+    ``rules``: extra onnxscript rewrite rules, applied with the project's).
 
     ``outline=True`` ends with :class:`~onnx_autodiff.passes.outline.OutlinePass`: each rule's
     backward nodes become one call of a model-local function of standard ops.
     """
-    passes: list[ir.passes.PassBase] = [CleanupPass(keep=keep, fold=fold, fold_limit=fold_limit, cse=cse)]
+    passes: list[ir.passes.PassBase] = [CleanupPass(keep=keep, fold=fold, fold_limit=fold_limit, cse=cse, rules=rules)]
     if outline:
         from onnx_autodiff.passes.outline import OutlinePass
 

@@ -9,23 +9,13 @@ import onnx_ir as ir
 
 from onnx_autodiff.passes.graphs import all_graphs
 from onnx_autodiff.passes.metadata import GRAD_OF
+from onnx_autodiff.passes.rewrite_rules import RuleIndex, cleanup_rules
 
 
 # Dims of a value: a tuple of int (static) or str (named symbolic) or None (unknown) per axis.
 Dims = tuple
 
-# Casts that represent every value of the source type exactly, so casting back is the identity.
 _F16, _BF16, _F32, _F64 = ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE
-_EXACT_WIDENING = {
-    _F16: {_F32, _F64},
-    _BF16: {_F32, _F64},
-    _F32: {_F64},
-    ir.DataType.INT8: {ir.DataType.INT16, ir.DataType.INT32, ir.DataType.INT64, _F32, _F64},
-    ir.DataType.UINT8: {ir.DataType.INT16, ir.DataType.INT32, ir.DataType.INT64, _F32, _F64},
-    ir.DataType.INT16: {ir.DataType.INT32, ir.DataType.INT64, _F32, _F64},
-    ir.DataType.INT32: {ir.DataType.INT64, _F64},
-    ir.DataType.BOOL: {ir.DataType.INT32, ir.DataType.INT64, _F16, _F32, _F64},
-}
 _GEMM_TYPES = {_F16, _F32, _F64}
 _CASTABLE = {_F16, _BF16, _F32, _F64, ir.DataType.BOOL, *(t for t in ir.DataType if t.name.startswith(("INT", "UINT")) and t.bitwidth >= 8)}
 # Ops whose result is zero when one of the listed inputs is all zeros (_ZERO_IF_ALL: every input).
@@ -111,8 +101,9 @@ def constant(value: ir.Value | None) -> np.ndarray | None:
 class Rewriter:
     """One sweep of the rewrites over a model's graphs, subgraphs and functions."""
 
-    def __init__(self, model: ir.Model, graphs: list[ir.Graph] | None = None) -> None:
+    def __init__(self, model: ir.Model, graphs: list[ir.Graph] | None = None, rules: RuleIndex | None = None) -> None:
         self.model = model
+        self.rules = rules if rules is not None else RuleIndex([cleanup_rules()])
         self.opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
         self.graphs = all_graphs(model) if graphs is None else graphs
         self._taken: set[str] | None = None
@@ -200,20 +191,37 @@ class Rewriter:
         """Apply the rewrites once to every node; return how many fired."""
         for graph in self.graphs:
             for node in list(graph):
-                if node in self._gone or node.domain != "" or len(node.outputs) != 1:
+                if node in self._gone or len(node.outputs) != 1:
                     continue
-                rewrite = REWRITES.get(node.op_type)
+                rewrite = REWRITES.get(node.op_type) if node.domain == "" else None
                 result = rewrite(self, node) if rewrite is not None else None
-                if result is None and node not in self._gone and (
+                if result is None and node not in self._gone and node.domain == "" and (
                     node.op_type in _ZERO_IF_INPUT or node.op_type in _ZERO_IF_ALL
                 ):
                     result = self.zero_result(node)
+                if result is None and node not in self._gone:
+                    result = self.rewrite_by_rules(graph, node)
                 if result is not None:
                     self.replace(node, *result) if isinstance(result, tuple) else self.replace(node, result)
         for graph, nodes in self.dropped.items():
             graph.remove(nodes, safe=True)
         self.dropped.clear()
         return self.count
+
+    def rewrite_by_rules(self, graph: ir.Graph, node: ir.Node):
+        """The first onnxscript rule of the index that rewrites ``node``: (value, new nodes), or the
+        value itself where the replacement is one Identity."""
+        for rule in self.rules.rules_for(node):
+            delta = rule.try_rewrite(self.model, graph, node)
+            if delta is None or len(delta.match.outputs) != 1 or delta.match.outputs[0] is not node.outputs[0]:
+                continue
+            for tensor in delta.new_initializers:
+                graph.initializers.setdefault(tensor.name, tensor)
+            value, made = delta.new_outputs[0], list(delta.new_nodes)
+            if len(made) == 1 and made[0].op_type == "Identity" and made[0].domain == "" and value is made[0].outputs[0]:
+                return made[0].inputs[0]  # the node is a no-op: its readers read the input
+            return value, made
+        return None
 
     def drop(self, node: ir.Node) -> None:
         """Take ``node``, whose outputs nothing reads any more, out of the graph (at the end of the sweep)."""
@@ -696,29 +704,6 @@ def unsqueeze(r: Rewriter, node: ir.Node):
     return None
 
 
-def cast(r: Rewriter, node: ir.Node):
-    x, out = node.inputs[0], node.outputs[0]
-    if x.dtype is not None and x.dtype == out.dtype:
-        return x
-    inner = x.producer()
-    if inner is None or inner.op_type != "Cast" or inner.domain != "" or out.dtype is None:
-        return None
-    if set(node.attributes) != {"to"} or set(inner.attributes) != {"to"}:
-        return None  # saturate / round_mode matter for the narrow float types only: leave those
-    source = inner.inputs[0]
-    if source.dtype is None or x.dtype not in _EXACT_WIDENING.get(source.dtype, ()):
-        return None
-    if source.dtype == out.dtype:
-        return source
-    new = _node("Cast", [source], r.fresh(out.name), to=int(out.dtype))
-    return new.outputs[0], [new]
-
-
-def cast_like(r: Rewriter, node: ir.Node):
-    x, out = node.inputs[0], node.outputs[0]
-    return x if x.dtype is not None and x.dtype == out.dtype else None
-
-
 def identity(r: Rewriter, node: ir.Node):
     """Identity(x) is x; a graph output keeps its name (x takes it when x is free to be renamed)."""
     x, out = node.inputs[0], node.outputs[0]
@@ -756,7 +741,5 @@ REWRITES: dict[str, Callable[[Rewriter, ir.Node], object]] = {
     **{op: reduce for op in _REDUCE_IDENTITY},
     "Squeeze": squeeze,
     "Unsqueeze": unsqueeze,
-    "Cast": cast,
-    "CastLike": cast_like,
     "Identity": identity,
 }
