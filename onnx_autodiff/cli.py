@@ -147,6 +147,9 @@ def operator_table() -> str:
         lines.append(f"| {domain or 'ai.onnx'} | {op_type} | {', '.join(inputs) or '(zero gradient)'} | {ranges} |")
     stopped = [op for _, op in registry.op_types(differentiable=False)]
     lines += ["", f"Declared non-differentiable (gradients stop there): {', '.join(stopped)}."]
+    patterns = sorted(rule.name for rule in registry.patterns())
+    if patterns:
+        lines += ["", f"Pattern rules (a subgraph differentiated as one unit): {', '.join(patterns)}."]
     return "\n".join(lines)
 
 

@@ -24,6 +24,7 @@ from onnx_autodiff.passes.graphs import captured_values, graph_and_subgraphs, su
 from onnx_autodiff.passes.metadata import GRAD_OF, grad_of_tag, record_differentiated
 from onnx_autodiff.passes.opsets import build_upgrading
 from onnx_autodiff.passes.parameters import default_parameters
+from onnx_autodiff.passes.patterns import Match, grouped
 from onnx_autodiff.passes.progress import collector_paused
 from onnx_autodiff.rules import GradRegistry, GradRule, default_registry, shapes
 from onnx_autodiff.rules.builder import FLOAT_TYPES, Namer, OpBuilder
@@ -110,8 +111,12 @@ class Backward:
 
     def _vjp(self, seeds, xs) -> list[ir.Value | None]:
         seeds = [(y, dy) for y, dy in seeds if dy is not None]
-        reached, rules = self._forward_reach(xs)
-        active = self._backward_reach([y for y, _ in seeds], reached, rules)
+        order = self.order
+        if self.registry.patterns():  # a match applies where no gradient reaches its other inputs
+            plain, _ = self._forward_reach(xs, order)
+            order = grouped(order, self.registry.patterns(), self.opsets[""], plain.__contains__)
+        reached, rules = self._forward_reach(xs, order)
+        active = self._backward_reach([y for y, _ in seeds], reached, rules, order)
         # Per value, its gradient contributions: (gradient, None) when in the value's shape,
         # (gradient, y) when still in the broadcast shape of the output y.
         contributions: dict[ir.Value, list[tuple[ir.Value, ir.Value | None]]] = {}
@@ -204,13 +209,13 @@ class Backward:
                 node.outputs[i].name = self.op.namer.fresh(f"{stem}_{saved}")
         _infer_output_types(node, self.opset_of(node), [node.outputs[i] for i in indices])
 
-    def _forward_reach(self, xs: Sequence[ir.Value]):
+    def _forward_reach(self, xs: Sequence[ir.Value], order: Sequence[ir.Node]):
         reached: set[ir.Value] = set(xs)
         rules: dict[ir.Node, GradRule | None] = {}
-        for node in self.order:
+        for node in order:
             if not any(v in reached for v in (*node.inputs, *captured_values(node)) if v is not None):
                 continue
-            rule = self.registry.lookup(node, self.opset_of(node))
+            rule = node.rule if isinstance(node, Match) else self.registry.lookup(node, self.opset_of(node))
             rules[node] = rule
             if rule is not None and not self._targets(rule, node, reached):
                 continue
@@ -231,10 +236,10 @@ class Backward:
             targets += [(None, v) for v in captured_values(node) if v in reached]
         return targets
 
-    def _backward_reach(self, ys: Sequence[ir.Value], reached, rules) -> list[ir.Node]:
+    def _backward_reach(self, ys: Sequence[ir.Value], reached, rules, order: Sequence[ir.Node]) -> list[ir.Node]:
         needed: set[ir.Value] = set(ys)
         active: list[ir.Node] = []
-        for node in reversed(self.order):
+        for node in reversed(order):
             if node not in rules or not any(out in needed and out in reached for out in node.outputs):
                 continue
             active.append(node)

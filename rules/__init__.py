@@ -23,6 +23,7 @@ __all__ = [
 _FAMILIES = (
     "math", "activation", "nn", "spatial", "tensor", "sequence", "indexing", "reduction", "normalization",
     "losses", "linalg", "attention", "streaming", "signal", "ml", "recurrent", "control_flow", "nondiff",
+    "decomposed",
 )
 
 
@@ -36,9 +37,10 @@ def default_registry() -> GradRegistry:
 
 
 def register_gradient(
-    op_type: str,
+    op_type: str | None = None,
     domain: str = "",
     *,
+    pattern: Callable | None = None,
     differentiable: Sequence[str] = (),
     opsets: tuple[int, int] | None = None,
     since: int | None = None,
@@ -61,11 +63,23 @@ def register_gradient(
         def my_scale(op, node, dY):
             X, s = node.inputs
             return {"X": op.Mul(dY, s)}
+
+    ``pattern=`` (instead of ``op_type``) differentiates the subgraph an onnxscript pattern
+    function matches as one unit (:class:`~onnx_autodiff.rules.registry.PatternRule`)::
+
+        def silu(op, x):
+            return op.Mul(x, op.Sigmoid(x, _outputs=["s"]))  # "s" names an interior value
+
+        @register_gradient(pattern=silu, differentiable=("x",))
+        def silu_grad(op, match, dY):
+            s, y = match["s"], match.outputs[0]  # dy/dx = s + x·s·(1 − s) = s + y·(1 − s)
+            return {"x": op.Mul(dY, op.Add(s, op.Mul(y, op.Sub(op.const(1.0, like=s), s))))}
     """
     target = registry if registry is not None else default_registry()
     return target.register(
         op_type,
         domain,
+        pattern=pattern,
         differentiable=differentiable,
         opsets=opsets,
         since=since,

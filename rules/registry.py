@@ -121,13 +121,54 @@ def _normalise(inputs) -> tuple[tuple[str, ...], bool] | None:
     return names, variadic
 
 
+@dataclasses.dataclass(frozen=True)
+class PatternRule:
+    """How to differentiate a subgraph as one unit: ``pattern(op, x, ...)`` is an onnxscript
+    pattern function; ``backward(op, match, *dYs)`` returns gradients keyed by the pattern's
+    parameter names (``match["x"]`` is the value bound to ``x``), one ``dY`` per pattern output.
+    A match applies only where the pattern's interior values are read by nothing else."""
+
+    name: str
+    pattern: Callable
+    differentiable: tuple[str, ...]
+    backward: Backward
+    opsets: tuple[int, int] = (1, MAX_OPSET)
+    broadcast: bool | tuple[str, ...] = False
+    when: Callable | None = None  # an onnxscript condition: when(context, **bindings) -> bool
+
+    @functools.cached_property
+    def matcher(self):
+        """The pattern as an onnxscript rule (only its matching is used)."""
+        from onnxscript.rewriter import RewriteRule
+
+        return RewriteRule(self.pattern, _never_replaced, self.when, name=self.name)
+
+    @functools.cached_property
+    def size(self) -> int:
+        """The number of nodes in the pattern: larger patterns are matched first."""
+        return len(list(self.matcher._target_pattern))  # onnxscript keeps no public accessor
+
+
+def _never_replaced(op, **_):
+    raise AssertionError("a pattern gradient rule is matched, never used to rewrite")
+
+
 class GradRegistry:
-    """Gradient rules keyed by (domain, op type); the most recently registered match wins."""
+    """Gradient rules keyed by (domain, op type); the most recently registered match wins.
+    Pattern rules (subgraphs differentiated as one unit) are kept beside them."""
 
     def __init__(self, rules: Iterable[GradRule] = ()) -> None:
         self._rules: dict[tuple[str, str], list[GradRule]] = {}
+        self._patterns: dict[str, PatternRule] = {}
         for rule in rules:
             self.add(rule)
+
+    def add_pattern(self, rule: PatternRule) -> PatternRule:
+        self._patterns[rule.name] = rule  # a later rule of the same name replaces the earlier one
+        return rule
+
+    def patterns(self) -> list[PatternRule]:
+        return list(self._patterns.values())
 
     def add(self, rule: GradRule) -> GradRule:
         self._rules.setdefault((_domain(rule.domain), rule.op_type), []).append(rule)
@@ -139,9 +180,12 @@ class GradRegistry:
                 return rule
         return None
 
-    def copy(self) -> GradRegistry:
+    def copy(self, patterns: bool = True) -> GradRegistry:
+        """A registry of the same rules (``patterns=False``: without the pattern rules, so that
+        every op is differentiated alone)."""
         clone = GradRegistry()
         clone._rules = {key: list(rules) for key, rules in self._rules.items()}
+        clone._patterns = dict(self._patterns) if patterns else {}
         return clone
 
     def op_types(self, differentiable: bool | None = None) -> list[tuple[str, str]]:
@@ -162,9 +206,10 @@ class GradRegistry:
 
     def register(
         self,
-        op_type: str,
+        op_type: str | None = None,
         domain: str = "",
         *,
+        pattern: Callable | None = None,
         differentiable: Sequence[str] = (),
         opsets: tuple[int, int] | None = None,
         since: int | None = None,
@@ -178,11 +223,25 @@ class GradRegistry:
         """Decorator registering ``backward`` for ``op_type``; see :class:`GradRule`.
 
         ``inputs`` is only needed for ops without a schema; a trailing ``"name..."`` marks a
-        variadic last input. ``since``/``until`` are a shorthand for ``opsets``.
+        variadic last input. ``since``/``until`` are a shorthand for ``opsets``. ``pattern``
+        instead of ``op_type``: a :class:`PatternRule` for the subgraph the onnxscript pattern
+        function matches (``differentiable`` names its parameters; the default-domain opset bounds it).
         """
         if opsets is not None and (since is not None or until is not None):
             raise TypeError("give the opsets as opsets=(low, high) or as since=/until=, not both")
         bounds = opsets or (since or 1, until or MAX_OPSET)
+        if pattern is not None:
+            if op_type is not None or domain or inputs is not None or captures or saves:
+                raise TypeError("a pattern rule takes pattern=, differentiable=, broadcast=, when= and the opsets only")
+
+            def decorate_pattern(backward: Backward) -> Backward:
+                self.add_pattern(PatternRule(pattern.__name__, pattern, tuple(differentiable), backward, bounds,
+                                             broadcast if isinstance(broadcast, bool) else tuple(broadcast), when))
+                return backward
+
+            return decorate_pattern
+        if op_type is None:
+            raise TypeError("register a rule for an op_type, or for a pattern=")
 
         def decorate(backward: Backward) -> Backward:
             self.add(

@@ -1,0 +1,72 @@
+"""Pattern gradient rules in the walk: the subgraphs their patterns match become one unit each."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import onnx_ir as ir
+
+from onnx_autodiff.rules.registry import GradRule, PatternRule
+
+
+class Match:
+    """A subgraph a pattern rule matched, differentiated as one node would be: its inputs are the
+    values bound to the pattern's parameters, its outputs the pattern's; ``match["x"]`` is the value
+    bound to ``x`` (a parameter, or an interior value the pattern names with ``_outputs``)."""
+
+    domain = ""
+    attributes: dict = {}  # no subgraphs of its own
+
+    def __init__(self, rule: PatternRule, result, root: ir.Node) -> None:
+        self.pattern_rule = rule
+        self.bindings = dict(result.bindings)
+        self.nodes: list[ir.Node] = list(result.nodes)
+        self.outputs: list[ir.Value] = list(result.outputs)
+        names = [name for name in _parameters(rule) if isinstance(self.bindings.get(name), ir.Value)]
+        self.inputs = [self.bindings[name] for name in names]
+        self.op_type, self.name, self.graph = rule.name, root.name, root.graph
+        self.metadata_props: dict[str, str] = {}
+        self.rule = GradRule(rule.name, "", rule.opsets, rule.differentiable,
+                             lambda op, unit, *dys: rule.backward(op, unit, *dys),
+                             rule.broadcast, inputs=(tuple(names), False))
+
+    def __getitem__(self, name: str):
+        return self.bindings[name]
+
+
+def _parameters(rule: PatternRule) -> list[str]:
+    import inspect
+
+    return list(inspect.signature(rule.pattern).parameters)[1:]  # after op
+
+
+def grouped(order: Sequence[ir.Node], rules: Sequence[PatternRule], opset: int,
+            carries_gradient: Callable[[ir.Value], bool]) -> list:
+    """``order`` with the nodes of each pattern match replaced by one :class:`Match` where the
+    match's output node stood (still a topological order): matches of larger patterns first, each
+    node in one match at most, and only where nothing else reads the match's interior values and
+    no gradient reaches the values bound to its non-differentiable parameters (the rule would
+    drop it, where the ops it replaces pass it on)."""
+    rules = [rule for rule in rules if rule.opsets[0] <= opset <= rule.opsets[1]]
+    if not rules:
+        return list(order)
+    position = {node: i for i, node in enumerate(order)}
+    candidates = []
+    for node in order:
+        if node.graph is None:
+            continue
+        for rule in rules:
+            result = rule.matcher.match(None, node.graph, node, check_nodes_are_removable=True)
+            if not result or not all(n in position for n in result.nodes):
+                continue
+            fixed = [result.bindings.get(name) for name in _parameters(rule) if name not in rule.differentiable]
+            if not any(isinstance(value, ir.Value) and carries_gradient(value) for value in fixed):
+                candidates.append((-rule.size, position[node], rule, result, node))
+    taken: set[ir.Node] = set()
+    roots: dict[ir.Node, Match] = {}
+    for _, _, rule, result, root in sorted(candidates, key=lambda c: c[:2]):
+        if any(n in taken for n in result.nodes):
+            continue
+        taken.update(result.nodes)
+        roots[root] = Match(rule, result, root)
+    return [roots[node] if node in roots else node for node in order if node in roots or node not in taken]
