@@ -19,7 +19,7 @@ import onnx
 from onnx import TensorProto, numpy_helper
 
 from onnx_autodiff.conformance.evaluator import Evaluator
-from onnx_autodiff.training.values import write_atomically
+from onnx_autodiff.files import write_atomically
 
 FLOAT_ELEM_TYPES = {TensorProto.FLOAT16, TensorProto.FLOAT, TensorProto.DOUBLE}
 """The element types of the values whose gradients are checked."""

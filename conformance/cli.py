@@ -161,6 +161,7 @@ def _reference_options(args: argparse.Namespace) -> tuple[References | None, Ref
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
+    """UsageError unless --jobs and --limit are at least 1 and --budget is positive."""
     if args.jobs < 1:
         raise UsageError(f"--jobs must be at least 1, not {args.jobs}")
     if args.limit is not None and args.limit < 1:

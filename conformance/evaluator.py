@@ -60,7 +60,7 @@ class Evaluator:
         return lambda feeds: session.run(None, feeds)
 
     def _make_reference(self):
-        # imported here: onnx.reference takes a while to import and many runs never need it
+        # loaded only for the models that need them: most runs use onnxruntime alone
         from onnx.reference import ReferenceEvaluator
 
         from onnx_autodiff.conformance.kernels import FLOAT64_KERNELS

@@ -3,7 +3,7 @@ float32 inside (Erf, LayerNormalization, GroupNormalization, AffineGrid; the fun
 HardSwish, Mish and MeanVarianceNormalization, whose run-time bodies keep float32 constants) or
 that depart from the spec (BatchNormalization-9 in inference mode, Loop).
 
-Importing this module imports onnx.reference: the evaluator imports it only when it builds a
+Importing this module imports onnx.reference: the evaluator imports it when it first builds a
 reference session."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 
 from onnx_autodiff.conformance.oracle import FDGradient, OracleResult
-from onnx_autodiff.training.values import write_atomically
+from onnx_autodiff.files import write_atomically
 
 REFERENCES_DIR = Path(__file__).with_name("references")
 DEFAULT_REFERENCES = REFERENCES_DIR / "oracle.npz"

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 
 from onnx_autodiff.conformance.judge import STATUSES, Result
-from onnx_autodiff.training.values import write_atomically
+from onnx_autodiff.files import write_atomically
 
 _CASE_PRECEDENCE = ("error", "fail", "no-rule", "refused", "pass", "oracle-skip", "not-differentiable")
 """A case's status is the first of these among its inputs' statuses."""

@@ -14,7 +14,6 @@ from typing import BinaryIO
 import numpy as np
 import onnx_ir as ir
 
-from onnx_autodiff.files import write_atomically  # noqa: F401 - for the conformance runner, until it imports it from there
 from onnx_autodiff.rules.builder import Namer
 
 
