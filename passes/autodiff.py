@@ -113,8 +113,7 @@ class Backward:
         seeds = [(y, dy) for y, dy in seeds if dy is not None]
         order = self.order
         if self.registry.patterns():  # a match applies where no gradient reaches its other inputs
-            plain, _ = self._forward_reach(xs, order)
-            order = grouped(order, self.registry.patterns(), self.opsets[""], plain.__contains__)
+            order = grouped(order, self.registry.patterns(), self.opsets[""], lambda: self._forward_reach(xs, order)[0])
         reached, rules = self._forward_reach(xs, order)
         active = self._backward_reach([y for y, _ in seeds], reached, rules, order)
         # Per value, its gradient contributions: (gradient, None) when in the value's shape,

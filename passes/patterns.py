@@ -41,26 +41,33 @@ def _parameters(rule: PatternRule) -> list[str]:
 
 
 def grouped(order: Sequence[ir.Node], rules: Sequence[PatternRule], opset: int,
-            carries_gradient: Callable[[ir.Value], bool]) -> list:
+            reach: Callable[[], set[ir.Value]]) -> list:
     """``order`` with the nodes of each pattern match replaced by one :class:`Match` where the
     match's output node stood (still a topological order): matches of larger patterns first, each
     node in one match at most, and only where nothing else reads the match's interior values and
     no gradient reaches the values bound to its non-differentiable parameters (the rule would
-    drop it, where the ops it replaces pass it on)."""
-    rules = [rule for rule in rules if rule.opsets[0] <= opset <= rule.opsets[1]]
-    if not rules:
+    drop it, where the ops it replaces pass it on): ``reach()`` gives the values gradients reach
+    in ``order``, asked for once a pattern has matched. Each node is tried only with the rules
+    whose pattern ends in its op."""
+    by_root: dict[tuple[str, str] | None, list[PatternRule]] = {}
+    for rule in rules:
+        if rule.opsets[0] <= opset <= rule.opsets[1]:
+            by_root.setdefault(rule.root, []).append(rule)
+    if not by_root:
         return list(order)
     position = {node: i for i, node in enumerate(order)}
-    candidates = []
+    candidates, reached = [], None
     for node in order:
+        tried = by_root.get((node.domain, node.op_type), []) + by_root.get(None, [])
         if node.graph is None:
             continue
-        for rule in rules:
+        for rule in tried:
             result = rule.matcher.match(None, node.graph, node, check_nodes_are_removable=True)
             if not result or not all(n in position for n in result.nodes):
                 continue
+            reached = reach() if reached is None else reached  # the walk's reach, once a match is found
             fixed = [result.bindings.get(name) for name in _parameters(rule) if name not in rule.differentiable]
-            if not any(isinstance(value, ir.Value) and carries_gradient(value) for value in fixed):
+            if not any(isinstance(value, ir.Value) and value in reached for value in fixed):
                 candidates.append((-rule.size, position[node], rule, result, node))
     taken: set[ir.Node] = set()
     roots: dict[ir.Node, Match] = {}

@@ -148,9 +148,27 @@ class PatternRule:
         """The number of nodes in the pattern: larger patterns are matched first."""
         return len(list(self.matcher._target_pattern))  # onnxscript keeps no public accessor
 
+    @functools.cached_property
+    def root(self) -> tuple[str, str] | None:
+        return pattern_root(self.matcher)
+
 
 def _never_replaced(op, **_):
     raise AssertionError("a pattern gradient rule is matched, never used to rewrite")
+
+
+def pattern_root(rule) -> tuple[str, str] | None:
+    """The (domain, op type) of the node an onnxscript rule's pattern ends in; None for a pattern
+    with several output nodes or another kind of root (to be tried on every node)."""
+    # onnxscript keeps the pattern as _target_pattern (no public accessor in 0.7)
+    pattern = getattr(rule, "_target_pattern", None)
+    outputs = getattr(pattern, "output_nodes", None) or []
+    if len(outputs) != 1:
+        return None
+    identifier = outputs[0].op_identifier()
+    if identifier is None or not all(isinstance(part, str) for part in identifier[:2]):
+        return None
+    return identifier[0], identifier[1]
 
 
 class GradRegistry:

@@ -17,6 +17,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import RewriteRule, RewriteRuleSet
 
 from onnx_autodiff.passes.rewrite_rules import casts
+from onnx_autodiff.rules.registry import pattern_root
 
 FAMILIES = (casts,)
 
@@ -48,7 +49,7 @@ class RuleIndex:
         self.by_op: dict[tuple[str, str], list[RewriteRule]] = {}
         self.anywhere: list[RewriteRule] = []
         for rule in flatten(rules):
-            root = _root(rule)
+            root = pattern_root(rule)
             (self.by_op.setdefault(root, []) if root else self.anywhere).append(rule)
 
     def __bool__(self) -> bool:
@@ -57,16 +58,3 @@ class RuleIndex:
     def rules_for(self, node: ir.Node) -> list[RewriteRule]:
         found = self.by_op.get((node.domain, node.op_type))
         return found + self.anywhere if found else self.anywhere
-
-
-def _root(rule: RewriteRule) -> tuple[str, str] | None:
-    # onnxscript keeps the pattern as _target_pattern (no public accessor in 0.7): without it,
-    # the rule is tried everywhere
-    pattern = getattr(rule, "_target_pattern", None)
-    outputs = getattr(pattern, "output_nodes", None) or []
-    if len(outputs) != 1:
-        return None
-    identifier = outputs[0].op_identifier()
-    if identifier is None or not all(isinstance(part, str) for part in identifier[:2]):
-        return None
-    return identifier[0], identifier[1]
