@@ -20,15 +20,12 @@ from onnx import TensorProto, numpy_helper
 
 from onnx_autodiff.conformance.evaluator import Evaluator
 from onnx_autodiff.files import write_atomically
+from onnx_autodiff.commands import UsageError  # the command line's: bad input, one line, exit 2
 
 FLOAT_ELEM_TYPES = {TensorProto.FLOAT16, TensorProto.FLOAT, TensorProto.DOUBLE}
 """The element types of the values whose gradients are checked."""
 
 MODEL_SUITES = ("pytorch-converted", "pytorch-operator")
-
-
-class UsageError(Exception):
-    """Bad command-line input: reported on one line, exit status 2."""
 
 
 @dataclasses.dataclass

@@ -25,19 +25,11 @@ Conventions where the forward is ill-defined or not smooth:
 from __future__ import annotations
 
 import numpy as np
-import onnx_ir as ir
 
 from onnx_autodiff.errors import RuleError
 from onnx_autodiff.rules import shapes
 from onnx_autodiff.rules.math import as_float, select
 from onnx_autodiff.rules.registry import rule
-
-
-def _rank(value: ir.Value, what: str) -> int:
-    r = shapes.rank(value)
-    if r is None:
-        raise RuleError(f"the rank of {what} '{value.name}' is unknown (run shape inference)")
-    return r
 
 
 def _dim(op, x, axis: int):
@@ -118,7 +110,7 @@ def scatter(op, node, dY):
     """Y = data with updates written at indices along axis (ScatterElements before opset 11;
     the checker rejects the deprecated Scatter from opset 11 on)"""
     data, indices = node.inputs[:2]
-    r = _rank(data, "data")
+    r = shapes.known_rank(data, "data")
     axis = shapes.normalize_axis(shapes.attr(node, "axis", 0), r)
     return _scatter_grads(
         op, node, dY,
@@ -142,7 +134,7 @@ def tensor_scatter(op, node, dY):
     axis length in circular mode); dpast = dY zeroed there, dupdate = dY read there"""
     past, update = node.inputs[:2]
     write = node.inputs[2] if len(node.inputs) > 2 else None
-    r = _rank(past, "past_cache")
+    r = shapes.known_rank(past, "past_cache")
     axis = shapes.normalize_axis(shapes.attr(node, "axis", -2), r)
     d_past = op.TensorScatter(dY, shapes.zeros_like(op, update), write, axis=axis,
                               mode=shapes.attr(node, "mode", "linear"))
@@ -200,7 +192,7 @@ def unique(op, node, dY, *unused):
         flat = op.Reshape(shapes.zeros_like(op, X), [-1])
         dX = op.ScatterElements(flat, first, dY, axis=0)
         return {"X": op.Reshape(dX, op.Shape(X))}
-    r = _rank(X, "X")
+    r = shapes.known_rank(X, "X")
     axis = shapes.normalize_axis(axis, r)
     index = op.Expand(op.Reshape(first, [1] * axis + [-1] + [1] * (r - axis - 1)), op.Shape(dY))
     return {"X": op.ScatterElements(shapes.zeros_like(op, X), index, dY, axis=axis)}
@@ -254,7 +246,7 @@ def center_crop_pad(op, node, dY):
     """Y = X cropped or zero-padded about its centre on axes (both offsets floor(diff/2)), so the
     adjoint is the same op back to X's extents"""
     X = node.inputs[0]
-    r = _rank(X, "input_data")
+    r = shapes.known_rank(X, "input_data")
     axes = shapes.attr(node, "axes")
     axes = list(range(r)) if axes is None else [shapes.normalize_axis(a, r) for a in axes]
     known = shapes.dims(X)

@@ -16,13 +16,6 @@ from onnx_autodiff.rules.math import as_float
 from onnx_autodiff.rules.registry import rule
 
 
-def _known_rank(value: ir.Value, what: str) -> int:
-    r = shapes.rank(value)
-    if r is None:
-        raise RuleError(f"the rank of {what} '{value.name}' is unknown; run shape inference first")
-    return r
-
-
 def _slice(op, x, starts, ends, axes):
     if isinstance(ends, ir.Value) or op.opset >= 10:
         ends = ends if isinstance(ends, ir.Value) else list(ends)
@@ -74,7 +67,7 @@ _EINSUM_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FL
 def matmul(op, node, dY):
     """Y = A @ B (numpy matmul: 1-D operands promoted, batch dims broadcast)."""
     A, B = node.inputs
-    ra, rb = _known_rank(A, "input A"), _known_rank(B, "input B")
+    ra, rb = shapes.known_rank(A, "input A"), shapes.known_rank(B, "input B")
     if ra == 1 and rb == 1:
         return {"A": op.Mul(dY, B), "B": op.Mul(dY, A)}
     floats = A.dtype in _EINSUM_TYPES and B.dtype in _EINSUM_TYPES
@@ -556,7 +549,7 @@ def lrn(op, node, dY):
     size = shapes.attr(node, "size")
     alpha, beta = shapes.attr(node, "alpha", 1e-4), shapes.attr(node, "beta", 0.75)
     bias = shapes.attr(node, "bias", 1.0)
-    r = _known_rank(X, "LRN's input X")
+    r = shapes.known_rank(X, "LRN's input X")
     lo, hi = (size - 1) // 2, size // 2
     S = op.Add(op.Mul(_channel_window_sum(op, op.Mul(X, X), r, lo, hi), alpha / size), bias)
     back = _channel_window_sum(op, op.Div(op.Mul(dY, Y), S), r, hi, lo)  # the adjoint window

@@ -22,13 +22,6 @@ from onnx_autodiff.rules.registry import rule
 _NARROW = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 
-def _rank(x: ir.Value) -> int:
-    r = shapes.rank(x)
-    if r is None:
-        raise RuleError(f"the rank of input '{x.name}' is unknown; run shape inference first")
-    return r
-
-
 def _present(node: ir.Node, index: int) -> ir.Value | None:
     """The node's output ``index`` if the node produces it (an empty name means omitted)."""
     outs = node.outputs
@@ -101,7 +94,7 @@ def layer_normalization(op, node, dY, dMean=None, dInvStdDev=None):
     """Y = x̂ · Scale + B, x̂ standardised over axes [axis, rank); optional Mean, InvStdDev."""
     X, Scale = node.inputs[:2]
     B = node.inputs[2] if len(node.inputs) > 2 else None
-    r = _rank(X)
+    r = shapes.known_rank(X)
     axes = list(range(shapes.normalize_axis(shapes.attr(node, "axis", -1), r), r))
     work = _work_dtype(X, shapes.attr(node, "stash_type", 1))
     x = _cast(op, X, work)
@@ -151,7 +144,7 @@ def batch_normalization(op, node, dY, dRunningMean=None, dRunningVar=None, *dSav
         raise RuleError("gradients through saved_mean/saved_var (opset < 14) are not supported")
     X, scale, B, mean, var = node.inputs
     mean_name, var_name = ("input_mean", "input_var") if op.opset >= 14 else ("mean", "var")
-    r = _rank(X)
+    r = shapes.known_rank(X)
     if r < 2:
         raise RuleError(f"BatchNormalization needs an input of rank 2 or more, not {r}")
     axes = [0, *range(2, r)]
@@ -203,7 +196,7 @@ rule("LpNormalization", differentiable=("input",), until=6)(needs_opset7)
 def instance_normalization(op, node, dY):
     """Y = x̂ · scale + B per channel, x̂ standardised over the spatial axes of each (n, c)."""
     X, scale, _ = node.inputs
-    r = _rank(X)
+    r = shapes.known_rank(X)
     if r < 3:
         raise RuleError(f"InstanceNormalization needs an input of rank 3 or more, not {r}")
     axes = list(range(2, r))
@@ -268,7 +261,7 @@ def lp_normalization(op, node, dY):
     p = shapes.attr(node, "p", 2)
     if p not in (1, 2):
         raise RuleError(f"LpNormalization with p={p}: only p = 1 and p = 2 are defined")
-    axis = [shapes.normalize_axis(shapes.attr(node, "axis", -1), _rank(X))]
+    axis = [shapes.normalize_axis(shapes.attr(node, "axis", -1), shapes.known_rank(X))]
     norm = op.reduce("ReduceL2" if p == 2 else "ReduceL1", X, axis, keepdims=True)
     s = Y if p == 2 else op.Sign(X)
     projected = op.Mul(s, op.reduce_sum(op.Mul(dY, Y), axis, keepdims=True))
@@ -282,7 +275,7 @@ def mean_variance_normalization(op, node, dY):
     dX = (dY - mean(dY)) / (std + 1e-9) - Y · mean(dY · Y) / std.
     """
     X, Y = node.inputs[0], node.outputs[0]
-    r = _rank(X)
+    r = shapes.known_rank(X)
     axes = sorted(shapes.normalize_axis(a, r) for a in shapes.attr(node, "axes", [0, 2, 3]))
     xc = op.Sub(X, _mean(op, X, axes))
     std = op.Sqrt(_mean(op, op.Mul(xc, xc), axes))
@@ -297,7 +290,7 @@ def rms_normalization(op, node, dY):
     With g = dY · scale: dX = inv · (g - x̂ · mean(g · x̂)).
     """
     X, scale = node.inputs
-    r = _rank(X)
+    r = shapes.known_rank(X)
     axes = list(range(shapes.normalize_axis(shapes.attr(node, "axis", -1), r), r))
     work = _work_dtype(X, shapes.attr(node, "stash_type", 1))
     x, dy = _cast(op, X, work), _cast(op, dY, work)

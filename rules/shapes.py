@@ -46,6 +46,14 @@ def rank(value: ir.Value) -> int | None:
     return None if value.shape is None else len(value.shape)
 
 
+
+def known_rank(value: ir.Value, what: str = "input") -> int:
+    """The value's rank, which the rule needs: a RuleError naming the value when it is unknown."""
+    r = rank(value)
+    if r is None:
+        raise RuleError(f"the rank of {what} '{value.name}' is unknown; run shape inference first")
+    return r
+
 def attr(node: ir.Node, name: str, default=None):
     """An attribute's Python value (lists for repeated fields), or ``default``."""
     attribute = node.attributes.get(name)

@@ -16,19 +16,12 @@ from onnx_autodiff.rules.registry import rule
 # else int64 values computed at run time from Shape, so one graph serves every batch size.
 
 
-def _rank(value: ir.Value, what: str = "input") -> int:
-    r = shapes.rank(value)
-    if r is None:
-        raise RuleError(f"the rank of the {what} '{value.name}' is unknown (run shape inference)")
-    return r
-
-
 def _kept_rank(node: ir.Node, dY) -> int:
     """The rank of the node's first input, which its output and so dY share (known on any)."""
     for value in (node.inputs[0], node.outputs[0], dY):
         if value is not None and shapes.rank(value) is not None:
             return shapes.rank(value)
-    return _rank(node.inputs[0])
+    return shapes.known_rank(node.inputs[0])
 
 
 def _dims(op, x, start: int, end: int):
@@ -311,7 +304,7 @@ def pad(op, node, dY):
             padding = op.Sub(op.ReduceSum(dY, keepdims=0), op.ReduceSum(dX, keepdims=0))
             grads["constant_value"] = op.Reshape(padding, op.Shape(node.inputs[2]))
         return grads
-    r = _rank(X)
+    r = shapes.known_rank(X)
     axes = list(range(r)) if axes is None else [shapes.normalize_axis(a, r) for a in axes]
     g = dY
     for i, a in enumerate(axes):
@@ -343,7 +336,7 @@ def expand(op, node, dY):
 def tile(op, node, dY):
     """Y = X repeated; dX = ReduceSum over r of dY reshaped to (r0, d0, r1, d1, ...)"""
     X, repeats = node.inputs
-    r = _rank(X)
+    r = shapes.known_rank(X)
     reps, shape = shapes.constant_input(repeats), shapes.static_shape(X)
     if reps is not None and shape is not None:
         target = [int(v) for pair in zip(reps.tolist(), shape) for v in pair]
@@ -382,7 +375,7 @@ def cumsum(op, node, dY):
 def gather(op, node, dY):
     """Y = X indexed by indices along axis; dX scatter-adds dY there (repeated indices sum)"""
     X, indices = node.inputs
-    r = _rank(X)
+    r = shapes.known_rank(X)
     a = shapes.normalize_axis(shapes.attr(node, "axis", 0), r)
     d = _dim(op, X, a)
     g = op.Reshape(dY, _cat(op, _dims(op, X, 0, a), [-1], _dims(op, X, a + 1, r)))
@@ -400,7 +393,7 @@ def gather_elements(op, node, dY):
                                            reduction="add")}
     # No scatter-add yet: compare each index with arange(d) on a new axis after `axis`, weigh
     # dY by that one-hot mask and sum over the gathered axis.
-    r = shapes.rank(X) or shapes.rank(indices) or _rank(dY, "gradient")
+    r = shapes.rank(X) or shapes.rank(indices) or shapes.known_rank(dY, "the gradient")
     a = shapes.normalize_axis(axis, r)
     d = _dim(op, X, a)
     idx = op.Cast(indices, to=ir.DataType.INT64)
@@ -423,7 +416,7 @@ def gather_nd(op, node, dY):
     dX = ScatterND-add of dY into zeros, the batch coordinates prepended to each tuple (before
     opset 16, a one-hot matrix product)"""
     X, indices = node.inputs
-    b, q = shapes.attr(node, "batch_dims", 0), _rank(indices, "indices")
+    b, q = shapes.attr(node, "batch_dims", 0), shapes.known_rank(indices, "the indices")
     k = (shapes.dims(indices) or [None])[-1]
     if not isinstance(k, int):
         raise RuleError("GatherND needs the last dimension of indices to be static")
@@ -462,7 +455,7 @@ def _scatter_nd_add_onehot(op, X, idx, g, n: int):
         linear = op.Add(op.Mul(linear, d), op.Gather(idx, j, axis=-1))
         positions = positions * d if isinstance(positions, int) and isinstance(d, int) else op.Mul(positions, d)
     hot = _as_float(op, op.Equal(op.Reshape(linear, [-1, 1]), op.Reshape(_arange(op, positions), [1, -1])), g, X)
-    r = _rank(X)
+    r = shapes.known_rank(X)
     rest = _dims(op, X, n, r)
     rest = [int(np.prod(rest))] if isinstance(rest, list) else op.ReduceProd(rest, keepdims=1)
     flat = op.MatMul(op.Transpose(hot, perm=[1, 0]), op.Reshape(g, _cat(op, [-1], rest)))
@@ -480,6 +473,6 @@ def compress(op, node, dY):
         shape = shapes.static_shape(X)
         n = int(np.prod(shape)) if shape is not None else op.Size(X)
         return {"input": _reshape_to(op, _scatter_axis(op, dY, idx, n, 0, 1, add=False), X)}
-    r = _rank(X)
+    r = shapes.known_rank(X)
     a = shapes.normalize_axis(axis, r)
     return {"input": _scatter_axis(op, dY, idx, _dim(op, X, a), a, r, add=False)}
