@@ -6,8 +6,8 @@ Prints the whole train step and the optimiser step alone (the apply model: param
 and state in, new parameters and state out), median and min over the runs. ``--torch`` also
 times PyTorch eager autograd with torch.optim on the same network (the CPU speed bar), its step
 and ``optimizer.step()`` alone, in the same process, taking turns with ours run by run.
-For reference, the discontinued onnxruntime-training 1.19.2 measured 0.67-0.89 ms per train step
-and 0.39 ms per AdamW step (its fused kernels) on the development machine in earlier sessions.
+The discontinued onnxruntime-training 1.19.2 runs the same step in ort_training_step.py (in a venv
+of its own; see there).
 """
 
 from __future__ import annotations

@@ -401,16 +401,24 @@ def _infer_model_shapes(model: ir.Model) -> None:
 
 def find_value(graph: ir.Graph | ir.Function, name: str, role: str) -> ir.Value:
     """The graph value named ``name`` (input, initializer or node output)."""
-    for value in graph.inputs:
-        if value.name == name:
-            return value
-    if isinstance(graph, ir.Graph) and name in graph.initializers:
-        return graph.initializers[name]
-    for node in graph:
-        for value in node.outputs:
-            if value.name == name:
-                return value
-    raise UnknownValueError(f"{role} '{name}' names no input, initializer or node output of the graph")
+    return find_values(graph, [name], role)[0]
+
+
+def find_values(graph: ir.Graph | ir.Function, names: Sequence[str], role: str) -> list[ir.Value]:
+    """The graph values of ``names`` (inputs, initializers or node outputs), looked up at once."""
+    wanted = set(names)
+    found = {value.name: value for value in graph.inputs if value.name in wanted}
+    if isinstance(graph, ir.Graph):
+        found.update((name, graph.initializers[name]) for name in wanted - set(found) if name in graph.initializers)
+    if wanted - set(found):
+        for node in graph:
+            for value in node.outputs:
+                if value.name in wanted and value.name not in found:
+                    found[value.name] = value
+    for name in names:
+        if name not in found:
+            raise UnknownValueError(f"{role} '{name}' names no input, initializer or node output of the graph")
+    return [found[name] for name in names]
 
 
 def _check_differentiable(value: ir.Value, role: str) -> None:
@@ -437,7 +445,7 @@ def choose_variables(
                 f"default treats as a parameter{constants}: name the variables with wrt"
             )
         return default.parameters, left_out
-    xs = [find_value(graph, name, "wrt") for name in wrt]
+    xs = find_values(graph, list(wrt), "wrt")
     for x in xs:
         _check_differentiable(x, "wrt")
     if len(set(xs)) != len(xs):

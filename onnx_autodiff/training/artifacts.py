@@ -484,7 +484,8 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     grads = list(graph.outputs[1:])
     namer = Namer.for_graph(graph, prefix="opt")
     op = OpBuilder(model_opset(model), namer, dict(model.opset_imports))
-    params = [next(v for v in graph.inputs if v.name == p) for p in roles.params]
+    inputs_by_name = {v.name: v for v in graph.inputs}
+    params = [inputs_by_name[p] for p in roles.params]
     taken: set = set()
     loss_out = _publish(op, namer, loss, "loss", taken) if loss.is_graph_input() else loss
     taken.add(loss_out)
@@ -511,17 +512,20 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     else:  # accumulate: acc + grad
         tail = []
         kept, _ = step_kept(op, grads, loss)
+        zeros: dict = {}  # one zero per dtype
         for p, g in zip(params, grads):
             acc = fresh_value(namer, f"{p.name}.grad_acc", g.dtype or p.dtype, [dim_value(x) for x in p.shape])
             extra_inputs.append(acc)
-            g = op.Where(kept, g, op.const(0.0, like=acc))
+            if acc.dtype not in zeros:
+                zeros[acc.dtype] = op.const(0.0, like=acc)
+            g = op.Where(kept, g, zeros[acc.dtype])
             outputs.append(_publish(op, namer, op.Add(acc, g), f"{acc.name}.new", taken, like=acc))
             carry.append([acc.name, acc.name, outputs[-1].name])
     for name in roles.buffers:
         value = updates.get(name)
         if value is None:
             continue
-        buffer = next(v for v in graph.inputs if v.name == name)
+        buffer = inputs_by_name[name]
         # no Where(kept, new, old) here: onnxruntime's BatchNormalization writes the statistics it
         # returns into the buffers of its inputs unless they are graph outputs (the trainer gives
         # them spare buffers, kept only when the step is)

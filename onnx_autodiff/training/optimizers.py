@@ -99,8 +99,10 @@ def step_kept(op: OpBuilder, grads, loss: ir.Value | None = None) -> tuple[ir.Va
     """(kept, Σ‖g‖²): kept is True when the loss (when given) and the float32 sum of the squared
     gradients are finite, i.e. no gradient is NaN or ±Inf (nor so large that its square is)."""
     float32 = ir.DataType.FLOAT
-    squares = [op.Cast(op.ReduceSumSquare(g if g.dtype in (float32, ir.DataType.DOUBLE) else op.Cast(g, to=float32),
-                                          keepdims=0), to=float32) for g in grads]
+    squares = []
+    for g in grads:  # in float32 (float16 squares overflow early); a double sum cast down
+        square = op.ReduceSumSquare(g if g.dtype in (float32, ir.DataType.DOUBLE) else op.Cast(g, to=float32), keepdims=0)
+        squares.append(op.Cast(square, to=float32) if g.dtype == ir.DataType.DOUBLE else square)
     total = op.Sum(*squares) if len(squares) > 1 else squares[0]
     checked = total if loss is None else op.Add(total, op.Abs(op.Cast(loss, to=float32)))
     return op.Less(op.Abs(checked), op.const(float("inf"), dtype=float32)), total  # Less is False for NaN
@@ -140,7 +142,7 @@ def emit_update(op: OpBuilder, spec, params, grads, lr: ir.Value, step: ir.Value
         return op.const(float(x), dtype=double)
 
     def gated(g, p):  # zeros when the step is not kept: a NaN gradient must not reach the state
-        return op.Where(kept, g, op.const(0.0, like=p))
+        return op.Where(kept, g, scalar("zero", lambda: d(0), p))
 
     states, new_params, new_states = [], [], []
     for i, (p, g) in enumerate(zip(params, grads)):
