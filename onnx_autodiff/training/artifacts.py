@@ -331,7 +331,8 @@ def _publish(op: OpBuilder, namer: Namer, value: ir.Value, hint: str, taken: set
     return value
 
 
-def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], what: str) -> onnx.ModelProto:
+def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], what: str,
+            fold: bool = True) -> onnx.ModelProto:
     from onnx_autodiff.passes import cleanup_passes
 
     graph = model.graph
@@ -339,7 +340,7 @@ def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], wh
     graph.inputs.extend(inputs)
     graph.outputs.clear()
     graph.outputs.extend(outputs)
-    model = ir.passes.PassManager(cleanup_passes())(model).model
+    model = ir.passes.PassManager(cleanup_passes(fold=fold))(model).model
     if any(v.shape is None or v.type is None for v in graph.outputs):
         ShapeInferencePass(strict_mode=False)(model)
     untyped = [v.name for v in graph.outputs if v.shape is None or v.type is None]
@@ -460,7 +461,7 @@ def generate_artifacts(
 
 
 def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str, registry):
-    from onnx_autodiff.passes import AutodiffPass
+    from onnx_autodiff.passes import AutodiffPass, cleanup_passes
 
     model, namer, updates = _prepare(proto, roles, training=True)
     graph = model.graph
@@ -481,7 +482,10 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
         if isinstance(cause, NotDifferentiableError) and "does not depend" in str(cause):
             raise TrainingError(f"{cause}: list it in frozen_params, or leave it out of requires_grad") from error
         raise cause from error
-    grads = list(graph.outputs[1:])
+    # the backward cleaned up as grad's is; the optimiser's nodes added next then need no folding
+    # (a 20,001-node chain's artifacts: 33 s with one cleanup of the whole train model)
+    ir.passes.PassManager(cleanup_passes())(model)
+    loss, grads = graph.outputs[0], list(graph.outputs[1:])
     namer = Namer.for_graph(graph, prefix="opt")
     op = OpBuilder(model_opset(model), namer, dict(model.opset_imports))
     inputs_by_name = {v.name: v for v in graph.inputs}
@@ -537,7 +541,7 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
         model.opset_imports.setdefault(domain, version)
     buffer_inputs = [v for v in graph.inputs if v.name in set(roles.buffers)]
     inputs = [*batch, *labels, *params, *extra_inputs, *buffer_inputs, *tail]
-    proto_out = _finish(model, inputs, outputs, f"{kind} model")
+    proto_out = _finish(model, inputs, outputs, f"{kind} model", fold=False)
     layout = {
         "batch": [v.name for v in (*batch, *labels)],
         "carry": carry,

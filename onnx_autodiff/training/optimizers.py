@@ -130,9 +130,10 @@ def emit_update(op: OpBuilder, spec, params, grads, lr: ir.Value, step: ir.Value
     coefficients: dict = {}
 
     def scalar(key, build, like, identity=None):
-        """A coefficient in ``like``'s dtype; ``identity``: its value when the step is not kept."""
+        """A coefficient in ``like``'s dtype, ``build()`` computing it in float64 or a number;
+        ``identity``: its value when the step is not kept."""
         if (key, like.dtype) not in coefficients:
-            value = op.Cast(build(), to=like.dtype)
+            value = op.const(build, like=like) if isinstance(build, float) else op.Cast(build(), to=like.dtype)
             if identity is not None:
                 value = op.Where(kept, value, op.const(identity, like=like))
             coefficients[(key, like.dtype)] = value
@@ -142,7 +143,7 @@ def emit_update(op: OpBuilder, spec, params, grads, lr: ir.Value, step: ir.Value
         return op.const(float(x), dtype=double)
 
     def gated(g, p):  # zeros when the step is not kept: a NaN gradient must not reach the state
-        return op.Where(kept, g, scalar("zero", lambda: d(0), p))
+        return op.Where(kept, g, scalar("zero", 0.0, p))
 
     states, new_params, new_states = [], [], []
     for i, (p, g) in enumerate(zip(params, grads)):
@@ -160,9 +161,9 @@ def emit_update(op: OpBuilder, spec, params, grads, lr: ir.Value, step: ir.Value
             g = gated(g, p)
             if spec.momentum:
                 buf = inputs[0]
-                m = scalar("momentum", lambda: d(spec.momentum), p, identity=1.0)
+                m = scalar("momentum", float(spec.momentum), p, identity=1.0)
                 if spec.dampening:
-                    keep = scalar("dampening", lambda: d(1 - spec.dampening), p, identity=0.0)
+                    keep = scalar("dampening", float(1 - spec.dampening), p, identity=0.0)
                     mixed = op.Add(op.Mul(buf, m), op.Mul(g, keep))
                     buf = op.Where(op.Equal(step, op.const(1, dtype=step.dtype)), g, mixed)
                 else:
@@ -181,9 +182,9 @@ def emit_update(op: OpBuilder, spec, params, grads, lr: ir.Value, step: ir.Value
                 p_decayed = op.Mul(p, decay)
             else:
                 p_decayed = p
-            m = op.Add(m, op.Mul(op.Sub(g, m), scalar("1-b1", lambda: d(1 - b1), p, identity=0.0)))
-            v = op.Add(op.Mul(v, scalar("b2", lambda: d(b2), p, identity=1.0)),
-                       op.Mul(op.Mul(g, g), scalar("1-b2", lambda: d(1 - b2), p, identity=0.0)))
+            m = op.Add(m, op.Mul(op.Sub(g, m), scalar("1-b1", float(1 - b1), p, identity=0.0)))
+            v = op.Add(op.Mul(v, scalar("b2", float(b2), p, identity=1.0)),
+                       op.Mul(op.Mul(g, g), scalar("1-b2", float(1 - b2), p, identity=0.0)))
             outs += [m, v]
             second = v
             if spec.amsgrad:
