@@ -2,9 +2,9 @@
 
     python benchmarks/pattern_rules.py [--layers 4] [--hidden 256] [--runs 20]
 
-Builds a Llama-shaped decoder from a ``transformers`` config (random weights, no download),
-exports its next-token loss with ``torch.onnx.export(dynamo=True, optimize=False)`` (RMSNorm and
-SiLU spelled out op by op), differentiates it with respect to every parameter with the default
+Builds a Llama-shaped decoder (``--model gpt2``: GPT-2) from a ``transformers`` config (random
+weights, no download), exports its next-token loss with ``torch.onnx.export(dynamo=True,
+optimize=False)`` (RMSNorm and SiLU, or GPT-2's tanh GELU, spelled out op by op), differentiates it with respect to every parameter with the default
 registry and with the same registry less its pattern rules, and prints the node counts, the
 build seconds, the forward+backward milliseconds on onnxruntime (2 threads, the two graphs taking
 turns) and the largest relative difference between their gradients.
@@ -29,6 +29,27 @@ import llama_lora
 from onnx_autodiff import autodiff_pass, cleanup_passes, default_registry
 
 
+def gpt2_module(size: dict, seq: int):
+    """transformers' GPT-2 (random weights) with its next-token loss; its MLP's GELU is gelu_new."""
+    import torch
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=size["layers"], n_embd=size["hidden"], n_head=size["heads"],
+                                     vocab_size=size["vocab"], n_positions=seq, attn_implementation="eager")
+
+    class LossOf(torch.nn.Module):
+        def __init__(self, lm):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, ids, labels):
+            logits = self.lm(input_ids=ids).logits[:, :-1]
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+    torch.manual_seed(0)
+    return LossOf(transformers.GPT2LMHeadModel(config)).eval()
+
+
 def differentiate(model: onnx.ModelProto, registry):
     ir_model = ir.from_proto(model)
     grad = autodiff_pass(of=model.graph.output[0].name, registry=registry)
@@ -47,10 +68,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--model", choices=["llama", "gpt2"], default="llama",
+                        help="llama: RMSNorm and SiLU spelled out; gpt2: its tanh GELU (gelu_new) spelled out")
     args = parser.parse_args(argv)
     size = {"vocab": 2048, "hidden": args.hidden, "intermediate": args.hidden * 11 // 4, "layers": args.layers,
             "heads": 8, "kv_heads": 4}
-    module = llama_lora.build_module(size)
+    module = llama_lora.build_module(size) if args.model == "llama" else gpt2_module(size, args.seq)
     ids = torch.randint(0, size["vocab"], (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -76,7 +99,7 @@ def main(argv=None) -> int:
     a, b = rows["op by op"], rows["with pattern rules"]
     worst = max(float(np.abs(b["grads"][b["names"][k]] - a["grads"][a["names"][k]]).max()
                       / (np.abs(a["grads"][a["names"][k]]).max() + 1e-30)) for k in a["names"])
-    print(f"Llama {size}, batch {args.batch}, sequence {args.seq}: torch.onnx.export(optimize=False) "
+    print(f"{args.model} {size}, batch {args.batch}, sequence {args.seq}: torch.onnx.export(optimize=False) "
           f"{len(forward.graph.node)} forward nodes\n")
     print("| rules | fwd+bwd nodes | build s | ort fwd+bwd ms (median) |")
     print("|---|---:|---:|---:|")

@@ -54,3 +54,27 @@ def test_silu():
     model, feeds = silu_model()
     assert_gradients(model, feeds, ["x"])
     assert set(pattern_tags(model, ["x"])) == {"silu"}
+
+
+def gelu_tanh_model(half=0.5):
+    """GPT-2's gelu_new as torch.onnx.export(optimize=False) writes it."""
+    x = (R.standard_normal((3, 7)) * 2).astype(np.float32)
+    const = lambda name, value: helper.make_node("Constant", [], [name], value=onnx.numpy_helper.from_array(np.asarray(value, np.float32), name))
+    nodes = [const("half", half), const("three", 3.0), const("k", 0.044715), const("c", (2 / np.pi) ** 0.5), const("one", 1.0),
+             helper.make_node("Mul", ["x", "half"], ["hx"]), helper.make_node("Pow", ["x", "three"], ["cube"]),
+             helper.make_node("Mul", ["cube", "k"], ["kc"]), helper.make_node("Add", ["x", "kc"], ["inner"]),
+             helper.make_node("Mul", ["inner", "c"], ["u"]), helper.make_node("Tanh", ["u"], ["t"]),
+             helper.make_node("Add", ["t", "one"], ["s"]), helper.make_node("Mul", ["hx", "s"], ["y"])]
+    return make_model(nodes, {"x": x}, ["y"]), {"x": x}
+
+
+def test_gelu_tanh():
+    model, feeds = gelu_tanh_model()
+    assert_gradients(model, feeds, ["x"])
+    assert set(pattern_tags(model, ["x"])) == {"gelu_tanh"}
+
+
+def test_a_different_factor_is_not_gelu():
+    model, feeds = gelu_tanh_model(half=0.25)
+    assert_gradients(model, feeds, ["x"])
+    assert "gelu_tanh" not in pattern_tags(model, ["x"])
