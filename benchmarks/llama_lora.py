@@ -58,14 +58,13 @@ def batches(args, vocab: int) -> list[dict[str, np.ndarray]]:
     return [{"ids": ids, "labels": ids}] * args.steps
 
 
-def build_module(size: dict):
+def next_token_loss(lm):
+    """The causal LM ``lm`` as a module whose output is its next-token loss of ``(ids, labels)`` in
+    the model's dtype (transformers' own loss casts the logits to float32, and takes ignore_index
+    labels we do not need)."""
     import torch
-    import transformers
 
     class LossOf(torch.nn.Module):
-        """A causal LM whose output is its next-token loss in the model's dtype (transformers' own
-        loss casts the logits to float32, and takes ignore_index labels we do not need)."""
-
         def __init__(self, lm):
             super().__init__()
             self.lm = lm
@@ -74,12 +73,19 @@ def build_module(size: dict):
             logits = self.lm(input_ids=ids).logits[:, :-1]
             return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
 
+    return LossOf(lm)
+
+
+def build_module(size: dict):
+    import torch
+    import transformers
+
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=size["vocab"], hidden_size=size["hidden"], intermediate_size=size["intermediate"],
         num_hidden_layers=size["layers"], num_attention_heads=size["heads"], num_key_value_heads=size["kv_heads"],
         max_position_embeddings=256, tie_word_embeddings=False, attn_implementation="eager")
-    return LossOf(transformers.LlamaForCausalLM(config)).eval()
+    return next_token_loss(transformers.LlamaForCausalLM(config)).eval()
 
 
 def peak_mb() -> float:

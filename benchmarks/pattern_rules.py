@@ -36,18 +36,8 @@ def gpt2_module(size: dict, seq: int):
 
     config = transformers.GPT2Config(n_layer=size["layers"], n_embd=size["hidden"], n_head=size["heads"],
                                      vocab_size=size["vocab"], n_positions=seq, attn_implementation="eager")
-
-    class LossOf(torch.nn.Module):
-        def __init__(self, lm):
-            super().__init__()
-            self.lm = lm
-
-        def forward(self, ids, labels):
-            logits = self.lm(input_ids=ids).logits[:, :-1]
-            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
-
     torch.manual_seed(0)
-    return LossOf(transformers.GPT2LMHeadModel(config)).eval()
+    return llama_lora.next_token_loss(transformers.GPT2LMHeadModel(config)).eval()
 
 
 def differentiate(model: onnx.ModelProto, registry):

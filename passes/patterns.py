@@ -18,26 +18,18 @@ class Match:
     attributes: dict = {}  # no subgraphs of its own
 
     def __init__(self, rule: PatternRule, result, root: ir.Node) -> None:
-        self.pattern_rule = rule
         self.bindings = dict(result.bindings)
         self.nodes: list[ir.Node] = list(result.nodes)
         self.outputs: list[ir.Value] = list(result.outputs)
-        names = [name for name in _parameters(rule) if isinstance(self.bindings.get(name), ir.Value)]
+        names = [name for name in rule.parameters if isinstance(self.bindings.get(name), ir.Value)]
         self.inputs = [self.bindings[name] for name in names]
         self.op_type, self.name, self.graph = rule.name, root.name, root.graph
         self.metadata_props: dict[str, str] = {}
-        self.rule = GradRule(rule.name, "", rule.opsets, rule.differentiable,
-                             lambda op, unit, *dys: rule.backward(op, unit, *dys),
-                             rule.broadcast, inputs=(tuple(names), False))
+        self.rule = GradRule(rule.name, "", rule.opsets, rule.differentiable, rule.backward, rule.broadcast,
+                             inputs=(tuple(names), False))
 
     def __getitem__(self, name: str):
         return self.bindings[name]
-
-
-def _parameters(rule: PatternRule) -> list[str]:
-    import inspect
-
-    return list(inspect.signature(rule.pattern).parameters)[1:]  # after op
 
 
 def grouped(order: Sequence[ir.Node], rules: Sequence[PatternRule], opset: int,
@@ -58,15 +50,14 @@ def grouped(order: Sequence[ir.Node], rules: Sequence[PatternRule], opset: int,
     position = {node: i for i, node in enumerate(order)}
     candidates, reached = [], None
     for node in order:
-        tried = by_root.get((node.domain, node.op_type), []) + by_root.get(None, [])
         if node.graph is None:
             continue
-        for rule in tried:
+        for rule in by_root.get((node.domain, node.op_type), []) + by_root.get(None, []):
             result = rule.matcher.match(None, node.graph, node, check_nodes_are_removable=True)
             if not result or not all(n in position for n in result.nodes):
                 continue
             reached = reach() if reached is None else reached  # the walk's reach, once a match is found
-            fixed = [result.bindings.get(name) for name in _parameters(rule) if name not in rule.differentiable]
+            fixed = [result.bindings.get(name) for name in rule.parameters if name not in rule.differentiable]
             if not any(isinstance(value, ir.Value) and value in reached for value in fixed):
                 candidates.append((-rule.size, position[node], rule, result, node))
     taken: set[ir.Node] = set()

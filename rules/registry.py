@@ -152,6 +152,13 @@ class PatternRule:
     def root(self) -> tuple[str, str] | None:
         return pattern_root(self.matcher)
 
+    @functools.cached_property
+    def parameters(self) -> tuple[str, ...]:
+        """The pattern function's parameter names, after ``op``."""
+        import inspect
+
+        return tuple(inspect.signature(self.pattern).parameters)[1:]
+
 
 def _never_replaced(op, **_):
     raise AssertionError("a pattern gradient rule is matched, never used to rewrite")

@@ -3,7 +3,6 @@
 Skipped without node or without js/node_modules (CI installs it with npm ci --ignore-scripts --prefix js).
 """
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -25,14 +24,8 @@ if not (JS / "node_modules" / "onnxruntime-node").is_dir():
 safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="the safetensors package is not installed")
 
 
-def _prepare_module():
-    spec = importlib.util.spec_from_file_location("web_prepare", ROOT / "examples" / "web" / "prepare.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-save_artifacts = _prepare_module().save_artifacts  # artifacts with checkpoint.safetensors, which js/ reads
+def save_artifacts(artifacts, directory: str) -> None:
+    artifacts.save(directory, checkpoint_format="safetensors")  # the checkpoint js/ reads
 
 OPTIMIZERS = {
     "adamw": ("adamw", {"lr": 0.01, "weight_decay": 0.05}),

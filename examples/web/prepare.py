@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_autodiff.training import TrainingArtifacts, generate_artifacts
+from onnx_autodiff.training import generate_artifacts
 from onnx_autodiff.files import write_atomically
 from onnx_autodiff.training.values import safetensors_writer
 
@@ -116,11 +116,6 @@ def digits(seed: int = 0) -> tuple[np.ndarray, np.ndarray, str]:
     return data.data.astype(np.float32), data.target.astype(np.int64), "scikit-learn"
 
 
-def save_artifacts(artifacts: TrainingArtifacts, directory: str) -> None:
-    """The artifacts with their checkpoint as checkpoint.safetensors, which the JavaScript trainer reads."""
-    artifacts.save(directory, checkpoint_format="safetensors")
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=BUILD, help="the directory to write (default: %(default)s)")
@@ -132,7 +127,7 @@ def main(argv=None) -> int:
     artifacts = generate_artifacts(classifier(), loss="cross_entropy", optimizer="adamw",
                                    optimizer_options={"lr": LEARNING_RATE, "weight_decay": 1e-4})
     os.makedirs(args.out, exist_ok=True)
-    save_artifacts(artifacts, os.path.join(args.out, "artifacts"))
+    artifacts.save(os.path.join(args.out, "artifacts"), checkpoint_format="safetensors")  # what js/ reads
     for name, rows in (("train", slice(test, None)), ("test", slice(None, test))):  # named as the models' inputs
         split = {"X": X[rows], "labels": labels[rows]}
         write_atomically(os.path.join(args.out, f"{name}.safetensors"), safetensors_writer(split, {"source": source}))

@@ -106,10 +106,10 @@ def run(args) -> int:
         raise UsageError(f"--batch-size {args.batch_size} is the global batch: it must divide among the {ranks} "
                          f"ranks (give a multiple of {ranks})")
     with distributed.abort_on_error(comm):
-        return _run(args, comm, progress_bar, count)
+        return _run(args, comm)
 
 
-def _run(args, comm, progress_bar, count) -> int:
+def _run(args, comm) -> int:
     out, leader = args.output, distributed.rank(comm) == 0
     start = time.perf_counter()
     checkpoint = os.path.join(out, "checkpoint")

@@ -145,12 +145,12 @@ class _Runner:
 
         self.trainer, self.layout, self.kind = trainer, layout, kind
         self.carry = [tuple(entry) for entry in layout.get("carry", [])]
-        # the new parameters, buffers and accumulators: a non-finite gradient makes them non-finite
         self.flag = layout.get("kept")
         if self.flag:  # the model keeps nothing of a failed step itself: new values may overwrite old ones
             serialised, self.checked = proto.SerializeToString(), []
             self.in_place = in_place_keys(proto, self.carry)
-        else:  # artifacts without that flag: new values go to spare buffers, kept when finite
+        else:  # artifacts without that flag: new values go to spare buffers, kept when finite (the new
+            # parameters, buffers and accumulators, which a non-finite gradient makes non-finite)
             state = set(trainer.artifacts.checkpoint) - set(trainer.layout["params"]) - set(trainer.layout["buffers"])
             self.checked = [(key, out) for key, _, out in self.carry if key not in state]
             serialised, self.flag = _with_finite_flag(proto, [out for _, out in self.checked])
@@ -284,9 +284,8 @@ class Trainer:
     (artifacts built with ``gradient_accumulation=True``); ``evaluate(batch)`` runs the eval model;
     ``export()`` returns the inference model with the trained initializers.
 
-    A step whose loss or gradients are not finite (NaN or ±Inf; checked in the graph on the new
-    parameters, buffers and accumulators, which a non-finite gradient makes non-finite) keeps
-    nothing of the step: with ``nonfinite="raise"`` (the default) it raises a
+    A step whose loss or gradients are not finite (NaN or ±Inf; the models' ``kept`` flag checks the
+    loss and the sum of the squared gradients, in the graph) keeps nothing of the step: with ``nonfinite="raise"`` (the default) it raises a
     :class:`TrainingError` naming the step; with ``nonfinite="skip"`` it returns the loss and counts
     the step in ``skipped_steps`` (not in ``step_count``), as AMP's gradient scaler does; a
     non-finite micro-batch then makes ``apply()`` skip the whole step. A checkpoint holding NaN or
@@ -409,8 +408,9 @@ class Trainer:
         """One optimiser step on ``batch``; returns the loss (before the update).
 
         Data-parallel (``comm`` of several ranks): ``batch`` is this rank's slice of the global
-        batch (slices of equal size), the update is the one of the whole batch, and the loss
-        returned is the mean of the ranks' losses."""
+        batch (possibly empty, where the last batch of an epoch does not split among the ranks),
+        the update is the one of the whole batch, and the loss returned is the whole batch's (the
+        ranks' losses weighted by their examples)."""
         if self._micro_batches:
             raise TrainingError("accumulated gradients are pending: call apply() before step()")
         if self.comm is not None:

@@ -52,9 +52,6 @@ class RuleIndex:
             root = pattern_root(rule)
             (self.by_op.setdefault(root, []) if root else self.anywhere).append(rule)
 
-    def __bool__(self) -> bool:
-        return bool(self.by_op or self.anywhere)
-
     def rules_for(self, node: ir.Node) -> list[RewriteRule]:
         found = self.by_op.get((node.domain, node.op_type))
         return found + self.anywhere if found else self.anywhere
