@@ -1,25 +1,30 @@
 """Train-step time on plain onnxruntime: MLP 784-256-10, AdamW, batch 64 (prints ms/step).
 
     python benchmarks/train_step.py [--steps 200] [--batch 64] [--optimizer adamw] [--torch]
+        [--peer PYTHON]
 
 Prints the whole train step and the optimiser step alone (the apply model: parameters, gradients
-and state in, new parameters and state out), median and min over the runs. ``--torch`` also
+and state in, new parameters and state out), median and min over the runs, and the median in
+process CPU time (all threads; other load on the machine disturbs it less). ``--torch`` also
 times PyTorch eager autograd with torch.optim on the same network (the CPU speed bar), its step
 and ``optimizer.step()`` alone, in the same process, taking turns with ours run by run.
 The discontinued onnxruntime-training 1.19.2 runs the same step in ort_training_step.py (in a venv
-of its own; see there).
+of its own; see there); ``--peer PYTHON`` runs it with that interpreter before and after ours.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from onnx_autodiff.passes.graphs import proto_graphs
 from onnx_autodiff.training import Trainer, generate_artifacts
 
 
@@ -45,20 +50,34 @@ def mlp(sizes=(784, 256, 10), seed: int = 0) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
-def time_steps(steps: int, repeats: int = 7, **timed) -> dict[str, tuple[float, float]]:
-    """(median, min) over ``repeats`` runs of the mean ms per call of each function in ``timed``;
-    the functions take turns run by run, so a busy machine slows them alike."""
+def time_steps(steps: int, repeats: int = 7, **timed) -> dict[str, tuple[float, float, float]]:
+    """(median, min, median CPU) over ``repeats`` runs of the mean ms per call of each function in
+    ``timed`` (CPU: process time, all threads); the functions take turns run by run, so a busy
+    machine slows them alike."""
     for step in timed.values():
         for _ in range(20):
             step()
     runs: dict[str, list[float]] = {name: [] for name in timed}
+    cpu: dict[str, list[float]] = {name: [] for name in timed}
     for _ in range(repeats):
         for name, step in timed.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 step()
             runs[name].append((time.perf_counter() - start) / steps * 1e3)
-    return {name: (statistics.median(r), min(r)) for name, r in runs.items()}
+            cpu[name].append((time.process_time() - start_cpu) / steps * 1e3)
+    return {name: (statistics.median(r), min(r), statistics.median(cpu[name])) for name, r in runs.items()}
+
+
+def node_count(model: onnx.ModelProto) -> int:
+    return sum(len(graph.node) for graph in proto_graphs(model.graph))
+
+
+def peer(python: str) -> str:
+    """ort_training_step.py's line, run by ``python`` (a venv with onnxruntime-training)."""
+    script = Path(__file__).resolve().parent / "ort_training_step.py"
+    done = subprocess.run([python, str(script)], capture_output=True, text=True, check=True)
+    return done.stdout.strip().splitlines()[-1]
 
 
 def main() -> None:
@@ -67,6 +86,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--optimizer", default="adamw")
     parser.add_argument("--torch", action="store_true", help="also time PyTorch eager")
+    parser.add_argument("--peer", metavar="PYTHON", help="also run ort_training_step.py with this interpreter")
     args = parser.parse_args()
     import onnxruntime as ort
 
@@ -102,17 +122,21 @@ def main() -> None:
 
         torch_step()  # leaves gradients for optimizer.step() alone
         timed.update(torch_step=torch_step, torch_optimizer=optimizer.step)
+    before = peer(args.peer) if args.peer else None
     ms = time_steps(args.steps, **timed)
+    after = peer(args.peer) if args.peer else None
     print(f"onnxruntime {ort.__version__} ({trainer.providers[0]}), MLP 784-256-10, {args.optimizer}, batch {args.batch}")
-    print(f"  artifacts built in {build:.2f} s; train model {len(artifacts.train_model.graph.node)} nodes, "
-          f"apply model {len(artifacts.apply_model.graph.node)}")
-    print(f"  ms per call, median (min) of 7 x {args.steps}:  train step      optimiser step")
+    print(f"  artifacts built in {build:.2f} s; train model {node_count(artifacts.train_model)} nodes, "
+          f"apply model {node_count(artifacts.apply_model)} (with the update's If branches)")
+    print(f"  ms per call, median (min) [CPU] of 7 x {args.steps}:  train step            optimiser step")
     rows = [("onnx-autodiff", "step", "optimizer")]
     if args.torch:
         rows.append((f"PyTorch {torch.__version__} eager", "torch_step", "torch_optimizer"))
     for label, whole, alone in rows:
-        (m1, n1), (m2, n2) = ms[whole], ms[alone]
-        print(f"  {label:<26} {m1:6.3f} ({n1:.3f})   {m2:6.3f} ({n2:.3f})")
+        (m1, n1, c1), (m2, n2, c2) = ms[whole], ms[alone]
+        print(f"  {label:<26} {m1:6.3f} ({n1:.3f}) [{c1:.3f}]   {m2:6.3f} ({n2:.3f}) [{c2:.3f}]")
+    if args.peer:
+        print(f"  before: {before}\n  after:  {after}")
 
 
 if __name__ == "__main__":

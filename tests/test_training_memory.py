@@ -119,3 +119,45 @@ def test_artifacts_without_the_kept_flag_use_spare_buffers():
     for batch in batches(3):
         assert new_trainer.step(batch) == old_trainer.step(batch)
     assert snapshot(new_trainer) == snapshot(old_trainer)
+
+
+def if_graph(then_nodes, else_nodes, outer=(), outputs=()) -> onnx.ModelProto:
+    """p.new = If(k) of branches returning "t" and "e", after ``outer`` nodes; ``outputs``: more
+    graph outputs."""
+    value = helper.make_tensor_value_info
+    then_branch = helper.make_graph(then_nodes, "then", [], [value("t", TensorProto.FLOAT, [3])])
+    else_branch = helper.make_graph(else_nodes, "else", [], [value("e", TensorProto.FLOAT, [3])])
+    nodes = [*outer, helper.make_node("If", ["k"], ["p.new"], then_branch=then_branch, else_branch=else_branch)]
+    graph = helper.make_graph(nodes, "g", [value("p", TensorProto.FLOAT, [3]), value("k", TensorProto.BOOL, [])],
+                              [value(name, TensorProto.FLOAT, [3]) for name in ("p.new", *outputs)])
+    return helper.make_model(graph)
+
+
+def test_in_place_through_an_if_needs_each_branch_to_write_in_place():
+    carry = [("p", "p", "p.new")]
+    keep = [helper.make_node("Identity", ["p"], ["e"])]
+    # then: t = p + 2p; else: the old value
+    update = [helper.make_node("Add", ["p", "p"], ["twice"]), helper.make_node("Add", ["p", "twice"], ["t"])]
+    assert in_place_keys(if_graph(update, keep), carry) == {"p"}
+    # a branch whose writer is not elementwise
+    softmax = [helper.make_node("Softmax", ["p"], ["t"])]
+    assert in_place_keys(if_graph(softmax, keep), carry) == set()
+    # a branch reading p in a node the writer does not wait for
+    unordered = [helper.make_node("Neg", ["p"], ["unused"]), helper.make_node("Add", ["p", "p"], ["t"])]
+    assert in_place_keys(if_graph(unordered, keep), carry) == set()
+    # a reader of p outside the If that the If does not wait for
+    outside = [helper.make_node("Neg", ["p"], ["y"])]
+    assert in_place_keys(if_graph(update, keep, outer=outside, outputs=["y"]), carry) == set()
+
+
+def test_update_is_one_if_on_the_kept_flag():
+    """No gate per gradient (a Where over each, slow on onnxruntime): the flag is read by one If,
+    which returns every new value, and is the last node to run."""
+    artifacts = generate_artifacts(mlp(), optimizer="adamw", max_grad_norm=1.0, gradient_accumulation=True)
+    for kind in ("train", "accumulate", "apply"):
+        graph = getattr(artifacts, f"{kind}_model").graph
+        layout = artifacts.layout[kind]
+        readers = [node for node in graph.node if layout["kept"] in node.input]
+        assert [node.op_type for node in readers] == ["If"], kind
+        assert {out for _, _, out in layout["carry"]} == set(readers[0].output), kind
+        assert graph.node[-1] is readers[0], kind

@@ -37,10 +37,11 @@ from onnx_autodiff.rules.builder import Namer, OpBuilder
 from onnx_autodiff.training.losses import LossSpec, attach_loss, model_opset
 from onnx_autodiff.training.optimizers import (
     emit_update,
-    step_kept,
     make_optimizer,
     optimizer_from_json,
     optimizer_to_json,
+    step_kept,
+    when_kept,
 )
 from onnx_autodiff.training.values import (
     dim_value,
@@ -516,21 +517,19 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     else:  # accumulate: acc + grad
         tail = []
         kept, _ = step_kept(op, grads, loss)
-        zeros: dict = {}  # one zero per dtype
-        for p, g in zip(params, grads):
-            acc = fresh_value(namer, f"{p.name}.grad_acc", g.dtype or p.dtype, [dim_value(x) for x in p.shape])
-            extra_inputs.append(acc)
-            if acc.dtype not in zeros:
-                zeros[acc.dtype] = op.const(0.0, like=acc)
-            g = op.Where(kept, g, zeros[acc.dtype])
-            outputs.append(_publish(op, namer, op.Add(acc, g), f"{acc.name}.new", taken, like=acc))
+        accs = [fresh_value(namer, f"{p.name}.grad_acc", g.dtype or p.dtype, [dim_value(x) for x in p.shape])
+                for p, g in zip(params, grads)]
+        extra_inputs.extend(accs)
+        sums = when_kept(op, kept, lambda op: [op.Add(acc, g) for acc, g in zip(accs, grads)], accs)
+        for acc, new_acc in zip(accs, sums):
+            outputs.append(_publish(op, namer, new_acc, f"{acc.name}.new", taken, like=acc))
             carry.append([acc.name, acc.name, outputs[-1].name])
     for name in roles.buffers:
         value = updates.get(name)
         if value is None:
             continue
         buffer = inputs_by_name[name]
-        # no Where(kept, new, old) here: onnxruntime's BatchNormalization writes the statistics it
+        # not returned by the If on kept: onnxruntime's BatchNormalization writes the statistics it
         # returns into the buffers of its inputs unless they are graph outputs (the trainer gives
         # them spare buffers, kept only when the step is)
         outputs.append(_publish(op, namer, value, f"{name}.new", taken, like=buffer))

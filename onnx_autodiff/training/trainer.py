@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -82,22 +83,30 @@ def _rows(batch) -> int:
 
 # Elementwise writers: each output element is computed from the input elements at its own index,
 # so the node may write into the buffer of an input it reads.
-_ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Where", "Max", "Min"}
+_ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Where", "Max", "Min", "Identity"}
 
 
 def in_place_keys(proto: onnx.ModelProto, carry: Sequence[tuple[str, str, str]]) -> set[str]:
     """The carried keys whose new value may be written over the old one in a run of ``proto``:
-    the node writing the new value is elementwise and every node reading the old value is one of
-    its ancestors, so it has run before (onnxruntime runs nodes in a dependency order)."""
-    wanted = {name for _, name, _ in carry}
+    the node writing the new value is elementwise, or an If each of whose branches writes it so,
+    and every other node reading the old value is one of its ancestors, so it has run before
+    (onnxruntime runs nodes in a dependency order, and an If's branch once the If may run)."""
+    safe = _writable(proto.graph, {out: name for _, name, out in carry})
+    return {key for key, _, out in carry if out in safe}
+
+
+def _writable(graph: onnx.GraphProto, writes: Mapping[str, str]) -> set[str]:
+    """The new values of ``writes`` (new value's name -> old value's name) that a run of ``graph``
+    may write over the old ones (see :func:`in_place_keys`)."""
+    wanted = set(writes.values())
     index = {}  # a bit per node that reads a carried input
-    for position, node in enumerate(proto.graph.node):
+    for position, node in enumerate(graph.node):
         for name in _reads(node) & wanted:
             index.setdefault(position, len(index))
     readers: dict[str, int] = {}
     producer: dict[str, int] = {}
     ancestors: list[int] = []  # per node: the reader bits of the node and of its ancestors
-    for position, node in enumerate(proto.graph.node):
+    for position, node in enumerate(graph.node):
         bits = 0
         for name in _reads(node):
             if name in producer:
@@ -107,14 +116,27 @@ def in_place_keys(proto: onnx.ModelProto, carry: Sequence[tuple[str, str, str]])
         ancestors.append(bits | (1 << index[position] if position in index else 0))
         for name in node.output:
             producer[name] = position
-    keys = set()
-    for key, name, out in carry:
+    safe, by_if = set(), {}
+    for out, name in writes.items():
         writer = producer.get(out)
-        if writer is None or proto.graph.node[writer].op_type not in _ELEMENTWISE:
+        if writer is None or readers.get(name, 0) & ~ancestors[writer]:
             continue
-        if readers.get(name, 0) & ~ancestors[writer] == 0:
-            keys.add(key)
-    return keys
+        node = graph.node[writer]
+        if node.op_type in _ELEMENTWISE:
+            safe.add(out)
+        elif node.op_type == "If" and node.domain in ("", "ai.onnx"):
+            by_if.setdefault(writer, {})[out] = name
+    for writer, outs in by_if.items():  # each branch must write the value in place itself
+        node = graph.node[writer]
+        position = {out: i for i, out in enumerate(node.output)}
+        for attribute in node.attribute:
+            branch = attribute.g
+            inner = [branch.output[position[out]].name for out in outs]
+            once = {n for n, count in collections.Counter(inner).items() if count == 1}  # one value returned twice: neither
+            ok = _writable(branch, {n: name for n, name in zip(inner, outs.values()) if n in once})
+            outs = {out: name for out, n, name in zip(outs, inner, outs.values()) if n in ok}
+        safe.update(outs)
+    return safe
 
 
 def _reads(node: onnx.NodeProto) -> set[str]:
