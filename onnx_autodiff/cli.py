@@ -56,7 +56,8 @@ def cmd_grad(args) -> int:
     of = args.of or _single_output(model)
     start = time.perf_counter()
     autodiff = AutodiffPass(of=of, wrt=args.wrt or None, upgrade_opset=not args.no_upgrade)
-    passes = [autodiff] if args.no_cleanup else [autodiff, *cleanup_passes(outline=args.outline)]
+    target = None if args.target == "none" else args.target
+    passes = [autodiff] if args.no_cleanup else [autodiff, *cleanup_passes(outline=args.outline, target=target)]
     # Python's collector would rescan the large graph while it is written, as while it is built.
     with progress_bar(), collector_paused():
         result = ir.passes.PassManager(passes)(model)
@@ -193,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     grad.add_argument("--of", help="the value to differentiate (default: the single graph output)")
     grad.add_argument("--wrt", nargs="+", help="variables (default: the float initializers that are not constants)")
     grad.add_argument("--no-cleanup", action="store_true", help="skip the cleanup passes")
+    grad.add_argument("--target", choices=["onnxruntime", "none"], default="onnxruntime",
+                      help="the runtime the cleanup lowers the graph for (none: canonical standard forms)")
     grad.add_argument("--no-upgrade", action="store_true", help=NO_UPGRADE_HELP)
     grad.add_argument("--outline", action="store_true",
                       help="group each rule's backward nodes into one call of a model-local function")

@@ -90,8 +90,7 @@ class Backward:
         # A model of ai.onnx.ml ops only still gets standard-op backward nodes.
         self.opsets.setdefault("", DEFAULT_OPSET)
         self.outermost = op is None  # the walk whose progress is reported (not a subgraph's)
-        self.op = op if op is not None else OpBuilder(self.opsets[""], namer, self.opsets)
-        self.op.vjp_hook = self._differentiate
+        self.op = op if op is not None else OpBuilder(self.opsets[""], namer, self.opsets, self._differentiate)
         self.order = topological_order(nodes)
 
     def _differentiate(self, op: OpBuilder, nodes, seeds, xs) -> list[ir.Value | None]:
@@ -253,10 +252,10 @@ class Backward:
     def _call_rule(self, rule: GradRule, node: ir.Node, dys, reached):
         opset = self.opset_of(node)
         targets = self._targets(rule, node, reached)
-        self.op.wanted_captures = [value for index, value in targets if index is None]
+        context = {"captures": [value for index, value in targets if index is None]} if rule.captures else {}
         start = len(self.op.nodes)
         try:
-            result = rule.backward(self.op, node, *dys)
+            result = rule.backward(self.op, node, *dys, **context)
         except MissingRuleError:  # the caller names the nodes and where they are
             raise
         except AutodiffError as error:

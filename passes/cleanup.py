@@ -1,9 +1,14 @@
 """The ordered passes that shrink a generated backward graph without changing its results.
 
 ``cleanup_passes()`` returns one :class:`CleanupPass`: bounded constant folding (onnxscript's
-folder), the local rewrites of :mod:`onnx_autodiff.passes.rewrites` (x·1, x+0, zero gradients,
-transpose pairs, Transpose→Gemm, Transposes into Einsum equations, Concat of merging Reshapes,
-no-op Reshape/Expand/Reduce/Squeeze/Unsqueeze/Cast, Identity), dead-node removal and
+folder), the onnxscript rewrite rules of :mod:`onnx_autodiff.passes.rewrite_rules`, one rule set
+per family (no-ops: x·1, x/1, x+0, x−0, a Sum with zeros, Identity, Reshape/Expand/Flatten/Tile/
+Reduce* that change nothing, Squeeze∘Unsqueeze; zero gradients propagating; transpose pairs,
+Transpose of a MatMul, Transposes into Einsum equations, Concat of Transposes; Reshape of a
+Reshape, Concat of merging Reshapes; exact Casts), swept over every graph by
+:mod:`onnx_autodiff.passes.rewrites`, and the lowering for the target
+runtime (:mod:`~onnx_autodiff.passes.rewrite_rules.lowering`: Transpose→Gemm, bias sums by a
+product with ones, ...), dead-node removal and
 common-subexpression elimination, repeated to a fixed point (so a second run changes nothing);
 then the main graph's Constant nodes become initializers, and a topological sort where the graph
 is out of order. The rewrites decide from shapes: onnx's shape inference runs first and again after
@@ -30,7 +35,7 @@ from onnx_autodiff.passes import progress, rewrites
 from onnx_autodiff.passes.graphs import all_graphs, subgraphs
 from onnx_autodiff.passes.metadata import DIFFERENTIATED_KEY, differentiated  # noqa: F401 - DIFFERENTIATED_KEY: public here too
 from onnx_autodiff.passes.progress import collector_paused
-from onnx_autodiff.passes.rewrite_rules import RuleIndex, cleanup_rules
+from onnx_autodiff.passes.rewrite_rules import RuleIndex, analysis, cleanup_rules, lowering_rules
 from onnx_ir.passes import common
 
 FOLD_LIMIT = 1024  # elements: larger folded tensors stay computed (a seed Expand(1, Shape(y)) stays a node)
@@ -57,12 +62,18 @@ class CleanupPass(ir.passes.InPlacePass):
     ``RewriteRuleSet`` objects applied in every round after the project's own
     (:func:`~onnx_autodiff.passes.rewrite_rules.cleanup_rules`), on each node whose op ends their
     pattern. Mul by zeros folds to zeros even where the other factor is not finite, as gradients assume.
+    ``target``: the runtime whose lowering rules (:func:`~onnx_autodiff.passes.rewrite_rules.lowering_rules`)
+    turn the rules' canonical forms into the ones it runs fastest, applied last in each round;
+    None keeps canonical graphs.
     """
 
     def __init__(self, keep: Sequence[str] = (), fold: bool = True, fold_limit: int = FOLD_LIMIT,
-                 cse: bool = True, max_rounds: int = 8, rules: Sequence = ()) -> None:
+                 cse: bool = True, max_rounds: int = 8, rules: Sequence = (),
+                 target: str | None = "onnxruntime") -> None:
         super().__init__()
-        self.rules = RuleIndex([cleanup_rules(), *rules])
+        lowering = () if target is None else (lowering_rules(target),)
+        self.rules = RuleIndex([cleanup_rules(), *rules, *lowering])
+        self.target = target
         self.keep = [keep] if isinstance(keep, str) else list(keep)
         self.fold = fold
         self.fold_limit = fold_limit
@@ -149,12 +160,12 @@ class CleanupPass(ir.passes.InPlacePass):
         if len(node.outputs) != 1:
             return False
         if node.domain == "" and node.op_type == "Transpose":
-            shape = rewrites.dims(node.inputs[0])
+            shape = analysis.dims(node.inputs[0])
             if shape is None or not all(isinstance(d, int) for d in shape) or _size(shape) > self.fold_limit:
                 return False
         if node.domain == "" and node.op_type in ("ConstantOfShape", "Expand"):
-            out = rewrites.dims(node.outputs[0])
-            if out is None or not all(isinstance(d, int) for d in out) or _size(out) > rewrites.SMALL:
+            out = analysis.dims(node.outputs[0])
+            if out is None or not all(isinstance(d, int) for d in out) or _size(out) > analysis.SMALL:
                 return False
         return None
 
@@ -171,7 +182,7 @@ def infer_shapes(model: ir.Model) -> None:
 
     missing = {v.name: v for node in model.graph for v in node.outputs
                if (v.shape is None or v.type is None) and v.name}
-    if missing and (len(missing) <= BY_NODE or all(rewrites._static(rewrites.dims(v)) for v in model.graph.inputs)):
+    if missing and (len(missing) <= BY_NODE or all(analysis.static(analysis.dims(v)) for v in model.graph.inputs)):
         missing = static_by_node(model.graph, missing, model.opset_imports)
     if not missing:
         return
@@ -409,7 +420,7 @@ def _lift_constants(model: ir.Model) -> bool:
         if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.attributes) != 1:
             continue
         out = node.outputs[0]
-        tensor = rewrites.constant(out)
+        tensor = analysis.literal(out)
         if out.is_graph_output() or tensor is None or not out.name or out.name in graph.initializers:
             continue
         if out.const_value is not None:
@@ -443,14 +454,17 @@ def _drop_folding_notes(graphs: list[ir.Graph]) -> None:
 
 
 def cleanup_passes(*, keep: Sequence[str] = (), fold: bool = True, fold_limit: int = FOLD_LIMIT,
-                   cse: bool = True, outline: bool = False, rules: Sequence = ()) -> list[ir.passes.PassBase]:
+                   cse: bool = True, outline: bool = False, rules: Sequence = (),
+                   target: str | None = "onnxruntime") -> list[ir.passes.PassBase]:
     """Passes to run after :class:`AutodiffPass` (see :class:`CleanupPass` for the options;
-    ``rules``: extra onnxscript rewrite rules, applied with the project's).
+    ``rules``: extra onnxscript rewrite rules, applied with the project's; ``target``: the runtime
+    the graph is lowered for, None for canonical graphs).
 
     ``outline=True`` ends with :class:`~onnx_autodiff.passes.outline.OutlinePass`: each rule's
     backward nodes become one call of a model-local function of standard ops.
     """
-    passes: list[ir.passes.PassBase] = [CleanupPass(keep=keep, fold=fold, fold_limit=fold_limit, cse=cse, rules=rules)]
+    passes: list[ir.passes.PassBase] = [CleanupPass(keep=keep, fold=fold, fold_limit=fold_limit, cse=cse, rules=rules,
+                                                    target=target)]
     if outline:
         from onnx_autodiff.passes.outline import OutlinePass
 

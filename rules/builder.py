@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import onnx
@@ -53,6 +53,11 @@ class Namer:
         return cls(names, prefix)
 
 
+Differentiate = Callable[["OpBuilder", Sequence[ir.Node], Sequence[tuple[ir.Value, ir.Value]], Sequence[ir.Value]],
+                         list["ir.Value | None"]]
+"""The engine's reverse pass as a callback: ``(op, nodes, seeds, xs)`` emits into ``op``."""
+
+
 class OpBuilder:
     """Emits nodes for one backward pass.
 
@@ -62,13 +67,13 @@ class OpBuilder:
     Attributes set to None are left out. Methods in lower case emit the form right for ``opset``.
     """
 
-    def __init__(self, opset: int, namer: Namer, opsets: dict[str, int] | None = None) -> None:
+    def __init__(self, opset: int, namer: Namer, opsets: dict[str, int] | None = None,
+                 differentiate: Differentiate | None = None) -> None:
         self.opset = opset
         self.opsets = dict(opsets or {"": opset})
         self.namer = namer
         self.nodes: list[ir.Node] = []
-        self.vjp_hook = None  # installed by the engine
-        self.wanted_captures: list[ir.Value] = []
+        self._differentiate = differentiate
 
     def __getattr__(self, op_type: str):
         if not op_type[:1].isupper():
@@ -135,16 +140,15 @@ class OpBuilder:
 
     def child(self) -> OpBuilder:
         """A builder for a subgraph body: the same names, opsets and engine, its own nodes."""
-        child = OpBuilder(self.opset, self.namer, self.opsets)
+        child = OpBuilder(self.opset, self.namer, self.opsets, self._differentiate)
         child.opsets = self.opsets
-        child.vjp_hook = self.vjp_hook
         return child
 
     def differentiate(self, nodes, seeds, xs) -> list[ir.Value | None]:
         """Σ_k dy_k·∂y_k/∂x for the (y_k, dy_k) seeds through ``nodes``, emitted into this builder."""
-        if self.vjp_hook is None:
+        if self._differentiate is None:
             raise RuntimeError("differentiate() needs a builder created by the engine")
-        return self.vjp_hook(self, nodes, seeds, xs)
+        return self._differentiate(self, nodes, seeds, xs)
 
     def inline(self, graph: ir.Graph, bindings: Sequence[ir.Value | None]) -> tuple[list[ir.Value], list[ir.Node]]:
         """Copies ``graph``'s nodes here with its inputs bound to ``bindings``, under fresh names.
@@ -219,6 +223,24 @@ class OpBuilder:
         if self.opset >= 13:
             return self.Squeeze(x, _axes(axes))
         return self.Squeeze(x, axes=list(axes))
+
+    def reshape(self, x, shape):
+        """Reshape to ``shape``: an input from opset 5, else an attribute (then ints only)."""
+        if self.opset >= 5:
+            return self.Reshape(x, shape if isinstance(shape, ir.Value) else list(shape))
+        return self.Reshape(x, shape=list(shape))
+
+    def slice(self, x, starts, ends, axes=None):
+        """Slice: inputs from opset 10 (or where one is a value), else attributes."""
+        if self.opset >= 10 or any(isinstance(v, ir.Value) for v in (starts, ends, axes)):
+            return self.Slice(x, *(v if v is None or isinstance(v, ir.Value) else list(v) for v in (starts, ends, axes)))
+        return self.Slice(x, starts=list(starts), ends=list(ends), axes=None if axes is None else list(axes))
+
+    def clip(self, x, low: float, high: float):
+        """Clip to [low, high]: inputs from opset 11, else attributes."""
+        if self.opset >= 11:
+            return self.Clip(x, low, high)
+        return self.Clip(x, min=float(low), max=float(high))
 
     def split(self, x, sizes: Sequence[int] | ir.Value, axis: int, count: int | None = None):
         count = count if count is not None else len(sizes)

@@ -34,9 +34,9 @@ def _branch_vjp(op, branch, dYs, wanted, name):
 
 
 @rule("If", differentiable=(), captures=True)
-def if_(op, node, *dYs):
+def if_(op, node, *dYs, captures):
     """Y = then_branch() if cond else else_branch(); the backward is an If of the branches' VJPs."""
-    wanted = list(op.wanted_captures)
+    wanted = list(captures)
     cond = shapes.constant_input(node.inputs[0])
     if cond is not None and cond.size == 1:
         # Known before run time: only the branch taken is differentiated (the other one may not
@@ -61,7 +61,7 @@ def _scalar(op, value, index: int):
 
 
 @rule("Loop", differentiable=("v_initial",), captures=True)
-def loop(op, node, *dYs):
+def loop(op, node, *dYs, captures):
     """v_final, scans = Loop(M, cond, v_initial; body(i, cond, v) -> (cond', v', scan_i)).
 
     The backward runs the loop again, stacking each iteration's inputs, then a reverse Loop
@@ -70,7 +70,7 @@ def loop(op, node, *dYs):
     """
     body = shapes.attr(node, "body")
     carried = len(node.inputs) - 2
-    wanted = list(op.wanted_captures)
+    wanted = list(captures)
 
     # 1. The forward loop again, with each iteration's (i, cond, v) stacked as extra scan outputs.
     stash_body = op.child()
@@ -152,7 +152,7 @@ def _from_front(op, x, axis: int, reverse: bool, rank: int | None):
 
 
 @rule("Scan", differentiable=("initial_state_and_scan_inputs",), captures=True, since=9)
-def scan(op, node, *dYs):
+def scan(op, node, *dYs, captures):
     """states, scans = Scan(states, xs; body(state, x_t) -> (state', y_t)) along each scan axis.
 
     As for Loop: the states of every step are stacked by a second forward Scan, then a reverse
@@ -166,7 +166,7 @@ def scan(op, node, *dYs):
     in_dirs = shapes.attr(node, "scan_input_directions", [0] * n_in)
     out_axes = shapes.attr(node, "scan_output_axes", [0] * n_out)
     out_dirs = shapes.attr(node, "scan_output_directions", [0] * n_out)
-    wanted = list(op.wanted_captures)
+    wanted = list(captures)
     states, xs = list(node.inputs[:n_state]), list(node.inputs[n_state:])
     fronts = [_to_front(op, x, a, d, shapes.rank(x)) for x, a, d in zip(xs, in_axes, in_dirs)]
 
@@ -241,7 +241,7 @@ def _reverse_axis1_opset8(op, x, like):
 
 
 @rule("Scan", differentiable=("initial_state_and_scan_inputs",), captures=True, until=8)
-def scan_batched(op, node, *dYs):
+def scan_batched(op, node, *dYs, captures):
     """states, scans = Scan-8(states, xs; body(state, x_t) -> (state', y_t)), every input and
     output with a leading batch axis and the sequence on axis 1.
 
@@ -258,7 +258,7 @@ def scan_batched(op, node, *dYs):
     states, xs = list(node.inputs[1:len(node.inputs) - n_in]), list(node.inputs[len(node.inputs) - n_in:])
     n_state, n_out = len(states), len(node.outputs) - len(states)
     directions = shapes.attr(node, "directions", [0] * n_in)
-    wanted = list(op.wanted_captures)
+    wanted = list(captures)
 
     # 1. The states entering every step, stacked (batch, T, ...) by a second forward Scan.
     stacked = []

@@ -85,7 +85,7 @@ def _gather_elements_legacy(op, x, indices, axis: int, r: int):
             raise RuleError("before opset 11 this gradient needs indices' extents to be static")
         ends.append(m if k == axis or n == m else n)
     if list(ends) != list(xd):
-        x = op.Slice(x, starts=[0] * r, ends=ends) if op.opset < 10 else op.Slice(x, [0] * r, ends)
+        x = op.slice(x, [0] * r, ends)
     indices = op.Where(op.Less(indices, 0), op.Add(indices, d), indices)
     hot = op.Cast(op.Equal(op.unsqueeze(indices, [r]), op.const(np.arange(d, dtype=np.int64))),
                   to=int(x.dtype))

@@ -16,19 +16,6 @@ from onnx_autodiff.rules.math import as_float
 from onnx_autodiff.rules.registry import rule
 
 
-def _slice(op, x, starts, ends, axes):
-    if isinstance(ends, ir.Value) or op.opset >= 10:
-        ends = ends if isinstance(ends, ir.Value) else list(ends)
-        return op.Slice(x, list(starts), ends, list(axes))
-    return op.Slice(x, starts=list(starts), ends=list(ends), axes=list(axes))
-
-
-def _reshape(op, x, shape):
-    if op.opset >= 5:
-        return op.Reshape(x, list(shape))
-    return op.Reshape(x, shape=list(shape))
-
-
 def _spatial_perm(first: list[int], ns: int) -> list[int]:
     return [*first, *range(2, ns + 2)]
 
@@ -72,7 +59,9 @@ def matmul(op, node, dY):
         return {"A": op.Mul(dY, B), "B": op.Mul(dY, A)}
     floats = A.dtype in _EINSUM_TYPES and B.dtype in _EINSUM_TYPES
     if ra == rb == 2 and floats and op.opset >= 11:
-        # Gemm's transA/transB read the transposes in place: one node per gradient.
+        # Gemm is the standard op for a product of matrices, one of them transposed (one node
+        # where MatMul needs a Transpose beside it: a quarter fewer backward nodes to build and
+        # clean up on a chain of linear layers).
         return {"A": op.Gemm(dY, B, transB=1), "B": op.Gemm(A, dY, transA=1)}
     if min(ra, rb) <= 2 and max(ra, rb) - 2 <= len(_BATCH_LETTERS) and floats and op.opset >= 12:
         return _matmul_one_batched(op, A, B, dY, ra, rb)
@@ -84,11 +73,10 @@ def matmul(op, node, dY):
 def _matmul_one_batched(op, A, B, dY, ra, rb):
     """At most one operand has batch axes, so every Einsum letter has one extent (no broadcast).
 
+    A gradient that keeps the batch axes is MatMul with the other operand's last two axes swapped.
     A linear layer's weight gradient (batch axes on A only, B a 2-D weight of known shape) is one
-    Gemm over the flattened batch; otherwise Einsum sums the batch axes in the same kernel: no
-    [batch, K, N] intermediate and no ReduceSum. Where the gradient keeps the batch axes, MatMul
-    with a Transpose is faster (onnxruntime folds the Transpose of a weight, or fuses it into the
-    MatMul) and needs no sum.
+    matrix product over the flattened batch, Gemm(Aᵀ, dY) with the batch and row axes as one; otherwise
+    Einsum sums the batch axes inside the product: no [batch, K, N] intermediate, no ReduceSum.
     """
     b = _BATCH_LETTERS[: max(ra, rb) - 2]
     ta = "k" if ra == 1 else b[: ra - 2] + "mk"
@@ -102,9 +90,7 @@ def _matmul_one_batched(op, A, B, dY, ra, rb):
     if ra == 2 and rb > 2:
         dB = op.MatMul(shapes.swap_last2(op, A, ra), dY)
     elif ra > 2 and k_n is not None and op.opset >= 11:
-        # A linear layer's weight: flattening the batch axes makes it one Gemm (onnxruntime's
-        # Einsum took 1.1–1.5x as long on the GPT benchmark's layers).
-        dB = op.Gemm(_reshape(op, A, [-1, k_n[0]]), _reshape(op, dY, [-1, k_n[1]]), transA=1)
+        dB = op.Gemm(op.reshape(A, [-1, k_n[0]]), op.reshape(dY, [-1, k_n[1]]), transA=1)
     else:
         dB = op.Einsum(A, dY, equation=f"{ta},{ty}->{tb}")
     return {"A": dA, "B": dB}
@@ -123,11 +109,9 @@ def _same_batch(A, B, ra, rb) -> bool:
 def _matmul_batched(op, A, B, dY, ra, rb):
     """Batch axes on both sides with equal extents (attention's Q·Kᵀ and P·V).
 
-    Equal ranks: MatMul with the other operand's last two axes swapped; onnxruntime fuses such a
-    Transpose into the product (FusedMatMul), where its Einsum transposes and multiplies these
-    small batched products far more slowly (measured: 1.1–1.7 ms against 0.3–0.4 ms per product
-    in the GPT benchmark's attention). Otherwise Einsum, which sums the batch axes only one
-    operand has inside the product.
+    Equal ranks: MatMul with the other operand's last two axes swapped (the gradient keeps every
+    batch axis). Otherwise Einsum, which sums the batch axes only one operand has inside the
+    product.
     """
     if ra == rb:
         return {"A": op.MatMul(dY, shapes.swap_last2(op, B, rb)),
@@ -235,9 +219,9 @@ def _batch_as_channels(op, x, group: int, ns: int):
         return op.Transpose(x, perm=_spatial_perm([1, 0], ns))
     # Spatial axes go first so that Reshape can copy them with 0 whatever their size.
     t = op.Transpose(x, perm=[*range(2, ns + 2), 0, 1])  # (*S, N, C)
-    t = _reshape(op, t, [0] * (ns + 1) + [group, -1])  # (*S, N, g, C/g)
+    t = op.reshape(t, [0] * (ns + 1) + [group, -1])  # (*S, N, g, C/g)
     t = op.Transpose(t, perm=[*range(ns), ns + 2, ns + 1, ns])  # (*S, C/g, g, N)
-    t = _reshape(op, t, [0] * (ns + 1) + [-1])  # (*S, C/g, g·N)
+    t = op.reshape(t, [0] * (ns + 1) + [-1])  # (*S, C/g, g·N)
     return op.Transpose(t, perm=[ns, ns + 1, *range(ns)])
 
 
@@ -255,7 +239,7 @@ def _kernel_grad(op, x, dy, g: _Geometry, x_like: ir.Value, dy_like: ir.Value):
     if _kernel_grad_taps(g, x_like, dy_like) == g.kernel:
         return dw
     # The Conv may produce extra taps past the kernel's end (they touch no output).
-    return _slice(op, dw, [0] * ns, g.kernel, range(2, ns + 2))
+    return op.slice(dw, [0] * ns, g.kernel, range(2, ns + 2))
 
 
 def _kernel_grad_taps(g: _Geometry, x_like, dy_like) -> list[int] | None:
@@ -319,10 +303,10 @@ def _kernel_grad_by_columns(op, x, dy, g: _Geometry, y):
     """dW[m, c, t] = Σ_n,o dy[n, m, o]·cols[n, c·T + t, o], cols = xpad at o·stride + t·dilation.
 
     The columns come from a depthwise Conv with a one-hot kernel per tap, the sum from one batched
-    MatMul. onnxruntime runs _kernel_grad's Conv, whose kernel is as large as dy and whose output
-    is as small as W, as one thin GEMM per channel (measured on the CNN benchmark's conv2: 8 ms
-    against 3.5 ms for this form). Only without groups, with static shapes, and while the columns
-    (taps times x's size) and the one-hot kernel stay under their limits; else None.
+    MatMul, where _kernel_grad's Conv has a kernel as large as dy and an output as small as W
+    (which runtimes may run as one thin product per channel: benchmarks/README.md). Only without
+    groups, with static shapes, and while the columns (taps times x's size) and the one-hot kernel
+    stay under their limits; else None.
     """
     x_dims, y_dims = shapes.static_shape(x), shapes.static_shape(y)
     if g.group != 1 or x_dims is None or y_dims is None or op.opset < 11 or x.dtype not in _EINSUM_TYPES:
@@ -334,9 +318,9 @@ def _kernel_grad_by_columns(op, x, dy, g: _Geometry, y):
     one_hot = np.tile(np.eye(taps).reshape(1, taps, 1, *g.kernel), (c, 1, 1, *[1] * g.ns))
     cols = op.Conv(x, op.const(one_hot.reshape(c * taps, 1, *g.kernel), like=x), group=c,
                    strides=g.strides, dilations=g.dilations, pads=g.pads)
-    cols = _reshape(op, cols, [n, c * taps, positions])
-    per_sample = op.MatMul(_reshape(op, dy, [n, m, positions]), op.Transpose(cols, perm=[0, 2, 1]))
-    return _reshape(op, op.reduce_sum(per_sample, [0], keepdims=False), [m, c, *g.kernel])
+    cols = op.reshape(cols, [n, c * taps, positions])
+    per_sample = op.MatMul(op.reshape(dy, [n, m, positions]), op.Transpose(cols, perm=[0, 2, 1]))
+    return op.reshape(op.reduce_sum(per_sample, [0], keepdims=False), [m, c, *g.kernel])
 
 
 @rule("ConvTranspose", differentiable=("X", "W", "B"))
@@ -364,7 +348,7 @@ def conv_transpose(op, node, dY):
     dX = op.Conv(dY, W, strides=g.strides, dilations=g.dilations, pads=g.pads, group=g.group)
     if min(end) < 0:
         ends = g.spatial if g.spatial is not None else op.Slice(op.Shape(X), [2], [ns + 2])
-        dX = _slice(op, dX, [0] * ns, ends, range(2, ns + 2))
+        dX = op.slice(dX, [0] * ns, ends, range(2, ns + 2))
     grads = {"X": dX, "W": _kernel_grad(op, dY, X, g, node.outputs[0], X)}
     if B is not None:
         grads["B"] = op.reduce_sum(dY, [0, *range(2, ns + 2)], keepdims=False)
@@ -404,7 +388,7 @@ def average_pool(op, node, dY):
     attrs = {k: shapes.attr(node, k) for k in node.attributes}
     taps = op.Conv(ones, window, **geometry)
     scale = op.Div(op.AveragePool(ones, **attrs), taps)
-    flat = _reshape(op, op.Mul(dY, scale), [-1, 1] + [0] * ns)
+    flat = op.reshape(op.Mul(dY, scale), [-1, 1] + [0] * ns)
     dX = op.ConvTranspose(flat, window, output_padding=[max(0, -e) for e in end], **geometry)
     return {"X": op.Reshape(dX, op.Shape(X))}
 
@@ -476,9 +460,9 @@ def global_max_pool(op, node, dY):
     """Y[n, c] = max of X[n, c] over the spatial axes; dX gets dY at the first maximum."""
     X = node.inputs[0]
     shapes.require_opset(op, 11, "GlobalMaxPool's gradient (ScatterElements)")
-    rows = _reshape(op, X, [0, 0, -1])
+    rows = op.reshape(X, [0, 0, -1])
     first = op.ArgMax(rows, axis=2, keepdims=1)
-    dX = op.ScatterElements(shapes.zeros_like(op, rows), first, _reshape(op, dY, [0, 0, 1]), axis=2)
+    dX = op.ScatterElements(shapes.zeros_like(op, rows), first, op.reshape(dY, [0, 0, 1]), axis=2)
     return {"X": op.Reshape(dX, op.Shape(X))}
 
 
@@ -583,7 +567,7 @@ def lp_pool(op, node, dY):
     # The window-sum adjoint, as in AveragePool: the windows' full extent cut or extended to X.
     end = [f - b - s for f, b, s in zip(g.extent(out), g.pads, spatial)]
     window = op.const(np.ones([1, 1, *g.kernel]), like=dY)
-    flat = _reshape(op, t, [-1, 1] + [0] * ns)
+    flat = op.reshape(t, [-1, 1] + [0] * ns)
     back = op.ConvTranspose(flat, window, strides=g.strides, dilations=g.dilations,
                             pads=g.pads[:ns] + [max(0, e) for e in end],
                             output_padding=[max(0, -e) for e in end])
@@ -610,7 +594,7 @@ def col2im(op, node, dY):
     block = [int(b) for b in block]
     ns, k = len(block), int(np.prod(block))
     onehot = op.const(np.eye(k).reshape([k, 1, *block]), like=dY)
-    planes = _reshape(op, dY, [-1, 1] + [0] * ns)  # (N·C, 1, *image)
+    planes = op.reshape(dY, [-1, 1] + [0] * ns)  # (N·C, 1, *image)
     cols = op.Conv(planes, onehot, strides=shapes.attr(node, "strides", [1] * ns),
                    dilations=shapes.attr(node, "dilations", [1] * ns),
                    pads=shapes.attr(node, "pads", [0] * (2 * ns)))
@@ -643,8 +627,8 @@ def deform_conv(op, node, dY):
     cols_ = np.arange(ow) * g.strides[1] - g.pads[1]
     base_y = np.add.outer(np.repeat(np.arange(kh) * g.dilations[0], kw), np.repeat(rows, ow))
     base_x = np.add.outer(np.tile(np.arange(kw) * g.dilations[1], kh), np.tile(cols_, oh))
-    off_y, off_x = op.split(_reshape(op, offset, [0, G, K, 2, L]), [1, 1], axis=3)
-    py, px = (op.Add(_reshape(op, off, [0, G, 1, K * L]),
+    off_y, off_x = op.split(op.reshape(offset, [0, G, K, 2, L]), [1, 1], axis=3)
+    py, px = (op.Add(op.reshape(off, [0, G, 1, K * L]),
                      op.const(base.reshape(1, 1, 1, -1), like=X))
               for off, base in ((off_y, base_y), (off_x, base_x)))
     y0, x0 = op.Floor(py), op.Floor(px)
@@ -655,7 +639,7 @@ def deform_conv(op, node, dY):
         per_group = op.const([1, 1, x_dims[1] // G, 1])
     else:
         per_group = op.Concat([1, 1], op.Div(op.Slice(op.Shape(X), [1], [2]), [G]), [1], axis=0)
-    planes = _reshape(op, X, [0, G, -1, H * Wd])  # (N, G, C/G, H·W)
+    planes = op.reshape(X, [0, G, -1, H * Wd])  # (N, G, C/G, H·W)
 
     def corner(yc, xc):
         inside = op.And(op.And(op.GreaterOrEqual(yc, 0.0), op.LessOrEqual(yc, float(H - 1))),
@@ -670,15 +654,15 @@ def deform_conv(op, node, dY):
     (i10, m10, v10), (i11, m11, v11) = corner(y1, x0), corner(y1, x1)
     weights = [op.Mul(hy, hx), op.Mul(hy, lx), op.Mul(ly, hx), op.Mul(ly, lx)]
     sampled = op.Sum(*(op.Mul(w, v) for w, v in zip(weights, (v00, v01, v10, v11))))
-    m = None if mask is None else _reshape(op, mask, [0, G, 1, K * L])
+    m = None if mask is None else op.reshape(mask, [0, G, 1, K * L])
     columns = sampled if m is None else op.Mul(sampled, m)
     # The convolution proper is a batched matmul per group: (C/group·K) columns, L positions.
-    col_r = _reshape(op, columns, [0, group, -1, L])
-    dy_r = _reshape(op, dY, [0, group, -1, L])
-    w_r = _reshape(op, W, [group, -1, int(np.prod(w_dims[1:]))])
-    d_cols = _reshape(op, op.MatMul(op.Transpose(w_r, perm=[0, 2, 1]), dy_r), [0, G, -1, K * L])
+    col_r = op.reshape(columns, [0, group, -1, L])
+    dy_r = op.reshape(dY, [0, group, -1, L])
+    w_r = op.reshape(W, [group, -1, int(np.prod(w_dims[1:]))])
+    d_cols = op.reshape(op.MatMul(op.Transpose(w_r, perm=[0, 2, 1]), dy_r), [0, G, -1, K * L])
     dW = op.reduce_sum(op.MatMul(dy_r, op.Transpose(col_r, perm=[0, 1, 3, 2])), [0], False)
-    grads = {"W": _reshape(op, dW, w_dims)}
+    grads = {"W": op.reshape(dW, w_dims)}
     if B is not None:
         grads["B"] = op.reduce_sum(dY, [0, 2, 3], keepdims=False)
     if m is not None:
@@ -691,7 +675,7 @@ def deform_conv(op, node, dY):
     grads["X"] = op.Reshape(dX, op.Shape(X))
     slope_y = op.Add(op.Mul(hx, op.Sub(v10, v00)), op.Mul(lx, op.Sub(v11, v01)))
     slope_x = op.Add(op.Mul(hy, op.Sub(v01, v00)), op.Mul(ly, op.Sub(v11, v10)))
-    d_py, d_px = (_reshape(op, op.reduce_sum(op.Mul(d_cols, s), [2]), [0, G, K, 1, L])
+    d_py, d_px = (op.reshape(op.reduce_sum(op.Mul(d_cols, s), [2]), [0, G, K, 1, L])
                   for s in (slope_y, slope_x))
     grads["offset"] = op.Reshape(op.Concat(d_py, d_px, axis=3), op.Shape(offset))
     return grads

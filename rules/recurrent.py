@@ -54,7 +54,7 @@ def _activations(node, per_direction: int, directions: int):
 def _activate(op, function, x, clip):
     name, alpha, beta = function
     if clip is not None:
-        x = op.Clip(x, -clip, clip) if op.opset >= 11 else op.Clip(x, min=-clip, max=clip)
+        x = op.clip(x, -clip, clip)
     if name in ("sigmoid", "tanh", "relu", "softsign", "softplus"):
         return op.emit({"softsign": "Softsign", "softplus": "Softplus"}.get(name, name.capitalize()), x)
     if name == "leakyrelu":

@@ -33,7 +33,8 @@ class GradRule:
     calling the rule, so the rule reuses forward values. ``when`` restricts the rule to nodes
     it accepts (attribute conditions); ``inputs`` names the inputs of an op without a schema.
     ``captures`` makes the outer-scope values read by the node's subgraphs differentiable too: the
-    rule finds those needing gradients in ``op.wanted_captures`` and returns them keyed by value.
+    rule is called with the keyword ``captures``, those of them needing gradients, and returns
+    their gradients keyed by value.
     """
 
     op_type: str

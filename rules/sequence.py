@@ -167,13 +167,13 @@ def _sum_elements(op, seq: ir.Value) -> ir.Value:
 
 
 @rule("SequenceMap", differentiable=("input_sequence", "additional_inputs"), since=17, captures=True)
-def sequence_map(op, node, *dOuts):
+def sequence_map(op, node, *dOuts, captures):
     """Outs = [body(s_i, a_i, ...) for each i]; the backward maps the body's VJP over (ins, dOuts).
 
     Tensor inputs (and captured values) are shared by every element: their gradients are summed.
     """
     body = shapes.attr(node, "body")
-    wanted = list(op.wanted_captures)
+    wanted = list(captures)
     if any(v.type is None for v in node.inputs):
         raise RuleError("the types of SequenceMap's inputs are unknown (run shape inference first)")
     # Body values may be untyped (as in the engine's own accumulation): type them from the node's.

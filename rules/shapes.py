@@ -246,25 +246,13 @@ def unbroadcast(op: OpBuilder, grad: ir.Value, x: ir.Value, broadcast_like: ir.V
                 decided = False
                 break
         if decided:
-            return _reduce_static(op, grad, list(range(lead)), inner, y_dims)
+            return _reduce_static(op, grad, list(range(lead)), inner)
     return _reduce_dynamic(op, grad, x, broadcast_like)
 
 
-_COLUMN_SUM_TYPES = (ir.DataType.FLOAT, ir.DataType.DOUBLE)
-COLUMN_SUM_ROWS = 1 << 16  # at most this many rows: the vector of ones is stored in the model
-
-
-def _reduce_static(op: OpBuilder, grad: ir.Value, lead: list[int], inner: list[int], y_dims) -> ir.Value:
+def _reduce_static(op: OpBuilder, grad: ir.Value, lead: list[int], inner: list[int]) -> ir.Value:
     if not lead and not inner:
         return grad
-    rows = int(np.prod(y_dims[:-1])) if all(isinstance(d, int) for d in y_dims) else None
-    if not inner and len(y_dims) == len(lead) + 1 and rows is not None and rows <= COLUMN_SUM_ROWS \
-            and grad.dtype in _COLUMN_SUM_TYPES and op.opset >= 5:
-        # A bias: the column sums of grad seen as a matrix, by a product with ones (onnxruntime's
-        # ReduceSum over leading axes took 2-4x as long); its Reshape is the one a linear
-        # layer's weight gradient already made.
-        ones = op.const(np.ones(rows), dtype=grad.dtype)
-        return op.MatMul(ones, op.Reshape(grad, [-1, y_dims[-1]]))
     if not inner:
         return op.reduce_sum(grad, lead, keepdims=False)
     summed = op.reduce_sum(grad, lead + inner, keepdims=True)

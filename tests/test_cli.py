@@ -87,6 +87,31 @@ def test_grad_outline_writes_function_calls_with_the_same_gradients(tmp_path):
     np.testing.assert_allclose(run[1][1], run[0][1], rtol=1e-6)
 
 
+def test_grad_target_none_keeps_canonical_forms_with_the_same_gradients(tmp_path):
+    # Relu's gradient gate: Where(X > 0, dY, 0) in canonical graphs, dY·Cast(X > 0) once lowered
+    # for onnxruntime; the same gradient for finite values
+    rng = np.random.default_rng(3)
+    W = numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "W")
+    model = write_model(
+        tmp_path / "m.onnx",
+        [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Relu", ["h"], ["y"])],
+        [("x", TensorProto.FLOAT, [5, 4])],
+        [("y", TensorProto.FLOAT, [5, 3])],
+        [W],
+    )
+    lowered, canonical = tmp_path / "lowered.onnx", tmp_path / "canonical.onnx"
+    assert main(["grad", model, "-o", str(lowered)]) == 0
+    assert main(["grad", model, "-o", str(canonical), "--target", "none"]) == 0
+    a, b = onnx.load(str(lowered)), onnx.load(str(canonical))
+    onnx.checker.check_model(b, full_check=True)
+    ops_a, ops_b = [n.op_type for n in a.graph.node], [n.op_type for n in b.graph.node]
+    assert "Cast" in ops_a and "Where" not in ops_a and "Where" in ops_b and "Cast" not in ops_b
+    feeds = {"x": rng.standard_normal((5, 4)).astype(np.float32), "dy": rng.standard_normal((5, 3)).astype(np.float32)}
+    run = [ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+           for m in (a, b)]
+    np.testing.assert_allclose(run[1][1], run[0][1], rtol=1e-5, atol=1e-6)
+
+
 def test_missing_rule_exits_1_with_one_line_and_writes_nothing(tmp_path, capsys):
     model = write_model(
         tmp_path / "m.onnx",

@@ -1,9 +1,11 @@
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
 from helpers import make_model, op_model, rng
+from onnx_autodiff import cleanup_passes
 from onnx_autodiff.rules import nn as nn_rules
 from onnx_autodiff.conformance import check_vjp
 from onnx_autodiff.conformance.check import backward_model
@@ -113,39 +115,51 @@ def test_matmul_old_opsets(opset):
     check("MatMul", {"A": f32(2, 2, 3), "B": f32(3, 4)}, opset=opset)
 
 
-def backward_op_types(inputs, opset=18, **kw):
-    """Op types of the nodes the MatMul rule emits (no cleanup)."""
+def backward_op_types(inputs, opset=18, lowered=False, **kw):
+    """Op types of the nodes the MatMul rule emits: canonical (no cleanup), or after the default
+    cleanup, which lowers them for onnxruntime (its Constant nodes become initializers)."""
     model = op_model("MatMul", inputs, opset=opset, **kw)
     proto, _ = backward_model(model, "out0", ["A", "B"], seed="input")
+    if lowered:
+        cleaned = ir.from_proto(proto)
+        ir.passes.PassManager(cleanup_passes())(cleaned)
+        proto = ir.to_proto(cleaned)
     forward = {n.name for n in model.graph.node}
     return sorted(n.op_type for n in proto.graph.node if n.name not in forward)
 
 
 @pytest.mark.parametrize(
-    "shape_a,shape_b,opset,expected",
+    "shape_a,shape_b,opset,canonical,lowered",
     [
         # A linear layer: dW is one Gemm over the flattened batch, dA a MatMul by Wᵀ.
-        ((2, 3, 4), (4, 5), 18, ["Constant", "Constant", "Gemm", "MatMul", "Reshape", "Reshape", "Transpose"]),
-        ((4, 5), (2, 3, 5, 2), 18, ["Einsum", "MatMul", "Transpose"]),
-        ((3, 4), (4, 5), 18, ["Gemm", "Gemm"]),
-        ((3, 4), (4, 5), 11, ["Gemm", "Gemm"]),
-        ((4,), (2, 4, 3), 18, ["Einsum", "Einsum"]),
-        ((2, 3, 4), (4,), 18, ["Einsum", "Einsum"]),
+        ((2, 3, 4), (4, 5), 18, ["Constant", "Constant", "Gemm", "MatMul", "Reshape", "Reshape", "Transpose"],
+         ["Gemm", "MatMul", "Reshape", "Reshape", "Transpose"]),
+        ((4, 5), (2, 3, 5, 2), 18, ["Einsum", "MatMul", "Transpose"], ["Einsum", "MatMul", "Transpose"]),
+        ((3, 4), (4, 5), 18, ["Gemm", "Gemm"], ["Gemm", "Gemm"]),
+        ((3, 4), (4, 5), 11, ["Gemm", "Gemm"], ["Gemm", "Gemm"]),
+        ((4,), (2, 4, 3), 18, ["Einsum", "Einsum"], ["Einsum", "Einsum"]),
+        ((2, 3, 4), (4,), 18, ["Einsum", "Einsum"], ["Einsum", "Einsum"]),
         # Batch axes on both sides, equal extents and ranks: MatMul by the other's swap (which
         # onnxruntime fuses); with unequal ranks one Einsum each, summing the extra batch axes.
-        ((2, 3, 4), (2, 4, 5), 18, ["MatMul", "MatMul", "Transpose", "Transpose"]),
-        ((2, 3, 2, 4), (3, 4, 5), 18, ["Einsum", "Einsum"]),
+        ((2, 3, 4), (2, 4, 5), 18, ["MatMul", "MatMul", "Transpose", "Transpose"],
+         ["MatMul", "MatMul", "Transpose", "Transpose"]),
+        ((2, 3, 2, 4), (3, 4, 5), 18, ["Einsum", "Einsum"], ["Einsum", "Einsum"]),
         # A size-1 batch axis broadcasts (explicit Einsum letters cannot): MatMul with a Transpose
         # each, and ReduceSum over the broadcast axes.
         ((2, 1, 3, 4), (5, 4, 2), 18,
-         ["Constant", "Constant", "MatMul", "MatMul", "ReduceSum", "ReduceSum", "Transpose", "Transpose"]),
-        ((2, 3, 4), (2, 4, 5), 11, ["MatMul", "MatMul", "Transpose", "Transpose"]),
+         ["Constant", "Constant", "MatMul", "MatMul", "ReduceSum", "ReduceSum", "Transpose", "Transpose"],
+         ["MatMul", "MatMul", "ReduceSum", "ReduceSum", "Transpose", "Transpose"]),
+        ((2, 3, 4), (2, 4, 5), 11, ["MatMul", "MatMul", "Transpose", "Transpose"],
+         ["MatMul", "MatMul", "Transpose", "Transpose"]),
         # No Einsum before opset 12: the MatMul form, with ReduceSum over the batch axes.
-        ((2, 3, 4), (4, 5), 11, ["MatMul", "MatMul", "ReduceSum", "Transpose", "Transpose"]),
+        ((2, 3, 4), (4, 5), 11, ["MatMul", "MatMul", "ReduceSum", "Transpose", "Transpose"],
+         ["MatMul", "MatMul", "ReduceSum", "Transpose", "Transpose"]),
     ],
 )
-def test_matmul_formulation(shape_a, shape_b, opset, expected):
-    assert backward_op_types({"A": f32(*shape_a), "B": f32(*shape_b)}, opset) == expected
+def test_matmul_formulation(shape_a, shape_b, opset, canonical, lowered):
+    inputs = {"A": f32(*shape_a), "B": f32(*shape_b)}
+    assert backward_op_types(inputs, opset) == canonical
+    assert backward_op_types(inputs, opset, lowered=True) == lowered
 
 
 def test_matmul_bfloat16_keeps_the_matmul_form():

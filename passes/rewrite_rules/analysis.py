@@ -1,0 +1,190 @@
+"""What the cleanup's rules know of values: their dims, the one number a value holds everywhere
+(its fill), literal constants, axes and permutations, broadcasting; how they make zeros and
+constants; and the MatchResult their checks return."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.rewriter._basics import MatchResult
+
+from onnx_autodiff.rules import shapes
+
+# Dims of a value: per axis an int (static), a str (named symbolic) or None (unknown).
+Dims = tuple
+SMALL = 16  # a zero tensor at most this large becomes a Constant, a larger one a ConstantOfShape
+
+_FLOATS = {ir.DataType.FLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE}  # Constant's types before opset 9
+_CASTABLE = {*_FLOATS, ir.DataType.BFLOAT16, ir.DataType.BOOL,
+             *(t for t in ir.DataType if t.name.startswith(("INT", "UINT")) and t.bitwidth >= 8)}
+
+
+def verdict(holds: bool, reason: str) -> MatchResult:
+    """A check's MatchResult: success when ``holds``, else a failure saying ``reason``."""
+    check = MatchResult()
+    return check if holds else check.fail(reason)
+
+
+def opset(model: ir.Model) -> int:
+    """The model's default-domain opset (the rules' conditions on it read the model's, in every graph)."""
+    return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
+
+
+def dims(value: ir.Value | None) -> Dims | None:
+    return None if value is None else shapes.dims(value)
+
+
+def static(d: Dims | None) -> bool:
+    return d is not None and all(isinstance(x, int) for x in d)
+
+
+def same(a: Dims | None, b: Dims | None) -> bool:
+    """Whether two shapes are known to be equal (unnamed symbolic dims never are)."""
+    return a is not None and b is not None and len(a) == len(b) and all(x is not None and x == y for x, y in zip(a, b))
+
+
+def broadcast(*shapes_: Dims | None) -> Dims | None:
+    """The multidirectional broadcast of the shapes where it is known, else None."""
+    if any(s is None for s in shapes_):
+        return None
+    rank = max(len(s) for s in shapes_)
+    out = []
+    for axis in range(rank):
+        dim: int | str | None = 1
+        for s in shapes_:
+            d = s[axis - rank + len(s)] if axis - rank + len(s) >= 0 else 1
+            if d == 1 or d == dim:
+                continue
+            if dim == 1:
+                dim = d
+            elif isinstance(d, int) and isinstance(dim, str) or isinstance(d, str) and isinstance(dim, int):
+                dim = d if isinstance(d, int) else dim  # a valid model's symbolic dim equals the number
+            else:
+                return None
+        if dim is None:
+            return None
+        out.append(dim)
+    return tuple(out)
+
+
+def literal(value: ir.Value | None) -> np.ndarray | None:
+    """The value's array when it is an initializer or a Constant's output (not one computed from
+    them: the folder does that), and its data is there."""
+    try:
+        tensor = None if value is None else ir.convenience.get_const_tensor(value)
+        return None if tensor is None else tensor.numpy()
+    except (OSError, ValueError):  # external data that is not there, a malformed Constant
+        return None
+
+
+def fill(value: ir.Value | None) -> float | None:
+    """The one number every element of ``value`` holds, when the graph says so: a constant, a
+    ConstantOfShape, and Expand, Identity or Cast of one."""
+    node = None if value is None else value.producer()
+    if value is not None and value.const_value is not None or node is not None and node.op_type == "Constant":
+        array = literal(value)
+        if array is None or array.size == 0 or array.dtype.kind not in "biuf":
+            return None
+        first = array.flat[0]
+        return float(first) if array.size == 1 or bool(np.all(array == first)) else None
+    if node is None or node.domain != "":
+        return None
+    if node.op_type == "ConstantOfShape":
+        tensor = shapes.attr(node, "value")
+        return 0.0 if tensor is None else float(tensor.numpy().flat[0])
+    if node.op_type in ("Expand", "Identity"):
+        return fill(node.inputs[0])
+    if node.op_type in ("Cast", "CastLike") and value.dtype in _CASTABLE:
+        inner = fill(node.inputs[0])
+        if inner is None:
+            return None
+        with np.errstate(all="ignore"):
+            return float(np.array(inner).astype(value.dtype.numpy()))
+    return None
+
+
+def axes(node: ir.Node, index: int = 1) -> list[int] | None:
+    """A node's axes: its input ``index`` from opset 13 (Reduce*: 18) on, else the attribute."""
+    if len(node.inputs) > index and node.inputs[index] is not None:
+        array = literal(node.inputs[index])
+        return None if array is None else [int(a) for a in np.asarray(array).reshape(-1)]
+    value = shapes.attr(node, "axes")
+    return None if value is None else [int(a) for a in value]
+
+
+def normalized(axes_: list[int] | None, rank: int | None) -> list[int] | None:
+    """The axes made non-negative and sorted; None when one is out of range."""
+    if axes_ is None or rank is None or any(not -rank <= a < rank for a in axes_):
+        return None
+    return sorted(a % rank for a in axes_)
+
+
+def perm(node: ir.Node, rank: int | None) -> list[int] | None:
+    """A Transpose's permutation (without the attribute: the axes reversed, when the rank is known)."""
+    given = shapes.attr(node, "perm")
+    if given is not None:
+        return [int(p) for p in given]
+    return None if rank is None else list(reversed(range(rank)))
+
+
+def rank(value: ir.Value | None) -> int | None:
+    d = dims(value)
+    return None if d is None else len(d)
+
+
+def produced_by(value: ir.Value | None, op_type: str) -> ir.Node | None:
+    """The default-domain ``op_type`` node producing ``value``, if that is what produces it."""
+    node = None if value is None else value.producer()
+    return node if node is not None and node.op_type == op_type and node.domain == "" else None
+
+
+def concat_axis(node: ir.Node, opset_: int) -> int | None:
+    """A Concat's axis made non-negative where its rewrites apply: opset 5 on (their Reshape
+    takes its shape as an input), a known output rank, two inputs or more."""
+    out, axis = dims(node.outputs[0]), shapes.attr(node, "axis")
+    if opset_ < 5 or not out or len(node.inputs) < 2 or axis is None:
+        return None
+    return axis % len(out)
+
+
+def only_use(value: ir.Value) -> bool:
+    """Whether one node input reads ``value`` and nothing else does (no graph output either: an
+    inner graph's output read from outside counts as one)."""
+    return len(value.uses()) == 1 and not value.is_graph_output()
+
+
+def renamable(value: ir.Value, graph: ir.Graph | ir.Function) -> bool:
+    """Whether ``value`` can take a graph output's name: a node of ``graph`` makes it, and it is no
+    graph output itself."""
+    producer = value.producer()
+    return producer is not None and producer.graph is graph and not value.is_graph_output()
+
+
+def zeros_fit(like: ir.Value, opset_: int) -> bool:
+    """Whether :func:`zeros` can make zeros like ``like``: a static shape and a numeric dtype;
+    before opset 9 (no ConstantOfShape, Constant of float tensors only) a small float tensor."""
+    shape = dims(like)
+    if not static(shape) or like.dtype is None or like.dtype.numpy().kind not in "biuf":
+        return False
+    return opset_ >= 9 or _size(shape) <= SMALL and like.dtype in _FLOATS
+
+
+def zeros(op, like: ir.Value) -> ir.Value:
+    """Zeros of ``like``'s static shape and dtype: a Constant when small, else ConstantOfShape."""
+    shape, dtype = dims(like), like.dtype.numpy()
+    if _size(shape) <= SMALL:
+        return constant(op, np.zeros(shape, dtype))
+    return op.ConstantOfShape(constant(op, np.array(shape, np.int64)), value=ir.tensor(np.zeros([1], dtype)))
+
+
+def constant(op, array: np.ndarray) -> ir.Value:
+    """A Constant node's output that carries its tensor, type and shape (the next rules in the same
+    sweep read them; a function cannot hold the initializer ``op.initializer`` would make)."""
+    tensor = ir.tensor(array)
+    value = op.Constant(value=tensor)
+    value.type, value.shape, value.const_value = ir.TensorType(tensor.dtype), ir.Shape(tensor.shape), tensor
+    return value
+
+
+def _size(shape: Dims) -> int:
+    return int(np.prod(shape, dtype=np.int64))
