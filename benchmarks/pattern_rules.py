@@ -2,9 +2,10 @@
 
     python benchmarks/pattern_rules.py [--layers 4] [--hidden 256] [--runs 20]
 
-Builds a Llama-shaped decoder (``--model gpt2``: GPT-2) from a ``transformers`` config (random
-weights, no download), exports its next-token loss with ``torch.onnx.export(dynamo=True,
-optimize=False)`` (RMSNorm and SiLU, or GPT-2's tanh GELU, spelled out op by op), differentiates it with respect to every parameter with the default
+Builds a Llama-shaped decoder (``--model gpt2``: GPT-2; ``gpt2-erf``: GPT-2 with the erf GELU,
+exported at opset 18, where Gelu is no op yet) from a ``transformers`` config (random weights, no
+download), exports its next-token loss with ``torch.onnx.export(dynamo=True, optimize=False)``
+(RMSNorm and SiLU, or GPT-2's tanh or erf GELU, spelled out op by op), differentiates it with respect to every parameter with the default
 registry and with the same registry less its pattern rules, and prints the node counts, the
 build seconds, the forward+backward milliseconds on onnxruntime (2 threads, the two graphs taking
 turns) and the largest relative difference between their gradients.
@@ -29,13 +30,15 @@ import llama_lora
 from onnx_autodiff import autodiff_pass, cleanup_passes, default_registry
 
 
-def gpt2_module(size: dict, seq: int):
-    """transformers' GPT-2 (random weights) with its next-token loss; its MLP's GELU is gelu_new."""
+def gpt2_module(size: dict, seq: int, activation: str = "gelu_new"):
+    """transformers' GPT-2 (random weights) with its next-token loss; its MLP's GELU is ``activation``
+    (gelu_new: the tanh form; gelu: torch's erf form)."""
     import torch
     import transformers
 
     config = transformers.GPT2Config(n_layer=size["layers"], n_embd=size["hidden"], n_head=size["heads"],
-                                     vocab_size=size["vocab"], n_positions=seq, attn_implementation="eager")
+                                     vocab_size=size["vocab"], n_positions=seq, activation_function=activation,
+                                     attn_implementation="eager")
     torch.manual_seed(0)
     return llama_lora.next_token_loss(transformers.GPT2LMHeadModel(config)).eval()
 
@@ -58,16 +61,22 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--model", choices=["llama", "gpt2"], default="llama",
-                        help="llama: RMSNorm and SiLU spelled out; gpt2: its tanh GELU (gelu_new) spelled out")
+    parser.add_argument("--model", choices=["llama", "gpt2", "gpt2-erf"], default="llama",
+                        help="llama: RMSNorm and SiLU spelled out; gpt2: its tanh GELU (gelu_new) spelled out; "
+                             "gpt2-erf: GPT-2 with the erf GELU spelled out")
     args = parser.parse_args(argv)
     size = {"vocab": 2048, "hidden": args.hidden, "intermediate": args.hidden * 11 // 4, "layers": args.layers,
             "heads": 8, "kv_heads": 4}
-    module = llama_lora.build_module(size) if args.model == "llama" else gpt2_module(size, args.seq)
+    if args.model == "llama":
+        module = llama_lora.build_module(size)
+    else:
+        module = gpt2_module(size, args.seq, "gelu" if args.model == "gpt2-erf" else "gelu_new")
     ids = torch.randint(0, size["vocab"], (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        forward = torch.onnx.export(module, (ids, ids), dynamo=True, optimize=False, verbose=False).model_proto
+        opset = 18 if args.model == "gpt2-erf" else None  # the default opset's Gelu op would not spell it out
+        forward = torch.onnx.export(module, (ids, ids), dynamo=True, optimize=False, opset_version=opset,
+                                    verbose=False).model_proto
     plain = default_registry().copy(patterns=False)  # the same rules, each op differentiated alone
     feeds = {i.name: ids.numpy() for i in forward.graph.input}
     options = ort.SessionOptions()

@@ -1,17 +1,32 @@
 """Subgraphs that unoptimised exports spell out op by op, differentiated as one unit each.
 
-- SiLU: y = x·σ(x); dx = dY·(σ + y·(1 − σ)) (4 backward nodes after cleanup; op by op 6).
+Node counts are the backward nodes after cleanup, for the gradient with respect to x (the tests'
+models; with the same registry less its pattern rules for "op by op").
+
+- SiLU: y = x·σ(x); dx = dY·(σ + y·(1 − σ)) (4 backward nodes; op by op 6).
 - RMSNorm without its weight: y = x·r, r = 1/√(mean(x²) + ε) over the reduced axes (keepdims);
-  dx = r·(dY − y·mean(dY·y)) over the same axes (5 backward nodes after cleanup; the chain of Pow,
-  ReduceMean, Add, Sqrt, Reciprocal and Mul rules takes 21). ε and the axes take no gradient (a match applies
+  dx = r·(dY − y·mean(dY·y)) over the same axes (5 backward nodes; the chain of Pow, ReduceMean,
+  Add, Sqrt, Reciprocal and Mul rules takes 15). ε and the axes take no gradient (a match applies
   only where none reaches them).
 - GELU, tanh form (GPT-2's "gelu_new"): y = ½·x·(1 + t), t = tanh(c·(x + k·x³));
-  dx = dY·(½·(1 + t) + x·(1 − t²)·(½c + 3kc/2·x²)) (10 backward nodes after cleanup; op by op 21).
+  dx = dY·(½·(1 + t) + x·(1 − t²)·(½c + 3kc/2·x²)) (10 backward nodes; op by op 13).
+- LayerNorm without its weight and bias (those are a Mul and an Add with rules of their own):
+  d = x − mean(x), y = d·r, r = 1/√(mean(d²) + ε) over the same axes (keepdims), d² as Pow(d, 2) or
+  Mul(d, d); dx = r·(dY − mean(dY) − y·mean(dY·y)) (7 backward nodes; op by op 18 with Pow, 15 with Mul).
+- GELU, erf form: y = x·Φ(x), Φ = ½·(1 + erf(x/√2)), x/√2 as a Div or a Mul by 1/√2;
+  dx = dY·(Φ + x·φ), φ = exp(−x²/2)/√(2π). As x·(½·(1 + erf)), torch's nn.GELU() below opset 20
+  (7 backward nodes; op by op 10), or as (x·½)·(1 + erf), transformers' gelu_python (8; op by op 10).
+- Softmax: e = exp(x − max(x)), y = e / Σe over the same axes (keepdims);
+  dx = y·(dY − Σ(dY·y)); the max takes no gradient, as y does not depend on it (4 backward nodes;
+  op by op 15).
 """
 
 from __future__ import annotations
 
+import math
+
 import onnx_ir as ir
+from onnxscript.rewriter.pattern import OrValue
 
 from onnx_autodiff.rules.registry import rule
 
@@ -31,14 +46,38 @@ def rms_norm(op, x, two, axes, eps):
     return op.Mul(x, op.Reciprocal(op.Sqrt(op.Add(mean, eps)), _outputs=["r"]))
 
 
+def _number(value) -> float | None:
+    tensor = ir.convenience.get_const_tensor(value)
+    return None if tensor is None or tensor.numpy().size != 1 else float(tensor.numpy().reshape(()))
+
+
+def _reductions_keep_dims(context) -> bool:
+    """Every reduction of the match keeps the reduced axes and reduces over the axes it is given."""
+    def attribute(node, name, default):
+        value = node.attributes.get(name)
+        return default if value is None else value.value
+
+    return all(attribute(node, "keepdims", 1) == 1 and attribute(node, "noop_with_empty_axes", 0) == 0
+               for node in context.nodes if node.op_type.startswith("Reduce"))
+
+
+def _axes(value) -> tuple[int, ...] | None:
+    """The constant axes ``value`` holds, also through the Reshape(Constant) torch.onnx.export writes
+    them as; None where they are not known before the run."""
+    tensor = ir.convenience.get_const_tensor(value)
+    producer = value.producer()
+    if tensor is None and producer is not None and producer.op_type == "Reshape":
+        tensor = ir.convenience.get_const_tensor(producer.inputs[0])
+    return None if tensor is None else tuple(sorted(int(a) for a in tensor.numpy().reshape(-1)))
+
+
+def _same_axes(first, second) -> bool:
+    return first is second or (_axes(first) is not None and _axes(first) == _axes(second))
+
+
 def _squares_kept_dims(context, x, two, axes, eps, **_) -> bool:
     """x² (the exponent a constant 2, as exporters write it) averaged with the reduced axes kept."""
-    exponent = ir.convenience.get_const_tensor(two)
-    if exponent is None or exponent.numpy().size != 1 or float(exponent.numpy().reshape(())) != 2.0:
-        return False
-    reduce = next(node for node in context.nodes if node.op_type == "ReduceMean")
-    keepdims, noop = reduce.attributes.get("keepdims"), reduce.attributes.get("noop_with_empty_axes")
-    return (keepdims is None or keepdims.value == 1) and (noop is None or noop.value == 0)
+    return _number(two) == 2.0 and _reductions_keep_dims(context)
 
 
 @rule(pattern=rms_norm, differentiable=("x",), since=18, when=_squares_kept_dims)
@@ -51,11 +90,6 @@ def _rms_norm(op, match, dY):
 def gelu_tanh(op, x, half, three, k, c, one):
     inner = op.Mul(op.Add(x, op.Mul(op.Pow(x, three), k)), c)
     return op.Mul(op.Mul(x, half), op.Add(op.Tanh(inner, _outputs=["t"]), one, _outputs=["s"]))
-
-
-def _number(value) -> float | None:
-    tensor = ir.convenience.get_const_tensor(value)
-    return None if tensor is None or tensor.numpy().size != 1 else float(tensor.numpy().reshape(()))
 
 
 def _gelu_constants(context, x, half, three, k, c, one, **_) -> bool:
@@ -72,3 +106,75 @@ def _gelu_tanh(op, match, dY):
     sech2 = op.Sub(op.const(1.0, like=x), op.Mul(t, t))
     total = op.Add(op.Mul(s, op.const(0.5, like=x)), op.Mul(op.Mul(x, sech2), slope))
     return {"x": op.Mul(dY, total)}
+
+
+def layer_norm(op, x, centre_axes, two, axes, eps):
+    d = op.Sub(x, op.ReduceMean(x, centre_axes))
+    squares = OrValue([op.Pow(d, two), op.Mul(d, d)])
+    return op.Div(d, op.Sqrt(op.Add(op.ReduceMean(squares, axes), eps), _outputs=["root"]))
+
+
+def _centred_squares_kept_dims(context, x, centre_axes, axes, eps, two=None, **_) -> bool:
+    """Centred and averaged over the same axes, kept; squared by Pow(d, 2) or Mul(d, d); ε a constant."""
+    squared = two is None or _number(two) == 2.0
+    return squared and _number(eps) is not None and _same_axes(centre_axes, axes) and _reductions_keep_dims(context)
+
+
+@rule(pattern=layer_norm, differentiable=("x",), since=18, when=_centred_squares_kept_dims)
+def _layer_norm(op, match, dY):
+    root, y, axes = match["root"], match.outputs[0], match["axes"]
+    centred = op.Sub(dY, op.ReduceMean(dY, axes, keepdims=1))
+    return {"x": op.Div(op.Sub(centred, op.Mul(y, op.ReduceMean(op.Mul(dY, y), axes, keepdims=1))), root)}
+
+
+def _erf_argument(op, x, scale):
+    """x/√2 as Div(x, √2) or Mul(x, 1/√2) (tagged ``divided``)."""
+    return OrValue([op.Div(x, scale), op.Mul(x, scale)], tag_var="divided", tag_values=[True, False])
+
+
+def gelu_erf(op, x, scale, one, half):
+    cdf = op.Mul(half, op.Add(op.Erf(_erf_argument(op, x, scale)), one), _outputs=["cdf"])
+    return op.Mul(x, cdf)
+
+
+def gelu_erf_half_first(op, x, scale, one, half):
+    return op.Mul(op.Mul(x, half), op.Add(op.Erf(_erf_argument(op, x, scale)), one, _outputs=["s"]))
+
+
+def _gelu_erf_constants(context, x, scale, one, half, divided, **_) -> bool:
+    """x/√2 (to float32 precision), 1 and ½ where the formula has them."""
+    factor = _number(scale)
+    expected = 2**0.5 if divided else 2**-0.5
+    return factor is not None and abs(factor - expected) < 1e-6 and _number(one) == 1.0 and _number(half) == 0.5
+
+
+def _gelu_erf_gradient(op, x, cdf, dY):
+    density = op.Mul(op.Exp(op.Mul(op.Mul(x, x), op.const(-0.5, like=x))), op.const((2 * math.pi) ** -0.5, like=x))
+    return {"x": op.Mul(dY, op.Add(cdf, op.Mul(x, density)))}
+
+
+@rule(pattern=gelu_erf, differentiable=("x",), when=_gelu_erf_constants)
+def _gelu_erf(op, match, dY):
+    return _gelu_erf_gradient(op, match["x"], match["cdf"], dY)
+
+
+@rule(pattern=gelu_erf_half_first, differentiable=("x",), when=_gelu_erf_constants)
+def _gelu_erf_half_first(op, match, dY):
+    x, s = match["x"], match["s"]
+    return _gelu_erf_gradient(op, x, op.Mul(s, op.const(0.5, like=x)), dY)
+
+
+def softmax(op, x, max_axes, axes):
+    e = op.Exp(op.Sub(x, op.ReduceMax(x, max_axes)))
+    return op.Div(e, op.ReduceSum(e, axes))
+
+
+def _shifted_by_max_kept_dims(context, x, max_axes, axes, **_) -> bool:
+    """Shifted by the maximum over the axes it sums (where the shift cancels out), kept."""
+    return _same_axes(max_axes, axes) and _reductions_keep_dims(context)
+
+
+@rule(pattern=softmax, differentiable=("x",), since=18, when=_shifted_by_max_kept_dims)
+def _softmax(op, match, dY):
+    y, axes = match.outputs[0], match["axes"]
+    return {"x": op.Mul(y, op.Sub(dY, op.ReduceSum(op.Mul(dY, y), axes, keepdims=1)))}

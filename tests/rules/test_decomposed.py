@@ -1,11 +1,14 @@
-"""The shipped pattern rules for what unoptimised exports spell out (SiLU, RMSNorm): their
-gradients against float64 finite differences, each match one unit of backward nodes."""
+"""The shipped pattern rules for what unoptimised exports spell out (SiLU, RMSNorm, GELU, LayerNorm,
+softmax): their gradients against float64 finite differences, each match one unit of backward nodes."""
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from helpers import assert_gradients, backward_model, make_model, rng
 from onnx import helper
+
+from onnx_autodiff import autodiff_pass, cleanup_passes, default_registry
 
 R = rng(13)
 
@@ -78,3 +81,167 @@ def test_a_different_factor_is_not_gelu():
     model, feeds = gelu_tanh_model(half=0.25)
     assert_gradients(model, feeds, ["x"])
     assert "gelu_tanh" not in pattern_tags(model, ["x"])
+
+
+def const(name, value, dtype=np.float32):
+    return helper.make_node("Constant", [], [name], value=onnx.numpy_helper.from_array(np.asarray(value, dtype), name))
+
+
+def axes_nodes(name, axes):
+    """Axes as torch.onnx.export(optimize=False) writes them: a Reshape of a constant."""
+    return [const(f"{name}_raw", axes, np.int64), const(f"{name}_shape", [-1], np.int64),
+            helper.make_node("Reshape", [f"{name}_raw", f"{name}_shape"], [name])]
+
+
+def backward_nodes(model, wrt, patterns=True):
+    """The nodes the pass and its cleanup add to ``model``."""
+    registry = default_registry() if patterns else default_registry().copy(patterns=False)
+    forward = {value for node in model.graph.node for value in node.output}
+    result = ir.from_proto(model)
+    ir.passes.PassManager([autodiff_pass(of=model.graph.output[0].name, wrt=wrt, registry=registry, seed="input"),
+                           *cleanup_passes()])(result)
+    return [n for n in ir.to_proto(result).graph.node if not forward & set(n.output)]
+
+
+def assert_fewer_backward_nodes(model, wrt):
+    assert len(backward_nodes(model, wrt)) < len(backward_nodes(model, wrt, patterns=False))
+
+
+def layer_norm_model(square="pow", exponent=2.0, variance_axes=(-1,), affine=True, variance_read=False):
+    """(x − mean(x)) / √(mean((x − mean(x))²) + ε) · w + b, spelled as torch.onnx.export(optimize=False)
+    writes it (``variance_read``: the output also reads the variance)."""
+    x = R.standard_normal((2, 3, 8)).astype(np.float32)
+    nodes = [*axes_nodes("axes", [-1]), *axes_nodes("variance_axes", variance_axes), const("two", exponent),
+             const("eps", 1e-5), helper.make_node("ReduceMean", ["x", "axes"], ["mean"], keepdims=1),
+             helper.make_node("Sub", ["x", "mean"], ["d"]),
+             helper.make_node("Pow", ["d", "two"], ["sq"]) if square == "pow" else helper.make_node("Mul", ["d", "d"], ["sq"]),
+             helper.make_node("ReduceMean", ["sq", "variance_axes"], ["variance"], keepdims=1),
+             helper.make_node("Add", ["variance", "eps"], ["shifted"]), helper.make_node("Sqrt", ["shifted"], ["root"]),
+             helper.make_node("Div", ["d", "root"], ["normed"])]
+    feeds, out = {"x": x}, "normed"
+    if affine:
+        nodes += [helper.make_node("Mul", ["normed", "w"], ["scaled"]), helper.make_node("Add", ["scaled", "b"], ["y"])]
+        feeds |= {"w": R.uniform(0.5, 1.5, 8).astype(np.float32), "b": R.standard_normal(8).astype(np.float32)}
+        out = "y"
+    if variance_read:
+        nodes.append(helper.make_node("Add", [out, "variance"], ["z"]))
+        out = "z"
+    return make_model(nodes, feeds, [out]), feeds
+
+
+@pytest.mark.parametrize("square", ["pow", "mul"])
+def test_layer_norm(square):
+    model, feeds = layer_norm_model(square)
+    assert_gradients(model, feeds, ["x", "w", "b"])
+    tags = pattern_tags(model, ["x", "w", "b"])
+    assert "layer_norm" in tags
+    assert not {"Pow", "Sqrt", "Div", "ReduceMean", "Sub"} & set(tags)
+    assert_fewer_backward_nodes(model, ["x", "w", "b"])
+
+
+@pytest.mark.parametrize("change", [{"exponent": 4.0}, {"variance_axes": (1, 2)}, {"variance_read": True}],
+                         ids=["fourth-power", "other-axes", "variance-read"])
+def test_not_layer_norm(change):
+    model, feeds = layer_norm_model(affine=False, **change)
+    assert_gradients(model, feeds, ["x"])
+    assert "layer_norm" not in pattern_tags(model, ["x"])
+
+
+def gelu_erf_model(divisor=2**0.5, half_first=False, multiply=False, cdf_read=False):
+    """x·½(1 + erf(x/√2)) as torch.onnx.export(optimize=False) writes nn.GELU() at opset 18
+    (``half_first``: (x·½)·(1 + erf) as it writes transformers' gelu_python; ``multiply``: x·(1/√2));
+    ``cdf_read``: the output also reads ½(1 + erf), or 1 + erf with ``half_first``."""
+    x = (R.standard_normal((3, 7)) * 2).astype(np.float32)
+    nodes = [const("scale", 1 / divisor if multiply else divisor), const("one", 1.0), const("half", 0.5),
+             helper.make_node("Mul" if multiply else "Div", ["x", "scale"], ["u"]), helper.make_node("Erf", ["u"], ["e"]),
+             helper.make_node("Add", ["e", "one"], ["s"])]
+    if half_first:
+        nodes += [helper.make_node("Mul", ["x", "half"], ["hx"]), helper.make_node("Mul", ["hx", "s"], ["y"])]
+    else:
+        nodes += [helper.make_node("Mul", ["half", "s"], ["cdf"]), helper.make_node("Mul", ["x", "cdf"], ["y"])]
+    if cdf_read:
+        nodes.append(helper.make_node("Mul", ["y", "s" if half_first else "cdf"], ["z"]))
+    return make_model(nodes, {"x": x}, ["z" if cdf_read else "y"]), {"x": x}
+
+
+@pytest.mark.parametrize("half_first", [False, True], ids=["half-last", "half-first"])
+@pytest.mark.parametrize("multiply", [False, True], ids=["divided", "multiplied"])
+def test_gelu_erf(half_first, multiply):
+    model, feeds = gelu_erf_model(half_first=half_first, multiply=multiply)
+    assert_gradients(model, feeds, ["x"])
+    assert set(pattern_tags(model, ["x"])) == {"gelu_erf_half_first" if half_first else "gelu_erf"}
+    assert_fewer_backward_nodes(model, ["x"])
+
+
+@pytest.mark.parametrize("change", [{"divisor": 2.0}, {"divisor": 2.0, "multiply": True}, {"cdf_read": True},
+                                    {"cdf_read": True, "half_first": True}],
+                         ids=["other-divisor", "other-factor", "cdf-read", "sum-read"])
+def test_not_gelu_erf(change):
+    model, feeds = gelu_erf_model(**change)
+    assert_gradients(model, feeds, ["x"])
+    assert not {"gelu_erf", "gelu_erf_half_first"} & set(pattern_tags(model, ["x"]))
+
+
+def softmax_model(max_axes=(-1,), axes=(-1,), exp_read=False):
+    """exp(x − max(x)) / Σ exp(x − max(x)) over ``axes``, as torch.onnx.export(optimize=False) writes it."""
+    x = R.standard_normal((2, 3, 5)).astype(np.float32)
+    nodes = [const("max_axes", max_axes, np.int64), const("axes", axes, np.int64),
+             helper.make_node("ReduceMax", ["x", "max_axes"], ["m"], keepdims=1), helper.make_node("Sub", ["x", "m"], ["d"]),
+             helper.make_node("Exp", ["d"], ["e"]), helper.make_node("ReduceSum", ["e", "axes"], ["total"], keepdims=1),
+             helper.make_node("Div", ["e", "total"], ["y"])]
+    if exp_read:
+        nodes.append(helper.make_node("Add", ["y", "e"], ["z"]))
+    return make_model(nodes, {"x": x}, ["z" if exp_read else "y"]), {"x": x}
+
+
+@pytest.mark.parametrize("axes", [(-1,), (1, 2)])
+def test_softmax(axes):
+    model, feeds = softmax_model(axes, axes)
+    assert_gradients(model, feeds, ["x"])
+    assert set(pattern_tags(model, ["x"])) == {"softmax"}
+    assert_fewer_backward_nodes(model, ["x"])
+
+
+@pytest.mark.parametrize("change", [{"max_axes": (1,)}, {"exp_read": True}], ids=["other-axes", "exp-read"])
+def test_not_softmax(change):
+    model, feeds = softmax_model(**change)
+    assert_gradients(model, feeds, ["x"])
+    assert "softmax" not in pattern_tags(model, ["x"])
+
+
+def exported(name):
+    """A module spelling the decomposition, exported by torch.onnx.export(optimize=False) at opset 18
+    (where Gelu is no op yet)."""
+    torch = pytest.importorskip("torch")
+    import warnings
+
+    def layer_norm(x):
+        d = x - x.mean(-1, keepdim=True)
+        return d / torch.sqrt(d.pow(2).mean(-1, keepdim=True) + 1e-5)
+
+    def softmax(x):
+        e = torch.exp(x - x.amax(-1, keepdim=True))
+        return e / e.sum(-1, keepdim=True)
+
+    def gelu_python(x):  # transformers' spelling
+        return x * 0.5 * (1.0 + torch.erf(x / 2**0.5))
+
+    modules = {"gelu_erf": torch.nn.GELU(), "gelu_erf_half_first": gelu_python, "layer_norm": layer_norm,
+               "softmax": softmax}
+
+    class Module(torch.nn.Module):
+        def forward(self, x):
+            return modules[name](x)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.onnx.export(Module(), (torch.randn(2, 3, 8),), dynamo=True, optimize=False, opset_version=18,
+                                 verbose=False).model_proto
+
+
+@pytest.mark.parametrize("name", ["gelu_erf", "gelu_erf_half_first", "layer_norm", "softmax"])
+def test_torch_exports_match(name):
+    model = exported(name)
+    x = model.graph.input[0].name
+    assert_gradients(model, {x: R.standard_normal((2, 3, 8)).astype(np.float32)}, [x])
+    assert name in pattern_tags(model, [x])
