@@ -22,7 +22,7 @@ from onnx_autodiff.conformance.evaluator import Evaluator
 from onnx_autodiff.files import write_atomically
 from onnx_autodiff.commands import UsageError  # the command line's: bad input, one line, exit 2
 
-FLOAT_ELEM_TYPES = {TensorProto.FLOAT16, TensorProto.FLOAT, TensorProto.DOUBLE}
+CHECKED_ELEM_TYPES = {TensorProto.FLOAT16, TensorProto.FLOAT, TensorProto.DOUBLE}
 """The element types of the values whose gradients are checked."""
 
 MODEL_SUITES = ("pytorch-converted", "pytorch-operator")
@@ -130,7 +130,7 @@ def load_model_cases(suites: Sequence[str] = MODEL_SUITES) -> list[Case]:
     for suite in suites:
         for path in sorted(glob.glob(str(root / suite / "*" / "model.onnx"))):
             model = onnx.load(path)
-            if not any(t.data_type in FLOAT_ELEM_TYPES for t in model.graph.initializer):
+            if not any(t.data_type in CHECKED_ELEM_TYPES for t in model.graph.initializer):
                 continue
             initializers = {t.name for t in model.graph.initializer}
             names = [i.name for i in model.graph.input if i.name not in initializers]

@@ -14,7 +14,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff.conformance.evaluator import Evaluator, first_line
-from onnx_autodiff.conformance.widening import FLOAT_TYPES, to_float64
+from onnx_autodiff.conformance.widening import FLOAT_ELEM_TYPES, to_float64
 
 STEPS = {"float64": (1e-6, 1e-4), "float32": (1e-3, 1e-2)}
 """Absolute finite-difference steps (h1, h2) per oracle precision."""
@@ -30,7 +30,7 @@ def _float_outputs(model: onnx.ModelProto) -> list[int]:
     return [
         i
         for i, out in enumerate(model.graph.output)
-        if out.type.tensor_type.elem_type in (*FLOAT_TYPES, TensorProto.DOUBLE)
+        if out.type.tensor_type.elem_type in FLOAT_ELEM_TYPES
     ]
 
 

@@ -11,11 +11,9 @@ import onnx_ir as ir
 from onnx import helper
 
 from onnx_autodiff.conformance.check import GradCheck, check_vjp
+from onnx_autodiff.conformance.widening import FLOAT_ELEM_TYPES
 from onnx_autodiff.errors import UnknownValueError
 from onnx_autodiff.passes.autodiff import AutodiffPass
-from onnx_autodiff.rules.builder import FLOAT_TYPES
-
-_FLOAT_ELEM = {int(t) for t in FLOAT_TYPES}
 
 
 @dataclasses.dataclass
@@ -62,7 +60,7 @@ def random_feeds(model: onnx.ModelProto, seed: int = 0, batch: int = 2) -> dict[
         if value.name in initializers:
             continue
         tensor = value.type.tensor_type
-        if tensor.elem_type not in _FLOAT_ELEM:
+        if tensor.elem_type not in FLOAT_ELEM_TYPES:
             raise UnknownValueError(
                 f"input '{value.name}' is not floating point: pass its value (feeds= or --inputs FILE.npz)"
             )
@@ -95,7 +93,7 @@ def check_grads(
     of = of or _single_output(model)
     feeds = dict(feeds) if feeds is not None else random_feeds(model, seed)
     if wrt is None:
-        wrt = [t.name for t in model.graph.initializer if t.data_type in _FLOAT_ELEM]
+        wrt = [t.name for t in model.graph.initializer if t.data_type in FLOAT_ELEM_TYPES]
         wrt = wrt or [k for k, v in feeds.items() if np.asarray(v).dtype.kind == "f"]
     wrt = list(wrt)
     single = _only_output(model, of)

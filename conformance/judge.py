@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from onnx_autodiff.conformance.cases import FLOAT_ELEM_TYPES, Case, elem_type
+from onnx_autodiff.conformance.cases import CHECKED_ELEM_TYPES, Case, elem_type
 from onnx_autodiff.conformance.check import LOSS, WEAK_TOLERANCE, backward_model, compare_elements, scalarize
 from onnx_autodiff.conformance.oracle import BACKENDS, Evaluator, OracleResult, cotangents_for, fd_vjp, usable
 from onnx_autodiff.conformance.references import References, StoredOracle, case_fingerprint, is_stale
@@ -139,8 +139,8 @@ def _prepare(case: Case, registry, seed: int, started: float) -> _Forward | list
     if any(not isinstance(v, np.ndarray) for v in case.inputs.values()):
         return []  # sequences, optionals: not tensors
     feeds = dict(case.inputs)
-    float_outputs = [o for o in model.graph.output if elem_type(o) in FLOAT_ELEM_TYPES]
-    float_inputs = [i for i in model.graph.input if elem_type(i) in FLOAT_ELEM_TYPES]
+    float_outputs = [o for o in model.graph.output if elem_type(o) in CHECKED_ELEM_TYPES]
+    float_inputs = [i for i in model.graph.input if elem_type(i) in CHECKED_ELEM_TYPES]
     if not float_outputs or not (float_inputs or case.kind == "model"):
         return []
 
@@ -173,11 +173,11 @@ def differentiable_inputs(case: Case, model: onnx.ModelProto, registry) -> tuple
     """(status or "", candidate graph inputs, message) for the op under test."""
     import onnx_ir as ir
 
-    floats = [i.name for i in model.graph.input if elem_type(i) in FLOAT_ELEM_TYPES]
+    floats = [i.name for i in model.graph.input if elem_type(i) in CHECKED_ELEM_TYPES]
     if case.wrt is not None:
         return "", [x for x in case.wrt if x in floats], ""
     if case.kind == "model":
-        return "", [t.name for t in model.graph.initializer if t.data_type in FLOAT_ELEM_TYPES], ""
+        return "", [t.name for t in model.graph.initializer if t.data_type in CHECKED_ELEM_TYPES], ""
     base = onnx.load_from_string(case.base) if case.base is not None else model
     graph = ir.from_proto(base).graph
     opsets = {("" if k == "ai.onnx" else k): v for k, v in ir.from_proto(base).opset_imports.items()}

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import onnx
 
-from onnx_autodiff.conformance.cases import FLOAT_ELEM_TYPES, Case, elem_type
+from onnx_autodiff.conformance.cases import CHECKED_ELEM_TYPES, Case, elem_type
 from onnx_autodiff.conformance.judge import (
     DEFAULT_BUDGET,
     STATUSES,
@@ -63,9 +63,9 @@ def run_case_order2(case: Case, registry=None, budget: float = DEFAULT_BUDGET, s
     model = case.proto()
     if any(not isinstance(v, np.ndarray) for v in case.inputs.values()):
         return []
-    if not any(elem_type(o) in FLOAT_ELEM_TYPES for o in model.graph.output):
+    if not any(elem_type(o) in CHECKED_ELEM_TYPES for o in model.graph.output):
         return []
-    if not any(elem_type(i) in FLOAT_ELEM_TYPES for i in model.graph.input) and case.kind != "model":
+    if not any(elem_type(i) in CHECKED_ELEM_TYPES for i in model.graph.input) and case.kind != "model":
         return []
     status, wrt, message = differentiable_inputs(case, model, registry)
     if status:

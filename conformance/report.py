@@ -151,8 +151,8 @@ def write_reports(path: str | Path, results: Sequence[Result], meta: Mapping, ve
         md += _second_order_section(verdicts)
     md += _problems_section(results) + _exporter_style_section(results) + _skips_section(results)
     md_path, json_path = base.with_name(base.name + ".md"), base.with_name(base.name + ".json")
-    _atomic_write(md_path, "\n".join(md))
-    _atomic_write(json_path, json.dumps(document, indent=1, default=str) + "\n")
+    write_atomically(md_path, "\n".join(md).encode())
+    write_atomically(json_path, (json.dumps(document, indent=1, default=str) + "\n").encode())
     return md_path, json_path
 
 
@@ -247,7 +247,3 @@ def report_base(path: str | Path) -> Path:
     """PATH without a .md or .json suffix: the reports are PATH.md and PATH.json."""
     path = Path(path)
     return path.with_suffix("") if path.suffix in (".md", ".json") else path
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    write_atomically(path, text.encode("utf-8"))

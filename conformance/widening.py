@@ -9,10 +9,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
-"""The element types that widening to float64 replaces."""
+FLOAT_ELEM_TYPES = frozenset({TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.FLOAT, TensorProto.DOUBLE})
+"""Every floating-point element type."""
 
-_HALF_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+_HALF_TYPES = frozenset({TensorProto.FLOAT16, TensorProto.BFLOAT16})
 _DTYPE_ATTRIBUTES = ("to", "dtype", "output_dtype", "output_datatype")
 
 def _widen_tensor(tensor: TensorProto, to: int) -> TensorProto:
@@ -22,9 +22,9 @@ def _widen_tensor(tensor: TensorProto, to: int) -> TensorProto:
     return numpy_helper.from_array(array, tensor.name)
 
 
-def _widened(to: int) -> tuple[int, ...]:
+def _widened(to: int) -> frozenset[int]:
     """The element types that widening to ``to`` (DOUBLE or FLOAT) replaces."""
-    return FLOAT_TYPES if to == TensorProto.DOUBLE else _HALF_TYPES
+    return FLOAT_ELEM_TYPES - {TensorProto.DOUBLE} if to == TensorProto.DOUBLE else _HALF_TYPES
 
 
 def _widen_type(type_proto: onnx.TypeProto, to: int) -> None:

@@ -27,14 +27,10 @@ from onnx_autodiff.passes.parameters import default_parameters
 from onnx_autodiff.passes.patterns import Match, grouped
 from onnx_autodiff.passes.progress import collector_paused
 from onnx_autodiff.rules import GradRegistry, GradRule, default_registry, shapes
-from onnx_autodiff.rules.builder import FLOAT_TYPES, Namer, OpBuilder
+from onnx_autodiff.rules.builder import FLOAT_TYPES, Namer, OpBuilder, may_be_float
 
 
 DEFAULT_OPSET = 18  # the default-domain version backward nodes use when the model imports none
-
-
-def _can_carry_gradient(value: ir.Value) -> bool:
-    return value.dtype is None or value.dtype in FLOAT_TYPES
 
 
 def topological_order(nodes: ir.Graph | ir.Function | Sequence[ir.Node]) -> list[ir.Node]:
@@ -217,7 +213,7 @@ class Backward:
             rules[node] = rule
             if rule is not None and not self._targets(rule, node, reached):
                 continue
-            reached.update(out for out in node.outputs if _can_carry_gradient(out))
+            reached.update(out for out in node.outputs if may_be_float(out))
         return reached, rules
 
     def _targets(self, rule: GradRule, node: ir.Node, reached) -> list[tuple[int | None, ir.Value]]:
@@ -421,7 +417,7 @@ def find_values(graph: ir.Graph | ir.Function, names: Sequence[str], role: str) 
 
 
 def _check_differentiable(value: ir.Value, role: str) -> None:
-    if value.dtype is not None and value.dtype not in FLOAT_TYPES:
+    if not may_be_float(value):
         raise NotDifferentiableError(
             f"{role} '{value.name}' has type {value.dtype.name}; only floating-point values "
             "carry gradients"

@@ -36,6 +36,7 @@ from onnx_autodiff.passes.graphs import all_graphs, subgraphs
 from onnx_autodiff.passes.metadata import DIFFERENTIATED_KEY, differentiated  # noqa: F401 - DIFFERENTIATED_KEY: public here too
 from onnx_autodiff.passes.progress import collector_paused
 from onnx_autodiff.passes.rewrite_rules import RuleIndex, analysis, cleanup_rules, lowering_rules
+from onnx_autodiff.rules.builder import FLOAT_TYPES
 from onnx_ir.passes import common
 
 FOLD_LIMIT = 1024  # elements: larger folded tensors stay computed (a seed Expand(1, Shape(y)) stays a node)
@@ -43,14 +44,13 @@ FOLD_LIMIT = 1024  # elements: larger folded tensors stay computed (a seed Expan
 # inputs' shapes (the few the rewrites made): onnx's inference of the whole model costs as much for
 # a few values as for all of them. With static inputs the nodes are always inferred alone first.
 BY_NODE = 1000
-_FLOAT = {ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE}
 
 
 def _with_gradient_output(graph: ir.Graph) -> set[str]:
     """Float initializers W with a graph output grad_W or grad_W_<n>."""
     outputs = {v.name for v in graph.outputs if v.name}
     outputs |= {re.sub(r"_\d+$", "", name) for name in outputs}
-    return {name for name, v in graph.initializers.items() if v.dtype in _FLOAT and f"grad_{name}" in outputs}
+    return {name for name, v in graph.initializers.items() if v.dtype in FLOAT_TYPES and f"grad_{name}" in outputs}
 
 
 class CleanupPass(ir.passes.InPlacePass):
@@ -106,7 +106,7 @@ class CleanupPass(ir.passes.InPlacePass):
                 if changed:  # folding can make more shapes known (a Reshape to a folded Shape)
                     progress.report(stage, 0, 5)
                     _restore(hidden)
-                    infer_shapes(model)
+                    infer_missing_shapes(model)
                     hidden = _hide(protected)
                 # Common subexpressions in every round: the one that finds the fixed point checks them too.
                 progress.report(stage, 1, 5)
@@ -137,8 +137,7 @@ class CleanupPass(ir.passes.InPlacePass):
     def _fold(self, model: ir.Model, graphs: list[ir.Graph]) -> bool:
         # The folder writes Constant(value_ints=...) (opset 12 on) and initializers that are not
         # graph inputs (IR version 4 on): older models get the local rewrites only.
-        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
-        if not self.fold or opset < 12 or (model.ir_version or 0) < 4:
+        if not self.fold or analysis.opset(model) < 12 or (model.ir_version or 0) < 4:
             return False
         from onnxscript.optimizer import fold_constants
 
@@ -170,7 +169,7 @@ class CleanupPass(ir.passes.InPlacePass):
         return None
 
 
-def infer_shapes(model: ir.Model) -> None:
+def infer_missing_shapes(model: ir.Model) -> None:
     """Give the main graph's node outputs that lack a shape the one onnx's inference finds.
 
     The rewrites decide from shapes, which the backward values lack. Static shapes come from each

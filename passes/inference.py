@@ -71,7 +71,7 @@ def _carried_shapes(node: ir.Node) -> int:
     for out, *values in zip(node.outputs, given, before, after):
         if out.shape is not None or values[0] is None:
             continue
-        ranks = {len(v.shape) if v.shape is not None else None for v in values}
+        ranks = {shapes.rank(v) for v in values}
         if len(ranks) != 1 or None in ranks:
             continue
         dims = [a if isinstance(a, int) and a == b == c else None

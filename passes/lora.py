@@ -26,6 +26,8 @@ import onnx
 import onnx_ir as ir
 
 from onnx_autodiff.errors import TrainingError, UnknownValueError, UnsupportedModelError, names_summary
+from onnx_autodiff.passes.opsets import default_opset
+from onnx_autodiff.rules import shapes
 from onnx_autodiff.rules.builder import FLOAT_TYPES, Namer, OpBuilder
 
 NORMS = frozenset({"LayerNormalization", "BatchNormalization", "InstanceNormalization", "GroupNormalization",
@@ -101,7 +103,7 @@ class LoraPass(ir.passes.InPlacePass):
         config, graph = self.config, model.graph
         sites, skipped = _targets(graph)
         chosen = _select(config.targets, sites, skipped)
-        opset = model.opset_imports.get("", 1)
+        opset = default_opset(model) or 1
         if config.dropout and opset < 12:
             raise UnsupportedModelError(f"LoRA dropout needs opset >= 12 (Dropout's training mode); the model imports "
                                         f"opset {opset}: convert it (onnx.version_converter.convert_version) or use dropout 0")
@@ -129,9 +131,9 @@ class LoraPass(ir.passes.InPlacePass):
         x = node.inputs[0]
         scale = self.config.scale
         if node.op_type == "Gemm":
-            if _attribute(node, "transA", 0):
+            if shapes.attr(node, "transA", 0):
                 x = op.Transpose(x, perm=[1, 0])
-            scale *= _attribute(node, "alpha", 1.0)
+            scale *= shapes.attr(node, "alpha", 1.0)
         if self.config.dropout:
             x = op.Dropout(x, op.const(np.array(self.config.dropout, np.float32)))
         delta = op.MatMul(op.MatMul(x, a), b)
@@ -149,11 +151,6 @@ class LoraPass(ir.passes.InPlacePass):
             if output is y:
                 graph.outputs[i] = total
         graph.insert_after(node, op.nodes[start:])
-
-
-def _attribute(node: ir.Node, name: str, default):
-    attr = node.attributes.get(name)
-    return default if attr is None else attr.value
 
 
 def _initializer(graph: ir.Graph, namer: Namer, hint: str, array: np.ndarray) -> ir.Value:
@@ -174,12 +171,12 @@ def _weight_reads(value: ir.Value, graph: ir.Graph) -> list[tuple[ir.Node, bool]
         if kind == "MatMul" and index == 1:
             reads.append((user, False))
         elif kind == "Gemm" and index == 1:
-            reads.append((user, bool(_attribute(user, "transB", 0))))
+            reads.append((user, bool(shapes.attr(user, "transB", 0))))
         elif kind == "Transpose" and value.shape is not None and len(value.shape) == 2 and not user.outputs[0].is_graph_output():
             inner = _weight_reads(user.outputs[0], graph)
             if isinstance(inner, str):
                 return inner
-            flips = list(_attribute(user, "perm", [1, 0])) != [0, 1]
+            flips = shapes.attr(user, "perm", [1, 0]) != [0, 1]
             reads.extend((node, transposed != flips) for node, transposed in inner)
         else:
             return f"read by {kind} (input {index})"

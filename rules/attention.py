@@ -34,16 +34,12 @@ import onnx_ir as ir
 
 from onnx_autodiff.errors import RuleError
 from onnx_autodiff.rules import shapes
-from onnx_autodiff.rules.builder import FLOAT_TYPES
+from onnx_autodiff.rules.builder import may_be_float
 from onnx_autodiff.rules.math import gate
 from onnx_autodiff.rules.registry import rule
 
 def _padded(values, n):
     return list(values) + [None] * (n - len(values))
-
-
-def _is_float(value) -> bool:
-    return value is not None and (value.dtype is None or value.dtype in FLOAT_TYPES)
 
 
 def _heads_first(op, x, heads):
@@ -153,7 +149,7 @@ def attention(op, node, *dys):
             grads[f"past_{'key' if name == 'K' else 'value'}"] = op.Slice(grad, [0], split, [2])
             grad = op.Slice(grad, split, [2**62], [2])
         grads[name] = _heads_last(op, grad) if r == 3 else grad
-    if dS is not None and _is_float(mask) and mask.dtype == Q.dtype:
+    if dS is not None and mask is not None and may_be_float(mask) and mask.dtype == Q.dtype:
         grads["attn_mask"] = _mask_gradient(op, dS, mask, P, Q4, total)
     return grads
 
@@ -301,7 +297,7 @@ def flex_attention(op, node, dY):
 
     fwd = op.child()
     Y = build(fwd)
-    shapes.infer_shapes(fwd.nodes, [Q, K, V], op.opset)
+    shapes.infer_node_shapes(fwd.nodes, [Q, K, V], op.opset)
     grads = fwd.differentiate(list(fwd.nodes), [(Y, dY)], [Q, K, V])
     op.nodes.extend(fwd.nodes)
     return {name: g for name, g in zip(("Q", "K", "V"), grads) if g is not None}

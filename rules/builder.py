@@ -12,6 +12,13 @@ import onnx_ir as ir
 FLOAT_TYPES = frozenset(
     {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
 )
+CONSTANT_TYPES_BEFORE_9 = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16})
+
+
+def may_be_float(value: ir.Value) -> bool:
+    """Whether ``value`` can carry a gradient: a floating-point dtype, or one not known yet."""
+    return value.dtype is None or value.dtype in FLOAT_TYPES
+
 
 _INT64_RESULT = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin", "SequenceLength"})
 _BOOL_RESULT = frozenset(
@@ -115,7 +122,7 @@ class OpBuilder:
         if dtype is None and array.dtype.kind in "iu" and like is None:
             array = array.astype(np.int64)
         target = ir.DataType.from_numpy(array.dtype)
-        if self.opset < 9 and target not in FLOAT_TYPES:
+        if self.opset < 9 and target not in CONSTANT_TYPES_BEFORE_9:
             # Constant holds only float tensors before opset 9: store as float, Cast back.
             out = self.Cast(self.Constant(value=ir.Tensor(array.astype(np.float32))), to=int(target))
         else:

@@ -28,16 +28,8 @@ import numpy as np
 
 from onnx_autodiff.errors import RuleError
 from onnx_autodiff.rules import shapes
-from onnx_autodiff.rules.math import as_float, select
+from onnx_autodiff.rules.math import select
 from onnx_autodiff.rules.registry import rule
-
-
-def _dim(op, x, axis: int):
-    """x's extent along axis: an int when static, else a 1-element int64 value."""
-    known = shapes.dims(x)
-    if known is not None and isinstance(known[axis], int):
-        return known[axis]
-    return op.Slice(op.Shape(x), [axis], [axis + 1])
 
 
 # --- Scatters --------------------------------------------------------------------------------
@@ -64,8 +56,8 @@ def _scatter_grads(op, node, dY, gather, scatter):
         return {"data": scatter(dY, updates, "mul"),
                 "updates": select(op, alone, gather(op.Mul(dY, data)), shared)}
     if reduction in ("max", "min"):
-        data_wins = as_float(op, op.Equal(data, Y), data)
-        update_wins = as_float(op, op.Equal(updates, gather(Y)), updates)
+        data_wins = shapes.cast_like(op, op.Equal(data, Y), data)
+        update_wins = shapes.cast_like(op, op.Equal(updates, gather(Y)), updates)
         winners = op.Add(data_wins, scatter(shapes.zeros_like(op, data), update_wins, "add"))
         share = op.Div(dY, winners)
         return {"data": op.Mul(share, data_wins), "updates": op.Mul(gather(share), update_wins)}
@@ -138,14 +130,14 @@ def tensor_scatter(op, node, dY):
     axis = shapes.normalize_axis(shapes.attr(node, "axis", -2), r)
     d_past = op.TensorScatter(dY, shapes.zeros_like(op, update), write, axis=axis,
                               mode=shapes.attr(node, "mode", "linear"))
-    length = _dim(op, update, axis)
+    length = shapes.extent(op, update, axis)
     steps = (op.const(np.arange(length, dtype=np.int64)) if isinstance(length, int)
              else op.Range(0, op.squeeze(length, [0]), 1))
     pos = op.Reshape(steps, [1] * axis + [-1] + [1] * (r - axis - 1))
     if write is not None:
         pos = op.Add(pos, op.Reshape(write, [-1] + [1] * (r - 1)))
     if shapes.attr(node, "mode", "linear") == "circular":
-        pos = op.Mod(pos, _dim(op, past, axis))
+        pos = op.Mod(pos, shapes.extent(op, past, axis))
     index = op.Expand(pos, op.Shape(update))
     return {"past_cache": d_past, "update": op.GatherElements(dY, index, axis=axis)}
 
@@ -230,7 +222,7 @@ def cumprod(op, node, dY):
     Y = node.outputs[0]
     rev, exc = shapes.attr(node, "reverse", 0), shapes.attr(node, "exclusive", 0)
     zero = op.Equal(x, 0.0)
-    clear = op.Equal(op.CumSum(as_float(op, zero, x), axis, exclusive=1, reverse=rev), 0.0)
+    clear = op.Equal(op.CumSum(shapes.cast_like(op, zero, x), axis, exclusive=1, reverse=rev), 0.0)
     before_zero = op.Div(op.CumSum(op.Mul(dY, Y), axis, exclusive=exc, reverse=1 - rev),
                          select(op, zero, 1.0, x))
     after = op.CumProd(select(op, clear, 1.0, x), axis, exclusive=exc, reverse=rev)

@@ -23,7 +23,7 @@ import onnx_ir as ir
 
 from onnx_autodiff.errors import RuleError
 from onnx_autodiff.rules import shapes
-from onnx_autodiff.rules.builder import FLOAT_TYPES
+from onnx_autodiff.rules.builder import may_be_float
 from onnx_autodiff.rules.registry import rule
 
 ELLIPSIS = "."  # one token standing for "..."
@@ -130,7 +130,7 @@ def einsum(op, node, dY):
     full_ellipsis = _broadcast_shape([s[1] for s, term in zip(split, terms) if ELLIPSIS in term])
     grads = []
     for i, (X, term) in enumerate(zip(inputs, terms)):
-        if X.dtype is not None and X.dtype not in FLOAT_TYPES:
+        if not may_be_float(X):
             grads.append(None)
             continue
         others = [(terms[j], inputs[j]) for j in range(len(inputs)) if j != i]

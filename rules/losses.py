@@ -94,12 +94,6 @@ def hardmax(op, node, dY):
     return {"input": shapes.zeros_like(op, node.inputs[0])}
 
 
-def _float(op, mask, like):
-    if like.dtype is not None:
-        return op.Cast(mask, to=like.dtype)
-    return op.CastLike(mask, like)
-
-
 def _class_ids(op, scores, r: int):
     """0..C-1 as int64 of shape (C, 1, ..., 1), aligned with the class axis 1 of the scores."""
     trailing = [1] * (r - 2)
@@ -138,7 +132,7 @@ def _nll_backward(op, node, logp, dL):
     chosen = op.Equal(labels, _class_ids(op, scores, r))
     if ignore_index is not None:
         chosen = op.And(chosen, op.Not(op.Equal(labels, op.const(np.int64(ignore_index)))))
-    pick = _float(op, chosen, scores)  # (N, C, d...): one-hot of the label, zero rows where ignored
+    pick = shapes.cast_like(op, chosen, scores)  # (N, C, d...): one-hot of the label, zero rows where ignored
     trailing = [1] * (r - 2)
     class_weights = None
     if weights is not None:

@@ -25,31 +25,21 @@ import math
 
 import onnx_ir as ir
 
-from onnx_autodiff.errors import RuleError
 from onnx_autodiff.rules import shapes
-from onnx_autodiff.rules.builder import FLOAT_TYPES
+from onnx_autodiff.rules.builder import may_be_float
 from onnx_autodiff.rules.registry import rule
-
-
-def as_float(op, cond, like):
-    """The boolean ``cond`` as 0/1 in the dtype of ``like``."""
-    if like.dtype is not None:
-        return op.Cast(cond, to=int(like.dtype))
-    if op.opset >= 15:
-        return op.CastLike(cond, like)
-    raise RuleError(f"the gradient's element type is unknown at opset {op.opset}; run shape inference first")
 
 
 def select(op, cond, a, b):
     """Where(cond, a, b); a or b may be a Python number, typed like the other branch."""
     if op.opset < 9 and isinstance(b, (int, float)) and b == 0:
-        return op.Mul(a, as_float(op, cond, a))
+        return op.Mul(a, shapes.cast_like(op, cond, a))
     # Left to the builder, a bare number next to a dY of unknown dtype would be typed like cond: bool.
     a = a if isinstance(a, ir.Value) else op.const(a, like=b)
     b = b if isinstance(b, ir.Value) else op.const(b, like=a)
     if op.opset >= 9:
         return op.Where(cond, a, b)
-    return op.Add(op.Mul(a, as_float(op, cond, a)), op.Mul(b, as_float(op, op.Not(cond), a)))
+    return op.Add(op.Mul(a, shapes.cast_like(op, cond, a)), op.Mul(b, shapes.cast_like(op, op.Not(cond), a)))
 
 
 def gate(op, cond, dY):
@@ -128,7 +118,7 @@ def pow_(op, node, dY):
     # E = 0 makes 0·X^-1 = NaN at X = 0, though Z = 1 there is constant.
     nonzero = op.Or(op.Less(Ef, 0.0), op.Greater(Ef, 0.0))
     grads = {"X": gate(op, nonzero, op.Mul(dY, slope))}
-    if E.dtype is None or E.dtype in FLOAT_TYPES:
+    if may_be_float(E):
         dE = op.Mul(dY, op.Mul(Z, op.Log(X)))
         if op.opset >= 11:  # float Equal; Z·log(X) is 0·(-inf) at X = 0 where Z = 0: dE = 0 there
             dE = gate(op, op.Not(op.Equal(Z, 0.0)), dE)
@@ -157,22 +147,16 @@ def identity(op, node, dY):
     return {"input": dY}
 
 
-def _cast_back(op, dY, X):
-    if X.dtype is not None:
-        return op.Cast(dY, to=int(X.dtype))
-    return op.CastLike(dY, X)
-
-
 @rule("Cast", differentiable=("input",))
 def cast(op, node, dY):
     """Y = X converted to another type; the gradient goes back to X's type."""
-    return {"input": _cast_back(op, dY, node.inputs[0])}
+    return {"input": shapes.cast_like(op, dY, node.inputs[0])}
 
 
 @rule("CastLike", differentiable=("input",))
 def cast_like(op, node, dY):
     """Y = X converted to the type of target_type"""
-    return {"input": _cast_back(op, dY, node.inputs[0])}
+    return {"input": shapes.cast_like(op, dY, node.inputs[0])}
 
 
 @rule("Relu", differentiable=("X",), since=7)
@@ -188,7 +172,7 @@ def abs_(op, node, dY):
     if op.opset >= 9:
         sign = op.Sign(X)
     else:
-        sign = op.Sub(as_float(op, op.Greater(X, 0.0), X), as_float(op, op.Less(X, 0.0), X))
+        sign = op.Sub(shapes.cast_like(op, op.Greater(X, 0.0), X), shapes.cast_like(op, op.Less(X, 0.0), X))
     return {"X": op.Mul(dY, sign)}
 
 

@@ -12,7 +12,6 @@ import onnx_ir as ir
 
 from onnx_autodiff.errors import RuleError
 from onnx_autodiff.rules import shapes
-from onnx_autodiff.rules.math import as_float
 from onnx_autodiff.rules.registry import rule
 
 
@@ -509,10 +508,10 @@ def dropout(op, node, dY, dMask=None):
     if fixed_ratio is not None:
         scale = op.const(1.0 / (1.0 - float(fixed_ratio)), like=X)
     else:
-        scale = op.Reciprocal(op.Sub(1.0, as_float(op, ratio, X)))
+        scale = op.Reciprocal(op.Sub(1.0, shapes.cast_like(op, ratio, X)))
     if mode is not None and fixed_mode is None:
         scale = op.Where(mode, scale, op.const(1.0, like=X))
-    kept = op.Mul(dY, mask if mask.dtype == X.dtype else as_float(op, mask, X))
+    kept = op.Mul(dY, shapes.cast_like(op, mask, X))
     return {"data": op.Mul(kept, scale, broadcast=1 if op.opset < 7 else None)}
 
 

@@ -40,8 +40,9 @@ def _cast(op, v, dtype):
 
 
 def _like(op, v, ref):
-    """v in the type of ``ref`` (for gradients going back to an input of another type)."""
-    return v if v is None or v.dtype == ref.dtype else op.CastLike(v, ref)
+    """v in the type of ``ref`` (for gradients going back to an input of another type); None
+    stays None, and v stays as it is when both types are unknown."""
+    return v if v is None or v.dtype == ref.dtype else shapes.cast_like(op, v, ref)
 
 
 def _mean(op, x, axes):

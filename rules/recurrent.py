@@ -240,7 +240,7 @@ def decompose(op, node):
     if layout:
         Y = op.Transpose(Y, perm=[2, 0, 1, 3])
         Y_h, Y_c = (None if v is None else op.Transpose(v, perm=[1, 0, 2]) for v in (Y_h, Y_c))
-    shapes.infer_shapes(op.nodes[start:], [v for v in node.inputs if v is not None], op.opset)
+    shapes.infer_node_shapes(op.nodes[start:], [v for v in node.inputs if v is not None], op.opset)
     return Y, Y_h, Y_c
 
 

@@ -52,15 +52,6 @@ def _reduce(op, node, op_type, x):
     return op.reduce(op_type, x, axes, keepdims=True, noop_with_empty_axes=noop or None)
 
 
-def _cast_like(op, value, like):
-    """Cast to like's dtype; CastLike only exists from opset 15."""
-    if like.dtype is not None:
-        return op.Cast(value, to=int(like.dtype))
-    if op.opset < 15:
-        raise RuleError(f"the dtype of '{like.name}' is unknown; run shape inference on the model")
-    return op.CastLike(value, like)
-
-
 def _need(op, opset, why):
     if op.opset < opset:
         raise RuleError(f"this gradient needs {why}, from opset {opset}; the model has opset "
@@ -85,7 +76,7 @@ def _count(op, node):
             for d in picked:
                 count *= d
             return count
-    return _cast_like(op, op.Div(op.Size(X), op.Size(Y)), X)
+    return shapes.cast_like(op, op.Div(op.Size(X), op.Size(Y)), X)
 
 
 @rule("ReduceSum", differentiable=("data",))
@@ -120,7 +111,7 @@ def reduce_l2(op, node, dY):
     """Y = sqrt(Σ X²); dX = X dY / Y"""
     _need(op, 11, "Equal on floats")
     Yk = _kept(op, node, node.outputs[0])
-    safe = op.Add(Yk, _cast_like(op, op.Equal(Yk, 0.0), Yk))  # Y = 0 only when X = 0 there
+    safe = op.Add(Yk, shapes.cast_like(op, op.Equal(Yk, 0.0), Yk))  # Y = 0 only when X = 0 there
     return {"data": op.Mul(node.inputs[0], op.Div(_kept(op, node, dY), safe))}
 
 
@@ -144,7 +135,7 @@ def reduce_prod(op, node, dY):
     _need(op, 11, "Equal on floats")
     X = node.inputs[0]
     is_zero = op.Equal(X, 0.0)
-    zero_count = _cast_like(op, is_zero, X)
+    zero_count = shapes.cast_like(op, is_zero, X)
     nonzero = op.Where(is_zero, 1.0, X)
     product = _reduce(op, node, "ReduceProd", nonzero)  # of the slice's nonzero elements
     zeros_elsewhere = op.Sub(_reduce(op, node, "ReduceSum", zero_count), zero_count)
@@ -156,7 +147,7 @@ def _extremum(op, node, dY):
     """dX = dY / k at the k elements equal to the slice's extremum, 0 elsewhere."""
     _need(op, 11, "Equal on floats")
     X = node.inputs[0]
-    mask = _cast_like(op, op.Equal(X, _kept(op, node, node.outputs[0])), X)
+    mask = shapes.cast_like(op, op.Equal(X, _kept(op, node, node.outputs[0])), X)
     share = op.Div(_kept(op, node, dY), _reduce(op, node, "ReduceSum", mask))
     return {"data": op.Mul(mask, share)}
 

@@ -9,6 +9,7 @@ import onnx
 import onnx_ir as ir
 
 from onnx_autodiff.errors import OpsetTooOldError, RuleError
+from onnx_autodiff.passes.graphs import proto_graphs, subgraphs
 from onnx_autodiff.rules.builder import OpBuilder
 
 Dim = int | str | None
@@ -21,9 +22,10 @@ def require_opset(op: OpBuilder, needed: int, why: str) -> None:
         raise OpsetTooOldError(f"{why} needs opset {needed} or later (the model has {op.opset})", needed)
 
 
-def dims(value: ir.Value) -> tuple[Dim, ...] | None:
-    """The value's shape as ints (static), strings (symbolic) and None (unknown); None if no rank."""
-    if value.shape is None:
+def dims(value: ir.Value | None) -> tuple[Dim, ...] | None:
+    """The value's shape as ints (static), strings (symbolic) and None (unknown); None if no rank
+    (or no value: an omitted optional input)."""
+    if value is None or value.shape is None:
         return None
     out: list[Dim] = []
     for d in value.shape.dims:
@@ -42,9 +44,8 @@ def static_shape(value: ir.Value) -> tuple[int, ...] | None:
     return shape  # type: ignore[return-value]
 
 
-def rank(value: ir.Value) -> int | None:
-    return None if value.shape is None else len(value.shape)
-
+def rank(value: ir.Value | None) -> int | None:
+    return None if value is None or value.shape is None else len(value.shape)
 
 
 def known_rank(value: ir.Value, what: str = "input") -> int:
@@ -53,6 +54,7 @@ def known_rank(value: ir.Value, what: str = "input") -> int:
     if r is None:
         raise RuleError(f"the rank of {what} '{value.name}' is unknown; run shape inference first")
     return r
+
 
 def attr(node: ir.Node, name: str, default=None):
     """An attribute's Python value (lists for repeated fields), or ``default``."""
@@ -182,6 +184,16 @@ def _evaluate(node: ir.Node, arrays: list, wanted: ir.Value) -> np.ndarray | Non
     return result if result.size <= _MAX_FOLDED_ELEMENTS else None
 
 
+def cast_like(op: OpBuilder, value: ir.Value, *likes: ir.Value) -> ir.Value:
+    """``value`` in the dtype of the first of ``likes`` whose dtype is known (no node when it has
+    that dtype already); CastLike of the first when none is known, which needs opset 15."""
+    dtype = next((v.dtype for v in likes if v.dtype is not None), None)
+    if dtype is None:
+        require_opset(op, 15, "a cast to a dtype unknown until run time (CastLike)")
+        return op.CastLike(value, likes[0])
+    return value if value.dtype == dtype else op.Cast(value, to=int(dtype))
+
+
 def fill_like(op: OpBuilder, x: ir.Value, fill: float) -> ir.Value:
     """A tensor of x's shape and dtype filled with ``fill``."""
     shape = static_shape(x)
@@ -296,22 +308,15 @@ def _reduce_dynamic_by_reshape(op: OpBuilder, grad: ir.Value, x: ir.Value, ry: i
     return op.reduce_sum(split, list(range(1, 2 * rx, 2)), keepdims=False)
 
 
-def infer_shapes(nodes: Sequence[ir.Node], inputs: Sequence[ir.Value], opset: int) -> None:
-    """Shapes every value ``nodes`` (and their subgraphs) define, by onnx shape inference: the
-    templates of the broadcasting ops and MatMul need ranks (the builder leaves shapes unset)."""
+def infer_node_shapes(nodes: Sequence[ir.Node], inputs: Sequence[ir.Value], opset: int) -> None:
+    """Shapes every value ``nodes`` (and their subgraphs) define, by onnx shape inference of the
+    nodes alone (the model's is :func:`onnx_autodiff.passes.autodiff.infer_shapes`): the templates
+    of the broadcasting ops and MatMul need ranks (the builder leaves shapes unset)."""
     graph = onnx.helper.make_graph([ir.serde.serialize_node(n) for n in nodes], "decomposition",
                                    [ir.serde.serialize_value(v) for v in inputs], [])
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
-    found = {}
-
-    def collect(g):
-        found.update((info.name, info) for info in (*g.value_info, *g.output))
-        for n in g.node:
-            for a in n.attribute:
-                if a.type == onnx.AttributeProto.GRAPH:
-                    collect(a.g)
-
-    collect(onnx.shape_inference.infer_shapes(model).graph)
+    inferred = onnx.shape_inference.infer_shapes(model).graph
+    found = {info.name: info for g in proto_graphs(inferred) for info in (*g.value_info, *g.output)}
     pending = list(nodes)
     while pending:
         n = pending.pop()
@@ -320,6 +325,5 @@ def infer_shapes(nodes: Sequence[ir.Node], inputs: Sequence[ir.Value], opset: in
             if info is not None and out.shape is None and info.type.tensor_type.HasField("shape"):
                 typed = ir.serde.deserialize_value_info_proto(info, None)
                 out.type, out.shape = typed.type, typed.shape
-        for a in n.attributes.values():
-            if a.type == ir.AttributeType.GRAPH:
-                pending.extend(a.value)
+        for sub in subgraphs(n):
+            pending.extend(sub)

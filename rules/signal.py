@@ -50,13 +50,6 @@ def _conj(op, x):
     return op.Mul(x, op.const(np.array([1.0, -1.0]), like=x))
 
 
-def _extent(op, x, axis):
-    d = shapes.dims(x)
-    if d is not None and isinstance(d[axis], int):
-        return d[axis]
-    return op.Slice(op.Shape(x), [axis], [axis + 1])
-
-
 def _pad_end(op, x, axis: int, rank: int, amount, before=0):
     """Zeros appended (and ``before`` prepended) along ``axis``; amount an int or 1-element value."""
     if isinstance(amount, int):
@@ -98,7 +91,7 @@ def dft(op, node, dY):
     else:
         axis = shapes.attr(node, "axis", 1)
     axis = shapes.normalize_axis(axis, r)
-    N = _extent(op, X, axis)
+    N = shapes.extent(op, X, axis)
     n = _int(length, "dft_length") if length is not None and shapes.constant_input(length) is not None else None
     if length is not None and n is None:
         n = op.Reshape(op.Cast(length, to=7), [1])
@@ -119,7 +112,7 @@ def dft(op, node, dY):
         return {"input": op.Mul(spectrum, op.const(weights.reshape([N] + [1] * (r - 1 - axis)), dtype=X.dtype))}
 
     if onesided:  # the bins above n//2 were dropped: they send nothing back
-        kept = n // 2 + 1 if isinstance(n, int) else _extent(op, node.outputs[0], axis)
+        kept = n // 2 + 1 if isinstance(n, int) else shapes.extent(op, node.outputs[0], axis)
         dY = _fit(op, dY, axis, r, kept, n)
     g = _dft(op, _conj(op, dY), axis, inverse=inverse)
     g = _fit(op, g, axis, r, n, N)
@@ -151,7 +144,7 @@ def stft(op, node, dY):
         frames = op.Gather(signal, _frame_indices(op, dY, d[1], M, step), axis=1)  # [B, F, M, C]
         grads["window"] = op.ReduceSum(op.Mul(dframes, frames), [0, 1, 3], keepdims=0)
         dframes = op.Mul(dframes, op.Reshape(window, [M, 1]))
-    frames = _extent(op, node.outputs[0], 1)
+    frames = shapes.extent(op, node.outputs[0], 1)
     grads["signal"] = _overlap_add(op, dframes, frames, signal, M, step, channels)
     return grads
 
@@ -176,4 +169,4 @@ def _overlap_add(op, dframes, frames, signal, M, step, channels):
     total = shifted[0] if r == 1 else op.Sum(*shifted)
     flat = op.Reshape(total, [0, -1, channels])  # [B, (F + r - 1)·step, C]
     have = (frames + r - 1) * step if isinstance(frames, int) else op.Mul(op.Add(frames, [r - 1]), [step])
-    return _fit(op, flat, 1, 3, have, _extent(op, signal, 1))
+    return _fit(op, flat, 1, 3, have, shapes.extent(op, signal, 1))

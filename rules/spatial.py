@@ -25,7 +25,6 @@ import onnx_ir as ir
 
 from onnx_autodiff.errors import RuleError
 from onnx_autodiff.rules import shapes
-from onnx_autodiff.rules.math import as_float
 from onnx_autodiff.rules.registry import rule
 
 INT64 = int(ir.DataType.INT64)
@@ -271,7 +270,7 @@ def _pad_coordinate(op, u, n: int, padding: str, align: bool):
         lo, hi = (0.0, n - 1.0) if align else (-0.5, n - 0.5)
         u, slope = _reflect(op, u, lo, hi)
     inside = op.And(op.GreaterOrEqual(u, 0.0), op.LessOrEqual(u, float(n - 1)))
-    gate = as_float(op, inside, u)
+    gate = shapes.cast_like(op, inside, u)
     slope = gate if slope is None else op.Mul(slope, gate)
     return op.Clip(u, op.const(0.0, like=u), op.const(float(n - 1), like=u)), slope
 
@@ -294,7 +293,7 @@ def _product(op, factors):
 
 
 def _in_range(op, i, n: int):
-    return as_float(op, op.And(op.GreaterOrEqual(i, 0.0), op.LessOrEqual(i, float(n - 1))), i)
+    return shapes.cast_like(op, op.And(op.GreaterOrEqual(i, 0.0), op.LessOrEqual(i, float(n - 1))), i)
 
 
 @rule("GridSample", differentiable=("X", "grid"), since=16)
@@ -454,7 +453,7 @@ def _roi_axis(op, start, bin_size, grid_count, n_bins: int, n_samples: int, size
     used = op.Less(op.const(np.broadcast_to(s, (n_bins, n_samples)), like=like), grid_count)
     # Not(Less) rather than GreaterOrEqual, which appears at opset 12.
     inside = op.Not(op.Or(op.Less(pos, -1.0), op.Greater(pos, float(size))))
-    valid = as_float(op, op.And(used, inside), like)
+    valid = shapes.cast_like(op, op.And(used, inside), like)
     pos = op.Max(pos, op.const(0.0, like=like))
     low = op.Floor(pos)
     edge = op.Not(op.Less(low, float(size - 1)))
@@ -465,7 +464,7 @@ def _roi_axis(op, start, bin_size, grid_count, n_bins: int, n_samples: int, size
     cells = op.const(np.arange(size, dtype=np.float64), like=like)
 
     def spread(index, weight):  # (R, bins, samples) -> (R, bins, size)
-        hit = as_float(op, op.Equal(op.unsqueeze(index, [3]), cells), like)
+        hit = shapes.cast_like(op, op.Equal(op.unsqueeze(index, [3]), cells), like)
         spread_weight = op.Mul(hit, op.unsqueeze(op.Mul(weight, valid), [3]))
         return op.reduce_sum(spread_weight, [2], keepdims=False)
 
@@ -519,7 +518,7 @@ def roi_align(op, node, dY):
     n_images = op.Gather(op.Shape(X), op.const(0, dtype=ir.DataType.INT64))
     images = op.Range(op.const(0, dtype=ir.DataType.INT64), n_images, op.const(1, dtype=ir.DataType.INT64))
     onehot = op.Equal(op.unsqueeze(images, [1]), op.unsqueeze(op.Cast(batch, to=INT64), [0]))
-    dX = op.MatMul(as_float(op, onehot, dY), op.Reshape(per_box, [0, -1]))
+    dX = op.MatMul(shapes.cast_like(op, onehot, dY), op.Reshape(per_box, [0, -1]))
     return {"X": op.Reshape(dX, op.Shape(X))}
 
 

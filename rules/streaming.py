@@ -32,7 +32,7 @@ def _vjp(op, node, names, build, dYs):
     fwd = op.child()
     outputs = build(fwd)
     inputs = [v for v in node.inputs if v is not None]
-    shapes.infer_shapes(fwd.nodes, inputs, op.opset)
+    shapes.infer_node_shapes(fwd.nodes, inputs, op.opset)
     seeds = [(y, dy) for y, dy in zip(outputs, dYs) if dy is not None]
     xs = [(name, v) for name, v in zip(names, node.inputs) if v is not None]
     grads = fwd.differentiate(list(fwd.nodes), seeds, [v for _, v in xs])

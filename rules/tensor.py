@@ -36,8 +36,9 @@ def _dims(op, x, start: int, end: int):
     return op.Slice(op.Shape(x), [start], [end])
 
 
-def _dim(op, x, axis: int):
-    """x's extent along axis: an int when static, else a scalar int64 value."""
+def _scalar_extent(op, x, axis: int):
+    """x's extent along axis: an int when static, else a scalar int64 value (where
+    :func:`shapes.extent` gives a 1-element one)."""
     known = shapes.dims(x)
     if known is not None and isinstance(known[axis], int):
         return known[axis]
@@ -264,7 +265,7 @@ def slice_(op, node, dY):
     shapes.require_opset(op, 11, "this Slice gradient")
     g = dY
     for i, a in enumerate(axes):
-        d = _dim(op, X, a)
+        d = _scalar_extent(op, X, a)
         if static:
             idx = op.const(np.array(list(ranges[a]), np.int64))
         else:
@@ -314,7 +315,7 @@ def pad(op, node, dY):
             pads_a = [pads[i], pads[i + len(axes)]]
         else:
             pads_a = op.Gather(pads, [i, i + len(axes)])
-        d = _dim(op, X, a)
+        d = _scalar_extent(op, X, a)
         if op.opset >= 11:
             idx = _pad(op, _arange(op, d), pads_a, mode)
         elif isinstance(d, int):  # Pad-2 has float kernels only
@@ -377,7 +378,7 @@ def gather(op, node, dY):
     X, indices = node.inputs
     r = shapes.known_rank(X)
     a = shapes.normalize_axis(shapes.attr(node, "axis", 0), r)
-    d = _dim(op, X, a)
+    d = _scalar_extent(op, X, a)
     g = op.Reshape(dY, _cat(op, _dims(op, X, 0, a), [-1], _dims(op, X, a + 1, r)))
     return {"data": _scatter_axis(op, g, _flat_index(op, indices, d), d, a, r, add=True)}
 
@@ -395,11 +396,11 @@ def gather_elements(op, node, dY):
     # dY by that one-hot mask and sum over the gathered axis.
     r = shapes.rank(X) or shapes.rank(indices) or shapes.known_rank(dY, "the gradient")
     a = shapes.normalize_axis(axis, r)
-    d = _dim(op, X, a)
+    d = _scalar_extent(op, X, a)
     idx = op.Cast(indices, to=ir.DataType.INT64)
     idx = op.Where(op.Less(idx, 0), op.Add(idx, d), idx)
     positions = op.Reshape(_arange(op, d), [1] * (a + 1) + [-1] + [1] * (r - a - 1))
-    hot = _as_float(op, op.Equal(op.unsqueeze(idx, [a + 1]), positions), dY, X)
+    hot = shapes.cast_like(op, op.Equal(op.unsqueeze(idx, [a + 1]), positions), dY, X)
     g = op.reduce_sum(op.Mul(op.unsqueeze(dY, [a + 1]), hot), [a], keepdims=False)
     x_dims, i_dims = shapes.dims(X), shapes.dims(indices)
     if x_dims is not None and i_dims is not None and all(
@@ -428,7 +429,7 @@ def gather_nd(op, node, dY):
         grid_shape = _cat(op, _dims(op, indices, 0, q - 1), [1])
         grids = []
         for j in range(b):
-            column = op.Reshape(_arange(op, _dim(op, indices, j)), [1] * j + [-1] + [1] * (q - 1 - j))
+            column = op.Reshape(_arange(op, _scalar_extent(op, indices, j)), [1] * j + [-1] + [1] * (q - 1 - j))
             grids.append(op.Expand(column, grid_shape))
         idx = op.Concat(*grids, idx, axis=-1)
     if op.opset >= 16:
@@ -436,25 +437,16 @@ def gather_nd(op, node, dY):
     return {"data": _scatter_nd_add_onehot(op, X, idx, dY, b + k)}
 
 
-def _as_float(op, mask, *likes):
-    """A boolean mask as 0/1 in the dtype of the first of ``likes`` whose dtype is known."""
-    dtype = next((v.dtype for v in likes if v.dtype is not None), None)
-    if dtype is not None:
-        return op.Cast(mask, to=int(dtype))
-    shapes.require_opset(op, 15, "the gradient's dtype is unknown and CastLike")
-    return op.CastLike(mask, likes[0])
-
-
 def _scatter_nd_add_onehot(op, X, idx, g, n: int):
     """ScatterND-add of g into zeros like X at the n-tuples idx (non-negative), before opset 16:
     each tuple becomes a linear index p into X's first n axes, and dX = onehot(p)ᵀ · g, with g
     and dX flattened to (tuples, rest) and (positions, rest)."""
-    linear, positions = op.Gather(idx, 0, axis=-1), _dim(op, X, 0)
+    linear, positions = op.Gather(idx, 0, axis=-1), _scalar_extent(op, X, 0)
     for j in range(1, n):
-        d = _dim(op, X, j)
+        d = _scalar_extent(op, X, j)
         linear = op.Add(op.Mul(linear, d), op.Gather(idx, j, axis=-1))
         positions = positions * d if isinstance(positions, int) and isinstance(d, int) else op.Mul(positions, d)
-    hot = _as_float(op, op.Equal(op.Reshape(linear, [-1, 1]), op.Reshape(_arange(op, positions), [1, -1])), g, X)
+    hot = shapes.cast_like(op, op.Equal(op.Reshape(linear, [-1, 1]), op.Reshape(_arange(op, positions), [1, -1])), g, X)
     r = shapes.known_rank(X)
     rest = _dims(op, X, n, r)
     rest = [int(np.prod(rest))] if isinstance(rest, list) else op.ReduceProd(rest, keepdims=1)
@@ -475,4 +467,4 @@ def compress(op, node, dY):
         return {"input": _reshape_to(op, _scatter_axis(op, dY, idx, n, 0, 1, add=False), X)}
     r = shapes.known_rank(X)
     a = shapes.normalize_axis(axis, r)
-    return {"input": _scatter_axis(op, dY, idx, _dim(op, X, a), a, r, add=False)}
+    return {"input": _scatter_axis(op, dY, idx, _scalar_extent(op, X, a), a, r, add=False)}

@@ -31,10 +31,10 @@ from onnx_autodiff.modelfile import (
 from onnx_autodiff.passes.inference import onnx_inferred
 from onnx_autodiff.passes.lora import adapted
 from onnx_autodiff.passes.autodiff import backward_trial
-from onnx_autodiff.passes.opsets import upgraded_for
+from onnx_autodiff.passes.opsets import default_opset, upgraded_for
 from onnx_autodiff.passes.parameters import default_parameters
-from onnx_autodiff.rules.builder import Namer, OpBuilder
-from onnx_autodiff.training.losses import LossSpec, attach_loss, model_opset
+from onnx_autodiff.rules.builder import FLOAT_TYPES, Namer, OpBuilder
+from onnx_autodiff.training.losses import LossSpec, attach_loss
 from onnx_autodiff.training.optimizers import (
     emit_update,
     make_optimizer,
@@ -208,7 +208,6 @@ def _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=Non
     graph = proto.graph
     inits = {t.name: t for t in graph.initializer}
     inputs = {v.name for v in graph.input}
-    float_types = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
     opset = _default_opset(proto)
     stats: list[str] = []
     for node in graph.node:
@@ -246,7 +245,7 @@ def _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=Non
     else:
         params = check(requires_grad, "parameter")
         for name in params:
-            if inits[name].data_type not in float_types:
+            if inits[name].data_type not in FLOAT_TYPES:
                 dtype = onnx.TensorProto.DataType.Name(inits[name].data_type)
                 raise NotDifferentiableError(f"parameter '{name}' is a {dtype} initializer; only floating-point initializers can be trained")
             if name in frozen:
@@ -488,7 +487,7 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     ir.passes.PassManager(cleanup_passes())(model)
     loss, grads = graph.outputs[0], list(graph.outputs[1:])
     namer = Namer.for_graph(graph, prefix="opt")
-    op = OpBuilder(model_opset(model), namer, dict(model.opset_imports))
+    op = OpBuilder(default_opset(model), namer, dict(model.opset_imports))
     inputs_by_name = {v.name: v for v in graph.inputs}
     params = [inputs_by_name[p] for p in roles.params]
     taken: set = set()
@@ -558,7 +557,7 @@ def _build_eval(proto, roles: _Roles, loss_spec):
     batch = [v for v in graph.inputs if v.name not in set(roles.params) | set(roles.buffers)]
     reads = [v for v in graph.inputs if v.name in set(roles.params) | set(roles.buffers)]
     loss, labels, others = attach_loss(model, namer, loss_spec)
-    op = OpBuilder(model_opset(model), namer, dict(model.opset_imports))
+    op = OpBuilder(default_opset(model), namer, dict(model.opset_imports))
     taken: set = set()
     loss_out = _publish(op, namer, loss, "loss", taken) if loss.is_graph_input() else loss
     taken.add(loss_out)

@@ -10,6 +10,8 @@ import onnx
 import onnx_ir as ir
 
 from onnx_autodiff.errors import TrainingError, UnknownValueError
+from onnx_autodiff.passes.opsets import default_opset
+from onnx_autodiff.rules import shapes
 from onnx_autodiff.rules.builder import FLOAT_TYPES, Namer, OpBuilder
 from onnx_autodiff.training.values import dim_value, fresh_value, shape_text
 
@@ -47,13 +49,13 @@ def attach_loss(model: ir.Model, namer: Namer, spec: LossSpec):
     y = outputs[names.index(spec.output)] if spec.output is not None else outputs[0]
     if y.dtype not in FLOAT_TYPES:
         raise TrainingError(f"output '{y.name}' is {y.dtype}, not a floating-point value a loss can apply to")
-    op = OpBuilder(model_opset(model), namer, dict(model.opset_imports))
+    op = OpBuilder(default_opset(model), namer, dict(model.opset_imports))
     if isinstance(spec.loss, str):
         if spec.loss not in LOSSES:
             raise TrainingError(f"unknown loss {spec.loss!r}: use one of {', '.join(LOSSES)}, None (the model's output is the loss) or a callable")
         label_name = spec.labels if isinstance(spec.labels, str) else "labels"
         if spec.loss == "cross_entropy":
-            rank = len(y.shape) if y.shape is not None else None
+            rank = shapes.rank(y)
             if rank is None or rank < 2:
                 raise TrainingError(f"cross_entropy needs logits of shape [N, C, ...]; output '{y.name}' has shape {y.shape}")
             if op.opset < 13:
@@ -79,10 +81,6 @@ def attach_loss(model: ir.Model, namer: Namer, spec: LossSpec):
     loss.name = namer.fresh("loss")
     loss.type, loss.shape = ir.TensorType(y.dtype), ir.Shape([])
     return loss, labels, outputs
-
-
-def model_opset(model: ir.Model) -> int:
-    return model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
 
 
 def _builtin_loss(op: OpBuilder, name: str, y: ir.Value, t: ir.Value) -> ir.Value:

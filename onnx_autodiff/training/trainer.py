@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx_autodiff.errors import BatchError, TrainingError
 from onnx_autodiff.modelfile import from_proto, over_limit, save_model, tensor_array, to_inline_proto, uses_external_data
 from onnx_autodiff.passes.graphs import proto_graphs
-from onnx_autodiff.rules.builder import Namer
+from onnx_autodiff.rules.builder import FLOAT_TYPES, Namer
 from onnx_autodiff.training import distributed
 from onnx_autodiff.training.artifacts import TrainingArtifacts
 from onnx_autodiff.files import write_atomically
@@ -49,8 +49,7 @@ def _with_finite_flag(proto: onnx.ModelProto, names: Sequence[str]) -> tuple[byt
     a step is checked on the device without copying the new values to the host; a finite sum that
     overflows does too, which the caller rules out on the host (rare, so the usual step stays cheap)."""
     types = {v.name: v.type.tensor_type.elem_type for v in proto.graph.output}
-    floats = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16)
-    names = [n for n in names if types.get(n) in floats]
+    names = [n for n in names if types.get(n) in FLOAT_TYPES]
     if not names:
         return proto.SerializeToString(), None
     namer = Namer(_names(proto.graph), prefix="finite")

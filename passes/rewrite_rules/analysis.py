@@ -8,14 +8,16 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter._basics import MatchResult
 
+from onnx_autodiff.passes.opsets import default_opset
 from onnx_autodiff.rules import shapes
+from onnx_autodiff.rules.builder import CONSTANT_TYPES_BEFORE_9, FLOAT_TYPES
 
 # Dims of a value: per axis an int (static), a str (named symbolic) or None (unknown).
 Dims = tuple
 SMALL = 16  # a zero tensor at most this large becomes a Constant, a larger one a ConstantOfShape
+dims, rank = shapes.dims, shapes.rank  # the cleanup's rules read them from here with the rest
 
-_FLOATS = {ir.DataType.FLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE}  # Constant's types before opset 9
-_CASTABLE = {*_FLOATS, ir.DataType.BFLOAT16, ir.DataType.BOOL,
+_CASTABLE = {*FLOAT_TYPES, ir.DataType.BOOL,
              *(t for t in ir.DataType if t.name.startswith(("INT", "UINT")) and t.bitwidth >= 8)}
 
 
@@ -27,11 +29,7 @@ def verdict(holds: bool, reason: str) -> MatchResult:
 
 def opset(model: ir.Model) -> int:
     """The model's default-domain opset (the rules' conditions on it read the model's, in every graph)."""
-    return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
-
-
-def dims(value: ir.Value | None) -> Dims | None:
-    return None if value is None else shapes.dims(value)
+    return default_opset(model) or 1
 
 
 def static(d: Dims | None) -> bool:
@@ -127,11 +125,6 @@ def perm(node: ir.Node, rank: int | None) -> list[int] | None:
     return None if rank is None else list(reversed(range(rank)))
 
 
-def rank(value: ir.Value | None) -> int | None:
-    d = dims(value)
-    return None if d is None else len(d)
-
-
 def produced_by(value: ir.Value | None, op_type: str) -> ir.Node | None:
     """The default-domain ``op_type`` node producing ``value``, if that is what produces it."""
     node = None if value is None else value.producer()
@@ -166,7 +159,7 @@ def zeros_fit(like: ir.Value, opset_: int) -> bool:
     shape = dims(like)
     if not static(shape) or like.dtype is None or like.dtype.numpy().kind not in "biuf":
         return False
-    return opset_ >= 9 or _size(shape) <= SMALL and like.dtype in _FLOATS
+    return opset_ >= 9 or _size(shape) <= SMALL and like.dtype in CONSTANT_TYPES_BEFORE_9
 
 
 def zeros(op, like: ir.Value) -> ir.Value:
