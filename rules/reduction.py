@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from onnx_autodiff.errors import RuleError
 from onnx_autodiff.rules import shapes
 from onnx_autodiff.rules.registry import rule
 
@@ -52,14 +51,8 @@ def _reduce(op, node, op_type, x):
     return op.reduce(op_type, x, axes, keepdims=True, noop_with_empty_axes=noop or None)
 
 
-def _need(op, opset, why):
-    if op.opset < opset:
-        raise RuleError(f"this gradient needs {why}, from opset {opset}; the model has opset "
-                        f"{op.opset}: convert it with onnx.version_converter")
-
-
 def _expand(op, g, x):
-    _need(op, 8, "Expand")
+    shapes.require_opset(op, 8, "this gradient's Expand")
     shape = shapes.static_shape(x)
     return op.Expand(g, list(shape) if shape is not None else op.Shape(x))
 
@@ -109,7 +102,7 @@ def reduce_l1(op, node, dY):
 @rule("ReduceL2", differentiable=("data",))
 def reduce_l2(op, node, dY):
     """Y = sqrt(Σ X²); dX = X dY / Y"""
-    _need(op, 11, "Equal on floats")
+    shapes.require_opset(op, 11, "this gradient's Equal on floats")
     Yk = _kept(op, node, node.outputs[0])
     safe = op.Add(Yk, shapes.cast_like(op, op.Equal(Yk, 0.0), Yk))  # Y = 0 only when X = 0 there
     return {"data": op.Mul(node.inputs[0], op.Div(_kept(op, node, dY), safe))}
@@ -132,7 +125,7 @@ def reduce_log_sum_exp(op, node, dY):
 @rule("ReduceProd", differentiable=("data",))
 def reduce_prod(op, node, dY):
     """Y = Π X; dX_i = dY Π_{j≠i} X_j, computed without dividing by zero"""
-    _need(op, 11, "Equal on floats")
+    shapes.require_opset(op, 11, "this gradient's Equal on floats")
     X = node.inputs[0]
     is_zero = op.Equal(X, 0.0)
     zero_count = shapes.cast_like(op, is_zero, X)
@@ -145,7 +138,7 @@ def reduce_prod(op, node, dY):
 
 def _extremum(op, node, dY):
     """dX = dY / k at the k elements equal to the slice's extremum, 0 elsewhere."""
-    _need(op, 11, "Equal on floats")
+    shapes.require_opset(op, 11, "this gradient's Equal on floats")
     X = node.inputs[0]
     mask = shapes.cast_like(op, op.Equal(X, _kept(op, node, node.outputs[0])), X)
     share = op.Div(_kept(op, node, dY), _reduce(op, node, "ReduceSum", mask))
