@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import onnx
 import onnx_ir as ir
 from onnx_autodiff.passes import progress, rewrites
-from onnx_autodiff.passes.graphs import all_graphs, subgraphs
+from onnx_autodiff.passes.graphs import all_graphs, detach, subgraphs
 from onnx_autodiff.passes.metadata import DIFFERENTIATED_KEY, differentiated  # noqa: F401 - DIFFERENTIATED_KEY: public here too
 from onnx_autodiff.passes.progress import collector_paused
 from onnx_autodiff.passes.rewrite_rules import RuleIndex, analysis, cleanup_rules, lowering_rules
@@ -160,11 +160,11 @@ class CleanupPass(ir.passes.InPlacePass):
             return False
         if node.domain == "" and node.op_type == "Transpose":
             shape = analysis.dims(node.inputs[0])
-            if shape is None or not all(isinstance(d, int) for d in shape) or _size(shape) > self.fold_limit:
+            if not analysis.static(shape) or analysis.size(shape) > self.fold_limit:
                 return False
         if node.domain == "" and node.op_type in ("ConstantOfShape", "Expand"):
             out = analysis.dims(node.outputs[0])
-            if out is None or not all(isinstance(d, int) for d in out) or _size(out) > analysis.SMALL:
+            if not analysis.static(out) or analysis.size(out) > analysis.SMALL:
                 return False
         return None
 
@@ -225,18 +225,12 @@ def _remove_dead(graph: ir.Graph) -> int:
             continue
         for sub in subgraphs(node):
             for inner in ir.traversal.RecursiveGraphIterator(sub):
-                _detach(inner)
-        _detach(node)  # its producers, further up, may then be dead too
+                detach(inner)
+        detach(node)  # its producers, further up, may then be dead too
         dead.append(node)
     if dead:  # at once: each removal copies the list of graph outputs
         graph.remove(dead)
     return removed + len(dead)
-
-
-def _detach(node: ir.Node) -> None:
-    for i, value in enumerate(node.inputs):
-        if value is not None:
-            node.replace_input_with(i, None)
 
 
 # Ops whose equal calls may give different results: never merged.
@@ -434,12 +428,6 @@ def _lift_constants(model: ir.Model) -> bool:
         lifted = True
     return lifted
 
-
-def _size(shape) -> int:
-    size = 1
-    for d in shape:
-        size *= d
-    return size
 
 
 def _drop_folding_notes(graphs: list[ir.Graph]) -> None:

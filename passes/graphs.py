@@ -71,3 +71,11 @@ def proto_graphs(graph: onnx.GraphProto):
         for attribute in node.attribute:
             for sub in [attribute.g] if attribute.HasField("g") else attribute.graphs:
                 yield from proto_graphs(sub)
+
+
+def detach(*nodes: ir.Node) -> None:
+    """Disconnect the nodes' inputs, so that they no longer count as uses of what they read."""
+    for node in nodes:
+        for i, value in enumerate(node.inputs):
+            if value is not None:
+                node.replace_input_with(i, None)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import onnx_ir as ir
 
-from onnx_autodiff.passes.graphs import all_graphs
+from onnx_autodiff.passes.graphs import all_graphs, detach
 from onnx_autodiff.passes.metadata import GRAD_OF
 from onnx_autodiff.passes.rewrite_rules import RuleIndex, cleanup_rules
 from onnx_autodiff.passes.rewrite_rules.analysis import renamable
@@ -69,20 +69,20 @@ class Rewriter:
                 continue
             value, made = delta.new_outputs[0], list(delta.new_nodes)
             if len(delta.match.outputs) != 1 or delta.match.outputs[0] is not node.outputs[0]:
-                _detach(made)  # (a new node's inputs count as uses of what they read)
+                detach(*made)  # (a new node's inputs count as uses of what they read)
                 continue
             for tensor in delta.new_initializers:
                 graph.initializers.setdefault(tensor.name, tensor)
             if len(made) == 1 and made[0].op_type == "Identity" and made[0].domain == "" and value is made[0].outputs[0]:
                 value = made[0].inputs[0]
-                _detach(made)
+                detach(*made)
                 return value, []  # the node is a no-op: its readers read the input
             return value, made
         return None
 
     def drop(self, node: ir.Node) -> None:
         """Take ``node``, whose outputs nothing reads any more, out of the graph (at the end of the sweep)."""
-        _detach([node])
+        detach(node)
         self.dropped.setdefault(node.graph, []).append(node)
         self._gone.add(node)
         self.count += 1
@@ -140,13 +140,6 @@ class Rewriter:
                 self.set_output(graph, i, value)
         old.replace_all_uses_with(value)
         self.drop(node)
-
-
-def _detach(nodes: list[ir.Node]) -> None:
-    for node in nodes:
-        for i, value in enumerate(node.inputs):
-            if value is not None:
-                node.replace_input_with(i, None)
 
 
 def _all_values(graphs: list[ir.Graph]) -> Iterator[ir.Value]:

@@ -16,12 +16,6 @@ from onnx_autodiff.rules.builder import FLOAT_TYPES
 from onnx_autodiff.rules.registry import rule
 
 
-def _typed_like(values, likes):
-    for value, like in zip(values, likes):
-        value.type, value.shape = like.type, like.shape
-    return values
-
-
 def _branch_vjp(op, branch, dYs, wanted, name):
     """A subgraph with no inputs computing Σ dY·∂out/∂w for the wanted outer values w."""
     body = op.child()
@@ -29,7 +23,7 @@ def _branch_vjp(op, branch, dYs, wanted, name):
     grads = body.differentiate(nodes, list(zip(outputs, dYs)), wanted)
     grads = [shapes.zeros_like(body, w) if g is None else g for g, w in zip(grads, wanted)]
     graph = body.graph([], grads, name=name)
-    _typed_like(graph.outputs, wanted)
+    shapes.typed_like(graph.outputs, wanted)
     return graph
 
 
@@ -49,7 +43,7 @@ def if_(op, node, *dYs, captures):
     else_branch = _branch_vjp(op, shapes.attr(node, "else_branch"), dYs, wanted, "else_grad")
     grads = op.If(node.inputs[0], then_branch=then_branch, else_branch=else_branch, _outputs=len(wanted))
     grads = grads if isinstance(grads, tuple) else (grads,)
-    return dict(zip(wanted, _typed_like(grads, wanted)))
+    return dict(zip(wanted, shapes.typed_like(grads, wanted)))
 
 
 def _fresh_inputs(op, likes):
@@ -88,7 +82,7 @@ def loop(op, node, *dYs, captures):
     dv_in = _fresh_inputs(reverse, [body.inputs[2 + k] for k in floats])
     acc_in = _fresh_inputs(reverse, wanted)
     index = reverse.Sub(reverse.Sub(count, reverse.const(np.array(1, np.int64))), step)
-    values = _typed_like([reverse.Gather(s, index) for s in (stacked_cond, *stacked_v)], body.inputs[1:])
+    values = shapes.typed_like([reverse.Gather(s, index) for s in (stacked_cond, *stacked_v)], body.inputs[1:])
     recomputed, nodes = reverse.inline(body, [index, *values])
     seeds = [(recomputed[1 + k], dv) for k, dv in zip(floats, dv_in)]
     seeds += [(recomputed[1 + carried + j], reverse.Gather(dY, index))
@@ -106,7 +100,7 @@ def loop(op, node, *dYs, captures):
     acc_init = [shapes.zeros_like(op, w) for w in wanted]
     results = op.Loop(count, None, *dv_init, *acc_init, body=reverse_graph, _outputs=len(floats) + len(wanted))
     results = results if isinstance(results, tuple) else (results,)
-    _typed_like(results, [*(node.inputs[2 + k] for k in floats), *wanted])
+    shapes.typed_like(results, [*(node.inputs[2 + k] for k in floats), *wanted])
     grads = {w: g for w, g in zip(wanted, results[len(floats):])}
     grads["v_initial"] = [None] * carried
     for k, g in zip(floats, results):
@@ -191,8 +185,8 @@ def scan(op, node, *dYs, captures):
     ds_in = _fresh_inputs(reverse, [body.inputs[k] for k in floats_s])
     acc_in = _fresh_inputs(reverse, wanted)
     index = reverse.Sub(reverse.Sub(count, reverse.const(np.array(1, np.int64))), step)
-    step_states = _typed_like([reverse.Gather(s, index) for s in stacked], body.inputs[:n_state])
-    step_xs = _typed_like([reverse.Gather(x, index) for x in fronts], body.inputs[n_state:])
+    step_states = shapes.typed_like([reverse.Gather(s, index) for s in stacked], body.inputs[:n_state])
+    step_xs = shapes.typed_like([reverse.Gather(x, index) for x in fronts], body.inputs[n_state:])
     recomputed, nodes = reverse.inline(body, [*step_states, *step_xs])
     seeds = [(recomputed[k], ds) for k, ds in zip(floats_s, ds_in)]
     seeds += [(recomputed[n_state + m], reverse.Gather(d, index)) for m, d in enumerate(d_outs) if d is not None]
@@ -210,7 +204,7 @@ def scan(op, node, *dYs, captures):
     acc_init = [shapes.zeros_like(op, w) for w in wanted]
     results = op.Loop(count, None, *ds_init, *acc_init, body=reverse_graph, _outputs=n_s + len(wanted) + n_x)
     results = results if isinstance(results, tuple) else (results,)
-    _typed_like(results[: n_s + len(wanted)], [*(states[k] for k in floats_s), *wanted])
+    shapes.typed_like(results[: n_s + len(wanted)], [*(states[k] for k in floats_s), *wanted])
     for g, j in zip(results[n_s + len(wanted):], floats_x):
         g.dtype = xs[j].dtype
     gradients: dict = {w: g for w, g in zip(wanted, results[n_s:n_s + len(wanted)])}

@@ -194,6 +194,14 @@ def cast_like(op: OpBuilder, value: ir.Value, *likes: ir.Value) -> ir.Value:
     return value if value.dtype == dtype else op.Cast(value, to=int(dtype))
 
 
+def typed_like(values: Sequence[ir.Value], likes: Sequence[ir.Value]) -> Sequence[ir.Value]:
+    """Give each of ``values`` the type and shape of its counterpart in ``likes`` (new values of
+    the same tensors, as a subgraph's or an If's outputs); returns ``values``."""
+    for value, like in zip(values, likes):
+        value.type, value.shape = like.type, like.shape
+    return values
+
+
 def fill_like(op: OpBuilder, x: ir.Value, fill: float) -> ir.Value:
     """A tensor of x's shape and dtype filled with ``fill``."""
     shape = static_shape(x)

@@ -9,6 +9,7 @@ import onnx_ir as ir
 
 from onnx_autodiff.errors import TrainingError
 from onnx_autodiff.rules.builder import Namer, OpBuilder
+from onnx_autodiff.rules.shapes import typed_like
 from onnx_autodiff.training.values import dim_value, fresh_value
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -121,8 +122,7 @@ def when_kept(op: OpBuilder, kept: ir.Value, build, olds: list[ir.Value]) -> lis
     news = list(news) if isinstance(news, tuple) else [news]
     # typed and shaped like the old values, not left to shape inference (each is a new value of one)
     for values in (then_branch.outputs, else_branch.outputs, news):
-        for value, like in zip(values, olds):
-            value.type, value.shape = like.type, like.shape
+        typed_like(values, olds)
     return news
 
 

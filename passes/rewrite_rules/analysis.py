@@ -159,13 +159,13 @@ def zeros_fit(like: ir.Value, opset_: int) -> bool:
     shape = dims(like)
     if not static(shape) or like.dtype is None or like.dtype.numpy().kind not in "biuf":
         return False
-    return opset_ >= 9 or _size(shape) <= SMALL and like.dtype in CONSTANT_TYPES_BEFORE_9
+    return opset_ >= 9 or size(shape) <= SMALL and like.dtype in CONSTANT_TYPES_BEFORE_9
 
 
 def zeros(op, like: ir.Value) -> ir.Value:
     """Zeros of ``like``'s static shape and dtype: a Constant when small, else ConstantOfShape."""
     shape, dtype = dims(like), like.dtype.numpy()
-    if _size(shape) <= SMALL:
+    if size(shape) <= SMALL:
         return constant(op, np.zeros(shape, dtype))
     return op.ConstantOfShape(constant(op, np.array(shape, np.int64)), value=ir.tensor(np.zeros([1], dtype)))
 
@@ -179,5 +179,6 @@ def constant(op, array: np.ndarray) -> ir.Value:
     return value
 
 
-def _size(shape: Dims) -> int:
+def size(shape: Dims) -> int:
+    """The number of elements of a static shape."""
     return int(np.prod(shape, dtype=np.int64))

@@ -123,9 +123,10 @@ def _keeps_shape(context, node: ir.Node) -> MatchResult:
     return verdict(ones, "the shape changes")
 
 
-def _same_shape(op_type: str) -> RewriteRule:
+def _returns_its_input(op_type: str, check) -> RewriteRule:
+    """``op_type`` of x (other inputs allowed) is x where ``check`` holds."""
     def pattern(op, x):
-        return getattr(op, op_type)(x, _allow_other_inputs=True, _check=_keeps_shape)
+        return getattr(op, op_type)(x, _allow_other_inputs=True, _check=check)
 
     return RewriteRule(pattern, _input_itself, name=f"no_op_{op_type.lower()}", remove_nodes=False)
 
@@ -143,13 +144,6 @@ def _reduces_nothing(context, node: ir.Node) -> MatchResult:
     r = len(dims(x))
     holds = all(-r <= a < r and dims(x)[a] == 1 for a in reduced) and x.dtype == node.outputs[0].dtype
     return verdict(holds, "an axis longer than 1")
-
-
-def _reduction(op_type: str) -> RewriteRule:
-    def pattern(op, x):
-        return getattr(op, op_type)(x, _allow_other_inputs=True, _check=_reduces_nothing)
-
-    return RewriteRule(pattern, _input_itself, name=f"no_op_{op_type.lower()}", remove_nodes=False)
 
 
 def _squeeze_of_unsqueeze(op, x):
@@ -179,8 +173,8 @@ def rules() -> list[RewriteRule]:
         *(_by_neutral(op_type) for op_type in _NEUTRAL),
         RewriteRule(_sum_with_zeros, _sum_of_the_rest, name="sum_without_zeros", remove_nodes=False),
         RewriteRule(_identity, _input_itself, name="identity", remove_nodes=False),
-        *(_same_shape(op_type) for op_type in _SAME_SHAPE_IDENTITY),
-        *(_reduction(op_type) for op_type in _REDUCE_IDENTITY),
+        *(_returns_its_input(op_type, _keeps_shape) for op_type in _SAME_SHAPE_IDENTITY),
+        *(_returns_its_input(op_type, _reduces_nothing) for op_type in _REDUCE_IDENTITY),
         RewriteRule(_squeeze_of_unsqueeze, _input_itself, _squeezes_what_was_unsqueezed,
                     name="squeeze_of_unsqueeze", remove_nodes=False),
         RewriteRule(_unsqueeze_of_squeeze, _input_itself, _unsqueezes_what_was_squeezed,
