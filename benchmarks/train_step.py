@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_autodiff.passes.graphs import proto_graphs
+from onnx_autodiff.toolkit import proto_graphs
 from onnx_autodiff.training import Trainer, generate_artifacts
 
 

@@ -20,7 +20,7 @@ import onnx_ir as ir
 
 from onnx_autodiff.errors import UnsupportedModelError
 from onnx_autodiff.files import write_atomically
-from onnx_autodiff.passes.graphs import proto_graphs
+from onnx_autodiff.toolkit import proto_graphs
 
 PROTO_LIMIT = 2**31  # bytes: protobuf's limit on one serialised message
 _GRAPH_ROOM = 2**26  # bytes left for the graph itself when deciding from the tensors' size

@@ -6,7 +6,6 @@ import heapq
 from collections.abc import Sequence
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 
 from onnx_autodiff.errors import (
@@ -20,14 +19,14 @@ from onnx_autodiff.errors import (
     names_summary,
 )
 from onnx_autodiff.passes import progress
-from onnx_autodiff.passes.graphs import captured_values, graph_and_subgraphs, subgraphs
 from onnx_autodiff.passes.metadata import GRAD_OF, grad_of_tag, record_differentiated
 from onnx_autodiff.passes.opsets import build_upgrading
 from onnx_autodiff.passes.parameters import default_parameters
 from onnx_autodiff.passes.patterns import Match, grouped
 from onnx_autodiff.passes.progress import collector_paused
-from onnx_autodiff.rules import GradRegistry, GradRule, default_registry, shapes
-from onnx_autodiff.rules.builder import FLOAT_TYPES, Namer, OpBuilder, may_be_float
+from onnx_autodiff.rules import GradRegistry, GradRule, default_registry
+from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, captured_values, may_be_float, shapes, subgraphs
+from onnx_autodiff.toolkit.inference import infer_output_types, infer_shapes
 
 
 DEFAULT_OPSET = 18  # the default-domain version backward nodes use when the model imports none
@@ -201,7 +200,7 @@ class Backward:
         for i, saved in zip(indices, rule.saves):
             if not node.outputs[i].name:
                 node.outputs[i].name = self.op.namer.fresh(f"{stem}_{saved}")
-        _infer_output_types(node, self.opset_of(node), [node.outputs[i] for i in indices])
+        infer_output_types(node, self.opset_of(node), [node.outputs[i] for i in indices])
 
     def _forward_reach(self, xs: Sequence[ir.Value], order: Sequence[ir.Node]):
         reached: set[ir.Value] = set(xs)
@@ -339,59 +338,12 @@ def _missing_rules_error(entries: list[tuple[tuple, str, str]], seeds, xs) -> Mi
     return error
 
 
-def _infer_output_types(node: ir.Node, opset: int, outputs: Sequence[ir.Value]) -> None:
-    """Sets the type (and shape, when inferred) of the node's ``outputs`` from the op's schema."""
-    from onnx_autodiff.passes.inference import infer_node_types
-
-    try:
-        schema = onnx.defs.get_schema(node.op_type, opset, node.domain)
-    except onnx.defs.SchemaError:  # without a type the rule still works in its input's type
-        return
-    inferred = infer_node_types(node, schema, [v for v in node.inputs if v is not None and v.type is not None])
-    for value in outputs:
-        found = inferred.get(value.name)
-        if found is not None and found.HasField("tensor_type"):
-            value.type = ir.serde.deserialize_type_proto_for_type(found)
-            value.shape = ir.serde.deserialize_type_proto_for_shape(found)
-
-
-def infer_shapes(model: ir.Model) -> None:
-    """Fill in the types and shapes onnx's inference finds, then complete them node by node
-    (``passes.inference``); where neither finds a shape, the value is left as it is.
-
-    Unlike onnx-ir's ShapeInferencePass, a value without a type takes the inferred type whole,
-    so sequence values stay sequences (that pass turns them into tensors of the element type).
-    """
-    from onnx_autodiff.passes.inference import complete_shapes
-
+def _infer_shapes_stage(model: ir.Model) -> None:
+    """The toolkit's :func:`~onnx_autodiff.toolkit.inference.infer_shapes`, as the build's "shapes"
+    stage (progress is the passes' concern, not the toolkit's)."""
     progress.report("shapes", 0, 1)
     with collector_paused():
-        _infer_model_shapes(model)
-        complete_shapes(model.graph, model.opset_imports)
-
-
-def _infer_model_shapes(model: ir.Model) -> None:
-    from onnx_autodiff.passes.inference import frozen_shape, inferred_types, onnx_inferred
-
-    proto = onnx_inferred(ir.to_proto(model))
-    if proto is None:
-        return
-    # Read from the inferred value_info: deserialising the whole model costs several times more.
-    known = inferred_types(proto)
-    seen: dict[bytes, ir.Shape | None] = {}
-    for graph in graph_and_subgraphs(model.graph):  # (model.graphs() walks them several times slower)
-        for name, value in ir.convenience.create_value_mapping(graph, include_subgraphs=False).items():
-            found = known.get(name)
-            if found is None:
-                continue
-            if value.type is None:
-                kind = ir.serde.deserialize_type_proto_for_type(found)
-                if kind is None:
-                    continue
-                value.type = kind
-            shape = frozen_shape(found, seen)
-            if shape is not None and value.shape != shape:
-                value.shape = shape
+        infer_shapes(model)
 
 
 def find_value(graph: ir.Graph | ir.Function, name: str, role: str) -> ir.Value:
@@ -501,7 +453,7 @@ class AutodiffPass(ir.passes.InPlacePass):
     def _build(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         if self.infer_shapes:
-            infer_shapes(model)
+            _infer_shapes_stage(model)
         y = find_value(graph, self.of, "of")
         _check_differentiable(y, "of")
         xs = self._variables(model)
@@ -586,7 +538,7 @@ def backward_trial(of: Sequence[str], wrt: Sequence[str] | None = None,
     registry = registry or default_registry()
 
     def trial(model: ir.Model) -> None:
-        infer_shapes(model)
+        _infer_shapes_stage(model)
         graph = model.graph
         xs, _ = choose_variables(model, wrt, registry)
         ys = [find_value(graph, name, "of") for name in of]

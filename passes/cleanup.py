@@ -32,18 +32,16 @@ from collections.abc import Sequence
 import onnx
 import onnx_ir as ir
 from onnx_autodiff.passes import progress, rewrites
-from onnx_autodiff.passes.graphs import all_graphs, detach, subgraphs
 from onnx_autodiff.passes.metadata import DIFFERENTIATED_KEY, differentiated  # noqa: F401 - DIFFERENTIATED_KEY: public here too
+from onnx_autodiff.passes.outline import OutlinePass
 from onnx_autodiff.passes.progress import collector_paused
 from onnx_autodiff.passes.rewrite_rules import RuleIndex, analysis, cleanup_rules, lowering_rules
-from onnx_autodiff.rules.builder import FLOAT_TYPES
+from onnx_autodiff.toolkit import FLOAT_TYPES, all_graphs, detach, subgraphs
+from onnx_autodiff.toolkit.inference import infer_shapes
 from onnx_ir.passes import common
+from onnxscript.optimizer import FOLDED_FROM_KEY, fold_constants
 
 FOLD_LIMIT = 1024  # elements: larger folded tensors stay computed (a seed Expand(1, Shape(y)) stays a node)
-# Values without a shape up to which each one's node is inferred alone first, whatever the graph
-# inputs' shapes (the few the rewrites made): onnx's inference of the whole model costs as much for
-# a few values as for all of them. With static inputs the nodes are always inferred alone first.
-BY_NODE = 1000
 
 
 def _with_gradient_output(graph: ir.Graph) -> set[str]:
@@ -106,7 +104,7 @@ class CleanupPass(ir.passes.InPlacePass):
                 if changed:  # folding can make more shapes known (a Reshape to a folded Shape)
                     progress.report(stage, 0, 5)
                     _restore(hidden)
-                    infer_missing_shapes(model)
+                    infer_shapes(model, missing_only=True)
                     hidden = _hide(protected)
                 # Common subexpressions in every round: the one that finds the fixed point checks them too.
                 progress.report(stage, 1, 5)
@@ -139,8 +137,6 @@ class CleanupPass(ir.passes.InPlacePass):
         # graph inputs (IR version 4 on): older models get the local rewrites only.
         if not self.fold or analysis.opset(model) < 12 or (model.ir_version or 0) < 4:
             return False
-        from onnxscript.optimizer import fold_constants
-
         # The folder's final NameFixPass names absent optional outputs ("" in ONNX), which then
         # count as present (Attention's present_key with nonpad_kv_seqlen is invalid): undo that.
         absent = [out for graph in graphs for node in graph for out in node.outputs if not out.name]
@@ -170,34 +166,9 @@ class CleanupPass(ir.passes.InPlacePass):
 
 
 def infer_missing_shapes(model: ir.Model) -> None:
-    """Give the main graph's node outputs that lack a shape the one onnx's inference finds.
-
-    The rewrites decide from shapes, which the backward values lack. Static shapes come from each
-    node's own inference where that is cheaper (:func:`~onnx_autodiff.passes.inference.static_by_node`);
-    the whole model's inference gives the rest, read from its value_info directly: deserialising
-    the whole inferred model costs ten times more.
-    """
-    from onnx_autodiff.passes.inference import frozen_shape, onnx_inferred, static_by_node
-
-    missing = {v.name: v for node in model.graph for v in node.outputs
-               if (v.shape is None or v.type is None) and v.name}
-    if missing and (len(missing) <= BY_NODE or all(analysis.static(analysis.dims(v)) for v in model.graph.inputs)):
-        missing = static_by_node(model.graph, missing, model.opset_imports)
-    if not missing:
-        return
-    proto = onnx_inferred(ir.to_proto(model))
-    if proto is None:  # without shapes fewer rewrites apply
-        return
-    seen: dict[bytes, ir.Shape | None] = {}
-    for info in (*proto.graph.value_info, *proto.graph.output):
-        value = missing.get(info.name)
-        if value is None or not info.type.WhichOneof("value"):
-            continue
-        if value.type is None:
-            value.type = ir.serde.deserialize_type_proto_for_type(info.type)
-        shape = frozen_shape(info.type, seen)
-        if value.shape is None and shape is not None:
-            value.shape = shape
+    """``infer_shapes(model, missing_only=True)`` (:func:`onnx_autodiff.toolkit.inference.infer_shapes`),
+    under the name it had here."""
+    infer_shapes(model, missing_only=True)
 
 
 def _hide(values: list[ir.Value]) -> dict[ir.Value, ir.TensorProtocol | None]:
@@ -432,8 +403,6 @@ def _lift_constants(model: ir.Model) -> bool:
 
 def _drop_folding_notes(graphs: list[ir.Graph]) -> None:
     """Remove the provenance notes the folder attaches to folded values (noise in saved models)."""
-    from onnxscript.optimizer import FOLDED_FROM_KEY
-
     for value in rewrites._all_values(graphs):
         value.meta.pop(FOLDED_FROM_KEY, None)
         value.metadata_props.pop(FOLDED_FROM_KEY, None)
@@ -453,7 +422,5 @@ def cleanup_passes(*, keep: Sequence[str] = (), fold: bool = True, fold_limit: i
     passes: list[ir.passes.PassBase] = [CleanupPass(keep=keep, fold=fold, fold_limit=fold_limit, cse=cse, rules=rules,
                                                     target=target)]
     if outline:
-        from onnx_autodiff.passes.outline import OutlinePass
-
         passes.append(OutlinePass())
     return passes

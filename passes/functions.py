@@ -11,13 +11,11 @@ from onnx_autodiff.errors import UnknownValueError, UnsupportedModelError
 from onnx_autodiff.passes.autodiff import (
     Backward,
     _check_differentiable,
-    captured_values,
     find_value,
     gradient_outputs,
-    infer_shapes,
 )
 from onnx_autodiff.rules import GradRegistry, default_registry
-from onnx_autodiff.rules.builder import Namer
+from onnx_autodiff.toolkit import Namer, captured_values, infer_shapes
 
 DOMAIN = "onnx_autodiff"
 

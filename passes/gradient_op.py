@@ -5,9 +5,9 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from onnx_autodiff.errors import UnsupportedModelError
-from onnx_autodiff.passes.autodiff import Backward, find_value, infer_shapes
-from onnx_autodiff.rules import GradRegistry, default_registry, shapes
-from onnx_autodiff.rules.builder import Namer
+from onnx_autodiff.passes.autodiff import Backward, find_value
+from onnx_autodiff.rules import GradRegistry, default_registry
+from onnx_autodiff.toolkit import Namer, infer_shapes, shapes
 
 TRAINING_DOMAIN = "ai.onnx.preview.training"
 

@@ -27,8 +27,7 @@ import onnx_ir as ir
 
 from onnx_autodiff.errors import TrainingError, UnknownValueError, UnsupportedModelError, names_summary
 from onnx_autodiff.passes.opsets import default_opset
-from onnx_autodiff.rules import shapes
-from onnx_autodiff.rules.builder import FLOAT_TYPES, Namer, OpBuilder
+from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, shapes
 
 NORMS = frozenset({"LayerNormalization", "BatchNormalization", "InstanceNormalization", "GroupNormalization",
                    "RMSNormalization"})

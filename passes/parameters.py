@@ -23,9 +23,8 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_autodiff.errors import AutodiffError
-from onnx_autodiff.passes.graphs import captured_values
 from onnx_autodiff.rules import GradRegistry, default_registry
-from onnx_autodiff.rules.builder import FLOAT_TYPES
+from onnx_autodiff.toolkit import FLOAT_TYPES, captured_values
 
 EXPORTER_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"
 

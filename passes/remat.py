@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from onnx_autodiff.rules.builder import Namer
+from onnx_autodiff.toolkit import Namer
 
 CHEAP = frozenset({
     "Abs", "Add", "Cast", "Div", "Exp", "Gelu", "Identity", "LeakyRelu", "Mul", "Neg",

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import onnx_ir as ir
 
-from onnx_autodiff.passes.graphs import all_graphs, detach
+from onnx_autodiff.toolkit import all_graphs, detach
 from onnx_autodiff.passes.metadata import GRAD_OF
 from onnx_autodiff.passes.rewrite_rules import RuleIndex, cleanup_rules
 from onnx_autodiff.passes.rewrite_rules.analysis import renamable

@@ -22,12 +22,11 @@ from onnx_autodiff.passes.autodiff import (
     _check_differentiable,
     choose_variables,
     find_value,
-    infer_shapes,
     is_scalar,
 )
 from onnx_autodiff.passes.opsets import build_upgrading
-from onnx_autodiff.rules import GradRegistry, default_registry, shapes
-from onnx_autodiff.rules.builder import Namer, OpBuilder
+from onnx_autodiff.rules import GradRegistry, default_registry
+from onnx_autodiff.toolkit import Namer, OpBuilder, infer_shapes, shapes
 
 
 class _TransformPass(ir.passes.InPlacePass):

@@ -1,4 +1,4 @@
-"""Gradient rules: the registry, the op builder, shared shape helpers and the shipped rule families."""
+"""Gradient rules: the registry and the shipped rule families, with the toolkit's op builder and shape helpers."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Callable, Sequence
 import onnx_ir as ir
 
 from onnx_autodiff.rules import shapes
-from onnx_autodiff.rules.builder import OpBuilder
 from onnx_autodiff.rules.registry import _DEFAULT, Backward, GradRegistry, GradRule
+from onnx_autodiff.toolkit import OpBuilder
 
 __all__ = [
     "Backward",

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import math
 
-from onnx_autodiff.rules import shapes
 from onnx_autodiff.rules.math import gate, needs_opset7, scale_where, select
 from onnx_autodiff.rules.registry import rule
+from onnx_autodiff.toolkit import shapes
 
 for _op_type, _inputs in {
     "LeakyRelu": ("X",), "PRelu": ("X", "slope"), "Elu": ("X",), "Selu": ("X",),

@@ -33,10 +33,10 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_autodiff.errors import RuleError
-from onnx_autodiff.rules import shapes
-from onnx_autodiff.rules.builder import may_be_float
 from onnx_autodiff.rules.math import gate
 from onnx_autodiff.rules.registry import rule
+from onnx_autodiff.toolkit import infer_node_shapes, may_be_float, shapes
+
 
 def _padded(values, n):
     return list(values) + [None] * (n - len(values))
@@ -297,7 +297,7 @@ def flex_attention(op, node, dY):
 
     fwd = op.child()
     Y = build(fwd)
-    shapes.infer_node_shapes(fwd.nodes, [Q, K, V], op.opset)
+    infer_node_shapes(fwd.nodes, [Q, K, V], op.opset)
     grads = fwd.differentiate(list(fwd.nodes), [(Y, dY)], [Q, K, V])
     op.nodes.extend(fwd.nodes)
     return {name: g for name, g in zip(("Q", "K", "V"), grads) if g is not None}

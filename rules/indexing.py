@@ -27,9 +27,9 @@ from __future__ import annotations
 import numpy as np
 
 from onnx_autodiff.errors import RuleError
-from onnx_autodiff.rules import shapes
 from onnx_autodiff.rules.math import select
 from onnx_autodiff.rules.registry import rule
+from onnx_autodiff.toolkit import shapes
 
 
 # --- Scatters --------------------------------------------------------------------------------

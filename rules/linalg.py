@@ -22,9 +22,8 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_autodiff.errors import RuleError
-from onnx_autodiff.rules import shapes
-from onnx_autodiff.rules.builder import may_be_float
 from onnx_autodiff.rules.registry import rule
+from onnx_autodiff.toolkit import may_be_float, shapes
 
 ELLIPSIS = "."  # one token standing for "..."
 

@@ -13,8 +13,8 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_autodiff.errors import RuleError
-from onnx_autodiff.rules import shapes
 from onnx_autodiff.rules.registry import rule
+from onnx_autodiff.toolkit import shapes
 
 
 def _sum_over_softmax_axes(op, node, t, legacy: bool):

@@ -25,9 +25,8 @@ import math
 
 import onnx_ir as ir
 
-from onnx_autodiff.rules import shapes
-from onnx_autodiff.rules.builder import may_be_float
 from onnx_autodiff.rules.registry import rule
+from onnx_autodiff.toolkit import may_be_float, shapes
 
 
 def select(op, cond, a, b):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from onnx_autodiff.rules import shapes
 from onnx_autodiff.rules.registry import rule
+from onnx_autodiff.toolkit import shapes
 
 ML = "ai.onnx.ml"
 

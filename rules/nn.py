@@ -11,8 +11,8 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_autodiff.errors import RuleError
-from onnx_autodiff.rules import shapes
 from onnx_autodiff.rules.registry import rule
+from onnx_autodiff.toolkit import shapes
 
 
 def _spatial_perm(first: list[int], ns: int) -> list[int]:

@@ -15,9 +15,9 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_autodiff.errors import RuleError
-from onnx_autodiff.rules import shapes
 from onnx_autodiff.rules.math import needs_opset7
 from onnx_autodiff.rules.registry import rule
+from onnx_autodiff.toolkit import shapes
 
 _NARROW = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 

@@ -15,9 +15,9 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_autodiff.errors import RuleError
-from onnx_autodiff.rules import shapes
-from onnx_autodiff.rules.builder import FLOAT_TYPES
 from onnx_autodiff.rules.registry import rule
+from onnx_autodiff.toolkit import FLOAT_TYPES, infer_node_shapes, shapes
+
 
 _GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
 _DEFAULT_ACTIVATIONS = {"RNN": ("Tanh",), "GRU": ("Sigmoid", "Tanh"), "LSTM": ("Sigmoid", "Tanh", "Tanh")}
@@ -240,7 +240,7 @@ def decompose(op, node):
     if layout:
         Y = op.Transpose(Y, perm=[2, 0, 1, 3])
         Y_h, Y_c = (None if v is None else op.Transpose(v, perm=[1, 0, 2]) for v in (Y_h, Y_c))
-    shapes.infer_node_shapes(op.nodes[start:], [v for v in node.inputs if v is not None], op.opset)
+    infer_node_shapes(op.nodes[start:], [v for v in node.inputs if v is not None], op.opset)
     return Y, Y_h, Y_c
 
 

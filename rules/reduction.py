@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from onnx_autodiff.rules import shapes
 from onnx_autodiff.rules.registry import rule
+from onnx_autodiff.toolkit import shapes
 
 
 def _axes(node):

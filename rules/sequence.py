@@ -10,9 +10,8 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_autodiff.errors import RuleError
-from onnx_autodiff.rules import shapes
-from onnx_autodiff.rules.builder import FLOAT_TYPES
 from onnx_autodiff.rules.registry import not_differentiable, rule
+from onnx_autodiff.toolkit import FLOAT_TYPES, shapes
 
 not_differentiable("SequenceEmpty", "SequenceLength")
 

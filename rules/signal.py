@@ -23,8 +23,8 @@ import math
 import numpy as np
 
 from onnx_autodiff.errors import RuleError
-from onnx_autodiff.rules import shapes
 from onnx_autodiff.rules.registry import rule
+from onnx_autodiff.toolkit import shapes
 
 BIG = 2**62
 

@@ -19,8 +19,8 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_autodiff.errors import RuleError
-from onnx_autodiff.rules import shapes
 from onnx_autodiff.rules.registry import rule
+from onnx_autodiff.toolkit import infer_node_shapes, shapes
 
 
 def _padded(values, n):
@@ -32,7 +32,7 @@ def _vjp(op, node, names, build, dYs):
     fwd = op.child()
     outputs = build(fwd)
     inputs = [v for v in node.inputs if v is not None]
-    shapes.infer_node_shapes(fwd.nodes, inputs, op.opset)
+    infer_node_shapes(fwd.nodes, inputs, op.opset)
     seeds = [(y, dy) for y, dy in zip(outputs, dYs) if dy is not None]
     xs = [(name, v) for name, v in zip(names, node.inputs) if v is not None]
     grads = fwd.differentiate(list(fwd.nodes), seeds, [v for _, v in xs])

@@ -9,8 +9,8 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_autodiff.errors import RuleError
-from onnx_autodiff.rules import shapes
 from onnx_autodiff.rules.registry import rule
+from onnx_autodiff.toolkit import shapes
 
 # Shape vectors below are Python lists of ints when every dimension is known while the rule runs,
 # else int64 values computed at run time from Shape, so one graph serves every batch size.

@@ -10,7 +10,7 @@ from onnx import helper, numpy_helper
 
 from onnx_autodiff.conformance import check_vjp
 from onnx_autodiff.conformance.check import backward_model
-from onnx_autodiff.passes.graphs import proto_graphs
+from onnx_autodiff.toolkit import proto_graphs
 
 RNG_SEED = 0
 _FLOAT_ELEM = {onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}

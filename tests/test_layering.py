@@ -1,5 +1,6 @@
 """The package's layers: no import cycles (function-level imports included), every module imports
-on its own, and the engine imports nothing from the cleanup, the rewrites or the outlining."""
+on its own, the engine imports nothing from the cleanup, the rewrites or the outlining, and the IR
+toolkit nothing from the layers built on it."""
 
 from __future__ import annotations
 
@@ -87,6 +88,13 @@ def test_the_engine_imports_no_cleanup():
     known = modules()
     engine = imports("onnx_autodiff.passes.autodiff", known["onnx_autodiff.passes.autodiff"], known)
     assert not engine & {"onnx_autodiff.passes.cleanup", "onnx_autodiff.passes.rewrites", "onnx_autodiff.passes.outline"}
+
+
+def test_the_toolkit_imports_no_layer_above_it():
+    known = modules()
+    toolkit = {name for name in known if name.startswith("onnx_autodiff.toolkit")}
+    used = set().union(*(imports(name, known[name], known) for name in toolkit))
+    assert toolkit and used <= toolkit | {"onnx_autodiff.errors"}, sorted(used - toolkit)
 
 
 def test_every_module_imports_first():

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx_ir.passes.common import ShapeInferencePass
+from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass
 
 from onnx_autodiff.files import write_atomically
 from onnx_autodiff.errors import (
@@ -28,12 +28,12 @@ from onnx_autodiff.modelfile import (
     tensor_array,
     uses_external_data,
 )
-from onnx_autodiff.passes.inference import onnx_inferred
+from onnx_autodiff.toolkit.inference import onnx_inferred
 from onnx_autodiff.passes.lora import adapted
 from onnx_autodiff.passes.autodiff import backward_trial
 from onnx_autodiff.passes.opsets import default_opset, upgraded_for
 from onnx_autodiff.passes.parameters import default_parameters
-from onnx_autodiff.rules.builder import FLOAT_TYPES, Namer, OpBuilder
+from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder
 from onnx_autodiff.training.losses import LossSpec, attach_loss
 from onnx_autodiff.training.optimizers import (
     emit_update,
@@ -332,7 +332,9 @@ def _publish(op: OpBuilder, namer: Namer, value: ir.Value, hint: str, taken: set
 
 
 def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], what: str,
-            fold: bool = True) -> onnx.ModelProto:
+            cleaned: bool = False) -> onnx.ModelProto:
+    """The model with these inputs and outputs, cleaned up unless ``cleaned`` says its nodes
+    already are (then only unused ones are removed), checked, as a proto."""
     from onnx_autodiff.passes import cleanup_passes
 
     graph = model.graph
@@ -340,7 +342,8 @@ def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], wh
     graph.inputs.extend(inputs)
     graph.outputs.clear()
     graph.outputs.extend(outputs)
-    model = ir.passes.PassManager(cleanup_passes(fold=fold))(model).model
+    passes = [RemoveUnusedNodesPass()] if cleaned else cleanup_passes()
+    model = ir.passes.PassManager(passes)(model).model
     if any(v.shape is None or v.type is None for v in graph.outputs):
         ShapeInferencePass(strict_mode=False)(model)
     untyped = [v.name for v in graph.outputs if v.shape is None or v.type is None]
@@ -385,7 +388,7 @@ def generate_artifacts(
     loss: "cross_entropy" (logits [N, C, ...], int64 class labels, mean, ignore_index −100),
     "mse", "l1", "bce_with_logits" (labels shaped like the output), None (the model's scalar
     output ``output`` is the loss), or a custom loss: a callable ``f(op, output, *labels)`` returning
-    the scalar loss built with the :class:`~onnx_autodiff.rules.builder.OpBuilder` ``op``, or an
+    the scalar loss built with the :class:`~onnx_autodiff.toolkit.builder.OpBuilder` ``op``, or an
     onnx.FunctionProto with inputs ``[output, *labels]`` and the loss as first output.
     output: the model output the loss applies to (default: the first).
     labels: the label input's name (a str) or, for a custom loss, a list of (name, numpy dtype,
@@ -482,8 +485,8 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
         if isinstance(cause, NotDifferentiableError) and "does not depend" in str(cause):
             raise TrainingError(f"{cause}: list it in frozen_params, or leave it out of requires_grad") from error
         raise cause from error
-    # the backward cleaned up as grad's is; the optimiser's nodes added next then need no folding
-    # (a 20,001-node chain's artifacts: 33 s with one cleanup of the whole train model)
+    # the backward cleaned up as grad's is; the optimiser's nodes added next are emitted clean
+    # (a second cleanup of the whole train model found nothing to do and took 28% of the build)
     ir.passes.PassManager(cleanup_passes())(model)
     loss, grads = graph.outputs[0], list(graph.outputs[1:])
     namer = Namer.for_graph(graph, prefix="opt")
@@ -539,7 +542,7 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
         model.opset_imports.setdefault(domain, version)
     buffer_inputs = [v for v in graph.inputs if v.name in set(roles.buffers)]
     inputs = [*batch, *labels, *params, *extra_inputs, *buffer_inputs, *tail]
-    proto_out = _finish(model, inputs, outputs, f"{kind} model", fold=False)
+    proto_out = _finish(model, inputs, outputs, f"{kind} model", cleaned=True)
     layout = {
         "batch": [v.name for v in (*batch, *labels)],
         "carry": carry,

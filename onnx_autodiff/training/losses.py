@@ -11,8 +11,7 @@ import onnx_ir as ir
 
 from onnx_autodiff.errors import TrainingError, UnknownValueError
 from onnx_autodiff.passes.opsets import default_opset
-from onnx_autodiff.rules import shapes
-from onnx_autodiff.rules.builder import FLOAT_TYPES, Namer, OpBuilder
+from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, shapes
 from onnx_autodiff.training.values import dim_value, fresh_value, shape_text
 
 LOSSES = ("cross_entropy", "mse", "l1", "bce_with_logits")

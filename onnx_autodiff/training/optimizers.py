@@ -8,8 +8,8 @@ import functools
 import onnx_ir as ir
 
 from onnx_autodiff.errors import TrainingError
-from onnx_autodiff.rules.builder import Namer, OpBuilder
-from onnx_autodiff.rules.shapes import typed_like
+from onnx_autodiff.toolkit import Namer, OpBuilder
+from onnx_autodiff.toolkit.shapes import typed_like
 from onnx_autodiff.training.values import dim_value, fresh_value
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -106,8 +106,10 @@ def step_kept(op: OpBuilder, grads, loss: ir.Value | None = None) -> tuple[ir.Va
         square = op.ReduceSumSquare(g if g.dtype in (float32, ir.DataType.DOUBLE) else op.Cast(g, to=float32), keepdims=0)
         squares.append(op.Cast(square, to=float32) if g.dtype == ir.DataType.DOUBLE else square)
     total = op.Sum(*squares) if len(squares) > 1 else squares[0]
-    checked = total if loss is None else op.Add(total, op.Abs(op.Cast(loss, to=float32)))
-    return op.Less(op.Abs(checked), op.const(float("inf"), dtype=float32)), total  # Less is False for NaN
+    checked = total if loss is None else op.Add(total, op.Abs(loss if loss.dtype == float32 else op.Cast(loss, to=float32)))
+    kept = op.Less(op.Abs(checked), op.const(float("inf"), dtype=float32))  # Less is False for NaN
+    kept.shape = ir.Shape([])  # a model output: typed here, not by a shape inference of the whole model
+    return kept, total
 
 
 def when_kept(op: OpBuilder, kept: ir.Value, build, olds: list[ir.Value]) -> list[ir.Value]:
@@ -163,16 +165,19 @@ def _update(op: OpBuilder, spec, params, grads, states, lr: ir.Value, step: ir.V
     if max_grad_norm is not None:
         # torch.nn.utils.clip_grad_norm_: g ·= min(max_norm / (‖g‖₂ + 1e-6), 1) over all gradients
         coef = op.Min(op.Div(op.const(float(max_grad_norm), dtype=float32), op.Add(op.Sqrt(total), 1e-6)), 1.0)
-        grads = [op.Mul(g, op.CastLike(coef, g)) for g in grads]
+        grads = [op.Mul(g, coef if g.dtype == float32 else op.CastLike(coef, g)) for g in grads]
     # scalar coefficients in float64, like torch's Python-float arithmetic, then cast per dtype
-    lr_d = op.Cast(lr, to=double)
-    t = op.Cast(step, to=double)
     coefficients: dict = {}
 
     def scalar(key, build, like):
         """A coefficient in ``like``'s dtype, ``build()`` computing it in float64 or a number."""
         if (key, like.dtype) not in coefficients:
-            value = op.const(build, like=like) if isinstance(build, float) else op.Cast(build(), to=like.dtype)
+            if isinstance(build, float):
+                value = op.const(build, like=like)
+            elif key == "lr" and like.dtype == lr.dtype:  # its float64 round trip is exact
+                value = lr
+            else:
+                value = op.Cast(build(), to=like.dtype)
             coefficients[(key, like.dtype)] = value
         return coefficients[(key, like.dtype)]
 
@@ -181,8 +186,16 @@ def _update(op: OpBuilder, spec, params, grads, states, lr: ir.Value, step: ir.V
         return op.const(float(x), dtype=double)
 
     @functools.cache
+    def lr_d():
+        return op.Cast(lr, to=double)
+
+    @functools.cache
+    def t():
+        return op.Cast(step, to=double)
+
+    @functools.cache
     def bc2_sqrt():
-        return op.Sqrt(op.Sub(d(1), op.Pow(d(spec.betas[1]), t)))
+        return op.Sqrt(op.Sub(d(1), op.Pow(d(spec.betas[1]), t())))
 
     new_params, new_states = [], []
     for p, g, inputs in zip(params, grads, states):
@@ -201,14 +214,14 @@ def _update(op: OpBuilder, spec, params, grads, states, lr: ir.Value, step: ir.V
                     buf = op.Add(op.Mul(buf, m), g)  # buf = 0 before step 1: exactly g
                 outs.append(buf)
                 g = op.Add(g, op.Mul(buf, op.const(spec.momentum, like=p))) if spec.nesterov else buf
-            new_p = op.Sub(p, op.Mul(g, scalar("lr", lambda: lr_d, p)))
+            new_p = op.Sub(p, op.Mul(g, scalar("lr", lr_d, p)))
         else:
             b1, b2 = spec.betas
             m, v = inputs[0], inputs[1]
             if spec.weight_decay and not spec.decoupled:
                 g = op.Add(g, op.Mul(p, op.const(spec.weight_decay, like=p)))
             if spec.weight_decay and spec.decoupled:
-                decay = scalar("decay", lambda: op.Sub(d(1), op.Mul(lr_d, d(spec.weight_decay))), p)
+                decay = scalar("decay", lambda: op.Sub(d(1), op.Mul(lr_d(), d(spec.weight_decay))), p)
                 p_decayed = op.Mul(p, decay)
             else:
                 p_decayed = p
@@ -221,7 +234,7 @@ def _update(op: OpBuilder, spec, params, grads, states, lr: ir.Value, step: ir.V
                 outs.append(second)
             # lr/bc1 · m / (√v/√bc2 + eps) = (lr·√bc2/bc1) · m / (√v + eps·√bc2): one pass fewer
             eps = scalar("eps", lambda: op.Mul(bc2_sqrt(), d(spec.eps)), p)
-            step_size = scalar("step_size", lambda: op.Div(op.Mul(lr_d, bc2_sqrt()), op.Sub(d(1), op.Pow(d(b1), t))), p)
+            step_size = scalar("step_size", lambda: op.Div(op.Mul(lr_d(), bc2_sqrt()), op.Sub(d(1), op.Pow(d(b1), t()))), p)
             denom = op.Add(op.Sqrt(second), eps)
             new_p = op.Sub(p_decayed, op.Mul(op.Div(m, denom), step_size))
         new_params.append(new_p)

@@ -14,8 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff.errors import BatchError, TrainingError
 from onnx_autodiff.modelfile import from_proto, over_limit, save_model, tensor_array, to_inline_proto, uses_external_data
-from onnx_autodiff.passes.graphs import proto_graphs
-from onnx_autodiff.rules.builder import FLOAT_TYPES, Namer
+from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, proto_graphs
 from onnx_autodiff.training import distributed
 from onnx_autodiff.training.artifacts import TrainingArtifacts
 from onnx_autodiff.files import write_atomically

@@ -14,7 +14,7 @@ from typing import BinaryIO
 import numpy as np
 import onnx_ir as ir
 
-from onnx_autodiff.rules.builder import Namer
+from onnx_autodiff.toolkit import Namer
 
 
 def fresh_value(namer: Namer, hint: str, dtype: ir.DataType, shape) -> ir.Value:

@@ -9,8 +9,8 @@ import onnx_ir as ir
 from onnxscript.rewriter._basics import MatchResult
 
 from onnx_autodiff.passes.opsets import default_opset
-from onnx_autodiff.rules import shapes
-from onnx_autodiff.rules.builder import CONSTANT_TYPES_BEFORE_9, FLOAT_TYPES
+from onnx_autodiff.toolkit import shapes
+from onnx_autodiff.toolkit.builder import CONSTANT_TYPES_BEFORE_9, FLOAT_TYPES
 
 # Dims of a value: per axis an int (static), a str (named symbolic) or None (unknown).
 Dims = tuple
@@ -68,8 +68,17 @@ def broadcast(*shapes_: Dims | None) -> Dims | None:
 def literal(value: ir.Value | None) -> np.ndarray | None:
     """The value's array when it is an initializer or a Constant's output (not one computed from
     them: the folder does that), and its data is there."""
+    if value is None:
+        return None
+    tensor = value.const_value
+    node = value.producer() if tensor is None else None
     try:
-        tensor = None if value is None else ir.convenience.get_const_tensor(value)
+        if node is not None and node.op_type == "Constant" and "value" in node.attributes and len(node.attributes) == 1:
+            # the tensor attribute read directly: get_const_tensor's protocol check of it costs
+            # more than the rest of a cleanup round's analysis
+            tensor = node.attributes["value"].value
+        elif node is not None:
+            tensor = ir.convenience.get_const_tensor(value)
         return None if tensor is None else tensor.numpy()
     except (OSError, ValueError):  # external data that is not there, a malformed Constant
         return None

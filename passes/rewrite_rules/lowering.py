@@ -29,7 +29,7 @@ from onnx_autodiff.passes.metadata import GRAD_OF
 from onnx_autodiff.passes.rewrite_rules.analysis import (
     axes, dims, fill, normalized, opset, perm, produced_by, rank, static, verdict,
 )
-from onnx_autodiff.rules.builder import FLOAT_TYPES
+from onnx_autodiff.toolkit import FLOAT_TYPES
 
 _GEMM_TYPES = frozenset({ir.DataType.FLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE})
 _COLUMN_SUM_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE})

@@ -17,7 +17,7 @@ from onnxscript.rewriter._basics import MatchResult
 from onnx_autodiff.passes.rewrite_rules.analysis import (
     concat_axis, constant, dims, literal, only_use, opset, produced_by, same, verdict,
 )
-from onnx_autodiff.rules.shapes import attr
+from onnx_autodiff.toolkit.shapes import attr
 
 
 def _reshape_of_reshape(op, x, first, shape):

@@ -18,7 +18,7 @@ from onnx_autodiff.passes.metadata import GRAD_OF
 from onnx_autodiff.passes.rewrite_rules.analysis import (
     concat_axis, dims, only_use, opset, perm, produced_by, rank, verdict,
 )
-from onnx_autodiff.rules.shapes import attr
+from onnx_autodiff.toolkit.shapes import attr
 
 
 def _identity_perm(context, node: ir.Node) -> MatchResult:

@@ -176,7 +176,7 @@ def test_full_sweep(tmp_path):
 
 def _expand_registry(wrong: bool = False, refuse_always: bool = False):
     """A registry whose Expand rule, like Resize's or Slice's, needs its shape input as a constant."""
-    from onnx_autodiff.rules import shapes
+    from onnx_autodiff.toolkit import shapes
 
     registry = default_registry().copy()
 
@@ -333,7 +333,7 @@ def test_constants_and_default_attributes_together(cases):
     # STFT with frame_step an initializer: onnx's inference reads onesided as 0 unless written
     registry = default_registry().copy()
     shipped = [r for r in default_registry().rules() if r.op_type == "STFT"][-1]
-    from onnx_autodiff.rules import shapes
+    from onnx_autodiff.toolkit import shapes
 
     @registry.register("STFT", differentiable=shipped.differentiable, since=17)
     def stft(op, node, *dYs):

@@ -20,7 +20,7 @@ from onnx_autodiff import (
     default_registry,
 )
 from onnx_autodiff.conformance import fd_vjp
-from onnx_autodiff.passes.autodiff import _infer_model_shapes, infer_shapes
+from onnx_autodiff.toolkit.inference import _infer_model_shapes, infer_shapes
 
 R = rng(7)
 

@@ -23,7 +23,7 @@ from onnx_autodiff import (
     default_registry,
     register_gradient,
 )
-from onnx_autodiff.rules import shapes
+from onnx_autodiff.toolkit import shapes
 from onnx_autodiff.rules.math import cos
 from onnx_autodiff.training import Trainer, generate_artifacts
 

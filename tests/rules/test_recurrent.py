@@ -12,7 +12,7 @@ from onnx import helper
 from helpers import assert_gradients, make_model, rng
 from onnx_autodiff.conformance.check import LOSS, backward_model, scalarize
 from onnx_autodiff.errors import AutodiffError
-from onnx_autodiff.rules.builder import Namer, OpBuilder
+from onnx_autodiff.toolkit import Namer, OpBuilder
 from onnx_autodiff.rules.recurrent import decompose
 
 T, N, I, H = 3, 2, 3, 2

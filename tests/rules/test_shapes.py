@@ -6,8 +6,7 @@ import onnx_ir as ir
 import pytest
 
 from onnx_autodiff.errors import OpsetTooOldError
-from onnx_autodiff.rules import shapes
-from onnx_autodiff.rules.builder import Namer, OpBuilder
+from onnx_autodiff.toolkit import Namer, OpBuilder, shapes
 
 
 def value(name: str, dtype: ir.DataType | None) -> ir.Value:

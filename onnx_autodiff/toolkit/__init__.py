@@ -1,0 +1,26 @@
+"""The IR toolkit the engine, the rules and the cleanup share: op builder, shape helpers, graph walks, shape inference."""
+
+from __future__ import annotations
+
+from onnx_autodiff.toolkit import shapes
+from onnx_autodiff.toolkit.builder import FLOAT_TYPES, Namer, OpBuilder, may_be_float
+from onnx_autodiff.toolkit.graphs import all_graphs, captured_values, detach, graph_and_subgraphs, proto_graphs, subgraphs
+from onnx_autodiff.toolkit.inference import infer_node_shapes, infer_shapes
+from onnx_autodiff.toolkit.shapes import unbroadcast
+
+__all__ = [
+    "FLOAT_TYPES",
+    "Namer",
+    "OpBuilder",
+    "all_graphs",
+    "captured_values",
+    "detach",
+    "graph_and_subgraphs",
+    "infer_node_shapes",
+    "infer_shapes",
+    "may_be_float",
+    "proto_graphs",
+    "shapes",
+    "subgraphs",
+    "unbroadcast",
+]

@@ -1,0 +1,81 @@
+"""Walks over graphs: the subgraphs a node or a model holds (onnx-ir and protobuf) and the outer
+values a node's subgraphs read."""
+
+from __future__ import annotations
+
+import onnx
+import onnx_ir as ir
+
+
+def subgraphs(node: ir.Node) -> list[ir.Graph]:
+    """The graphs held by the node's attributes (If's branches, Loop's and Scan's bodies)."""
+    graphs: list[ir.Graph] = []
+    if not node.attributes:  # most nodes: their attributes' view costs more than this check
+        return graphs
+    for attribute in node.attributes.values():
+        if attribute.type == ir.AttributeType.GRAPH:
+            graphs.append(attribute.value)
+        elif attribute.type == ir.AttributeType.GRAPHS:
+            graphs.extend(attribute.value)
+    return graphs
+
+
+def captured_values(node: ir.Node) -> list[ir.Value]:
+    """Outer-scope values that the node's subgraphs read (its implicit inputs), in first-use order."""
+    graphs = subgraphs(node)
+    if not graphs:
+        return []
+    defined: set[ir.Value] = set()
+    used: list[ir.Value] = []
+    for graph in graphs:
+        defined.update(graph.inputs)
+        defined.update(graph.initializers.values())
+        for inner in ir.traversal.RecursiveGraphIterator(graph):
+            defined.update(inner.outputs)
+            for sub in subgraphs(inner):
+                defined.update(sub.inputs)
+                defined.update(sub.initializers.values())
+                used.extend(sub.outputs)
+            used.extend(v for v in inner.inputs if v is not None)
+        used.extend(graph.outputs)
+    captured: list[ir.Value] = []
+    seen: set[ir.Value] = set()
+    for value in used:
+        if value not in defined and value not in seen:
+            seen.add(value)
+            captured.append(value)
+    return captured
+
+
+def graph_and_subgraphs(graph: ir.Graph) -> list[ir.Graph]:
+    """``graph`` and the graphs its nodes hold, at any depth (depth first)."""
+    graphs = [graph]
+    for node in graph:
+        for sub in subgraphs(node):
+            graphs += graph_and_subgraphs(sub)
+    return graphs
+
+
+def all_graphs(model: ir.Model) -> list[ir.Graph]:
+    """The model's graph, its functions' and every subgraph in them."""
+    graphs = graph_and_subgraphs(model.graph)
+    for function in model.functions.values():
+        graphs += graph_and_subgraphs(function.graph if hasattr(function, "graph") else function)
+    return graphs
+
+
+def proto_graphs(graph: onnx.GraphProto):
+    """``graph`` and every subgraph in it, at any depth (GraphProtos)."""
+    yield graph
+    for node in graph.node:
+        for attribute in node.attribute:
+            for sub in [attribute.g] if attribute.HasField("g") else attribute.graphs:
+                yield from proto_graphs(sub)
+
+
+def detach(*nodes: ir.Node) -> None:
+    """Disconnect the nodes' inputs, so that they no longer count as uses of what they read."""
+    for node in nodes:
+        for i, value in enumerate(node.inputs):
+            if value is not None:
+                node.replace_input_with(i, None)

@@ -1,0 +1,315 @@
+"""Shape and axis helpers shared by every rule family and by the engine's broadcast reduction
+(shape inference is :mod:`onnx_autodiff.toolkit.inference`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_autodiff.errors import OpsetTooOldError, RuleError
+from onnx_autodiff.toolkit.builder import OpBuilder
+
+Dim = int | str | None
+
+
+def require_opset(op: OpBuilder, needed: int, why: str) -> None:
+    """Refuse, naming ``why``, when the model's default-domain opset is below ``needed`` (the passes
+    then convert the model to ``needed``)."""
+    if op.opset < needed:
+        raise OpsetTooOldError(f"{why} needs opset {needed} or later (the model has {op.opset})", needed)
+
+
+def dims(value: ir.Value | None) -> tuple[Dim, ...] | None:
+    """The value's shape as ints (static), strings (symbolic) and None (unknown); None if no rank
+    (or no value: an omitted optional input)."""
+    if value is None or value.shape is None:
+        return None
+    out: list[Dim] = []
+    for d in value.shape.dims:
+        if isinstance(d, int):
+            out.append(d)
+        else:
+            out.append(d.value if d.value else None)
+    return tuple(out)
+
+
+def static_shape(value: ir.Value) -> tuple[int, ...] | None:
+    """The shape when every dimension is a known integer, else None."""
+    shape = dims(value)
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    return shape  # type: ignore[return-value]
+
+
+def rank(value: ir.Value | None) -> int | None:
+    return None if value is None or value.shape is None else len(value.shape)
+
+
+def known_rank(value: ir.Value, what: str = "input") -> int:
+    """The value's rank, which the rule needs: a RuleError naming the value when it is unknown."""
+    r = rank(value)
+    if r is None:
+        raise RuleError(f"the rank of {what} '{value.name}' is unknown; run shape inference first")
+    return r
+
+
+def attr(node: ir.Node, name: str, default=None):
+    """An attribute's Python value (lists for repeated fields), or ``default``."""
+    attribute = node.attributes.get(name)
+    if attribute is None:
+        return default
+    value = attribute.value
+    if attribute.type in _REPEATED:
+        return list(value)
+    return value
+
+
+_REPEATED = frozenset({
+    ir.AttributeType.INTS, ir.AttributeType.FLOATS, ir.AttributeType.STRINGS,
+    ir.AttributeType.TENSORS, ir.AttributeType.GRAPHS,
+})
+
+
+def extent(op: OpBuilder, x: ir.Value, axis: int):
+    """x's extent along ``axis``: an int when static, else a 1-element int64 value."""
+    d = dims(x)
+    if d is not None and isinstance(d[axis], int):
+        return d[axis]
+    return op.Slice(op.Shape(x), [axis], [axis + 1])
+
+
+def shape_from(op: OpBuilder, *parts):
+    """An int64 shape from ints and 1-element int64 values (a list when all are ints)."""
+    if all(isinstance(p, int) for p in parts):
+        return list(parts)
+    return op.Concat(*(op.const(np.array([p], np.int64)) if isinstance(p, int) else p for p in parts), axis=0)
+
+
+def normalize_axis(axis: int, rank_: int) -> int:
+    return axis + rank_ if axis < 0 else axis
+
+
+def inverse_perm(perm: Sequence[int]) -> list[int]:
+    inverse = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inverse[p] = i
+    return inverse
+
+
+def swap_last2(op: OpBuilder, x: ir.Value, rank_: int) -> ir.Value:
+    perm = list(range(rank_))
+    perm[-2:] = perm[-1], perm[-2]
+    return op.Transpose(x, perm=perm)
+
+
+def constant_input(value: ir.Value | None) -> np.ndarray | None:
+    """The numpy value of an input known before run time, else None.
+
+    Initializers and Constant outputs, Shape and Size of a statically shaped value, the output of
+    an If whose condition is known, and small computations over those (unoptimised exports compute
+    axes, pads and shapes with Reshape/Concat/Gather of constants): evaluated here, never folded
+    into the graph.
+    """
+    return _constant(value, depth=0)
+
+
+_MAX_FOLDED_ELEMENTS = 4096
+_NEVER_FOLDED = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
+                           "Multinomial", "Bernoulli", "Dropout"})
+
+
+def _constant(value: ir.Value | None, depth: int) -> np.ndarray | None:
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    producer = value.producer()
+    if producer is None or producer.domain not in ("", "ai.onnx") or depth > 12:
+        return None
+    if producer.op_type == "Constant":
+        for key in ("value", "value_float", "value_floats", "value_int", "value_ints"):
+            attribute = producer.attributes.get(key)
+            if attribute is not None:
+                raw = attribute.value
+                return raw.numpy() if hasattr(raw, "numpy") else np.asarray(raw)
+        return None
+    if producer.op_type == "Shape":
+        shape = dims(producer.inputs[0])
+        if shape is None:
+            return None
+        picked = shape[attr(producer, "start", 0):attr(producer, "end", None)]
+        return np.asarray(picked, np.int64) if all(isinstance(d, int) for d in picked) else None
+    if producer.op_type == "Size":
+        shape = static_shape(producer.inputs[0])
+        return None if shape is None else np.asarray(int(np.prod(shape, dtype=np.int64)), np.int64)
+    if producer.op_type == "If":
+        # A condition known before run time picks the branch whose output this is.
+        cond = _constant(producer.inputs[0], depth + 1)
+        if cond is None or cond.size != 1:
+            return None
+        branch = attr(producer, "then_branch" if bool(cond.reshape(())) else "else_branch")
+        return _constant(branch.outputs[list(producer.outputs).index(value)], depth + 1)
+    if producer.op_type in _NEVER_FOLDED or any(
+        a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in producer.attributes.values()
+    ):
+        return None
+    arrays = []
+    for given in producer.inputs:
+        array = None if given is None else _constant(given, depth + 1)
+        if given is not None and (array is None or array.size > _MAX_FOLDED_ELEMENTS):
+            return None
+        arrays.append(array)
+    return _evaluate(producer, arrays, value)
+
+
+def _evaluate(node: ir.Node, arrays: list, wanted: ir.Value) -> np.ndarray | None:
+    from onnx.reference import ReferenceEvaluator  # here: heavy to import, and only computed constants need it
+
+    names = [f"in{i}" if a is not None else "" for i, a in enumerate(arrays)]
+    outputs = [f"out{i}" for i in range(len(node.outputs))]
+    proto = ir.serde.serialize_node(node)
+    del proto.input[:], proto.output[:]
+    proto.input.extend(names)
+    proto.output.extend(outputs)
+    version = node.graph.opset_imports.get("", None) if node.graph is not None else None
+    try:
+        evaluator = ReferenceEvaluator(proto, opsets={"": version} if version else None)
+        results = evaluator.run(None, {n: a for n, a in zip(names, arrays) if n})
+    except Exception:  # noqa: BLE001 - not evaluable here: the rule takes its run-time path
+        return None
+    result = np.asarray(results[list(node.outputs).index(wanted)])
+    return result if result.size <= _MAX_FOLDED_ELEMENTS else None
+
+
+def cast_like(op: OpBuilder, value: ir.Value, *likes: ir.Value) -> ir.Value:
+    """``value`` in the dtype of the first of ``likes`` whose dtype is known (no node when it has
+    that dtype already); CastLike of the first when none is known, which needs opset 15."""
+    dtype = next((v.dtype for v in likes if v.dtype is not None), None)
+    if dtype is None:
+        require_opset(op, 15, "a cast to a dtype unknown until run time (CastLike)")
+        return op.CastLike(value, likes[0])
+    return value if value.dtype == dtype else op.Cast(value, to=int(dtype))
+
+
+def typed_like(values: Sequence[ir.Value], likes: Sequence[ir.Value]) -> Sequence[ir.Value]:
+    """Give each of ``values`` the type and shape of its counterpart in ``likes`` (new values of
+    the same tensors, as a subgraph's or an If's outputs); returns ``values``."""
+    for value, like in zip(values, likes):
+        value.type, value.shape = like.type, like.shape
+    return values
+
+
+def fill_like(op: OpBuilder, x: ir.Value, fill: float) -> ir.Value:
+    """A tensor of x's shape and dtype filled with ``fill``."""
+    shape = static_shape(x)
+    if x.dtype is not None and shape is not None and int(np.prod(shape)) <= 1:
+        return op.const(np.full(shape, fill), dtype=x.dtype)
+    if x.dtype is not None:
+        return op.ConstantOfShape(op.Shape(x), value=ir.Tensor(np.array([fill], x.dtype.numpy())))
+    filled = op.ConstantOfShape(op.Shape(x), value=ir.Tensor(np.array([fill], np.float32)))
+    return op.CastLike(filled, x)
+
+
+def zeros_like(op: OpBuilder, x: ir.Value) -> ir.Value:
+    return fill_like(op, x, 0.0)
+
+
+def ones_like(op: OpBuilder, x: ir.Value) -> ir.Value:
+    return fill_like(op, x, 1.0)
+
+
+def accumulate(op: OpBuilder, contributions: Sequence[ir.Value], like: ir.Value | None = None) -> ir.Value:
+    """One value for the sum: itself, an Add of two, a Sum of more; sequences add elementwise."""
+    if len(contributions) == 1:
+        return contributions[0]
+    if like is not None and isinstance(like.type, ir.SequenceType):
+        total = contributions[0]
+        element = like.type.elem_type
+        for other in contributions[1:]:
+            total = op.SequenceMap(total, other, body=_pairwise_add(op, element))
+        return total
+    if len(contributions) == 2:
+        return op.Add(*contributions)
+    return op.Sum(*contributions)
+
+
+def _pairwise_add(op: OpBuilder, element: ir.TypeProtocol) -> ir.Graph:
+    body = op.child()
+    a, b = (ir.Value(name=op.namer.fresh(), type=element) for _ in range(2))
+    return body.graph([a, b], [body.Add(a, b)], name="add")
+
+
+def alias(op: OpBuilder, value: ir.Value) -> ir.Value:
+    """A new name for the same tensor (for graph outputs that must be distinct values)."""
+    return op.Identity(value)
+
+
+def unbroadcast(op: OpBuilder, grad: ir.Value, x: ir.Value, broadcast_like: ir.Value) -> ir.Value:
+    """Sum ``grad`` (shaped like ``broadcast_like``) down to the shape of ``x``.
+
+    Static axes when the shapes decide them, a run-time computation from Shape otherwise.
+    """
+    x_dims, y_dims = dims(x), dims(broadcast_like)
+    if x_dims is not None and y_dims is not None and len(y_dims) >= len(x_dims):
+        lead = len(y_dims) - len(x_dims)
+        inner: list[int] = []
+        decided = True
+        for i, (xd, yd) in enumerate(zip(x_dims, y_dims[lead:])):
+            if xd == yd and xd is not None:
+                continue
+            if xd == 1:
+                inner.append(lead + i)
+            elif not (isinstance(xd, int) and isinstance(yd, int)):
+                decided = False
+                break
+        if decided:
+            return _reduce_static(op, grad, list(range(lead)), inner)
+    return _reduce_dynamic(op, grad, x, broadcast_like)
+
+
+def _reduce_static(op: OpBuilder, grad: ir.Value, lead: list[int], inner: list[int]) -> ir.Value:
+    if not lead and not inner:
+        return grad
+    if not inner:
+        return op.reduce_sum(grad, lead, keepdims=False)
+    summed = op.reduce_sum(grad, lead + inner, keepdims=True)
+    return op.squeeze(summed, lead) if lead else summed
+
+
+def _reduce_dynamic(op: OpBuilder, grad: ir.Value, x: ir.Value, like: ir.Value) -> ir.Value:
+    """Axes where x (left-padded with ones) has extent 1, found at run time; then Reshape."""
+    if op.opset < 13:
+        return _reduce_dynamic_by_reshape(op, grad, x, rank(like) if rank(grad) is None else rank(grad))
+    grad_shape = op.Shape(grad)
+    x_shape = op.Shape(x)
+    pad_len = op.Sub(op.Shape(grad_shape), op.Shape(x_shape))
+    ones = op.ConstantOfShape(pad_len, value=ir.Tensor(np.array([1], np.int64)))
+    padded = op.Concat(ones, x_shape, axis=0)
+    axes = op.Reshape(op.NonZero(op.Equal(padded, [1])), [-1])
+    summed = op.ReduceSum(grad, axes, keepdims=1, noop_with_empty_axes=1)
+    return op.Reshape(summed, x_shape)
+
+
+def _reduce_dynamic_by_reshape(op: OpBuilder, grad: ir.Value, x: ir.Value, ry: int | None) -> ir.Value:
+    """The same for ReduceSum with axes as an attribute (before opset 13): with the ranks known,
+    sum the leading axes, then view each remaining axis of extent y as (x, y / x) and sum the
+    second part: x is 1 (broadcast, the whole axis sums) or y (nothing sums) at run time."""
+    rx = rank(x)
+    if rx is None or ry is None or ry < rx:
+        raise RuleError(
+            "undoing a broadcast whose axes are only known at run time needs the ranks of the "
+            f"values, or opset 13 or later (the model has {op.opset}): run shape inference or "
+            "convert the model with onnx.version_converter"
+        )
+    if ry > rx:
+        grad = op.reduce_sum(grad, list(range(ry - rx)), keepdims=False)
+    if rx == 0:
+        return grad
+    x_shape, grad_shape = op.Shape(x), op.Shape(grad)
+    # An empty x axis divides by 1 rather than by zero.
+    divisor = op.Add(x_shape, op.Cast(op.Equal(x_shape, [0]), to=int(ir.DataType.INT64)))
+    pairs = [op.unsqueeze(v, [1]) for v in (x_shape, op.Div(grad_shape, divisor))]
+    split = op.Reshape(grad, op.Reshape(op.Concat(*pairs, axis=1), [-1]))
+    return op.reduce_sum(split, list(range(1, 2 * rx, 2)), keepdims=False)
