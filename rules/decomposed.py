@@ -19,6 +19,9 @@ models; with the same registry less its pattern rules for "op by op").
 - Softmax: e = exp(x − max(x)), y = e / Σe over the same axes (keepdims);
   dx = y·(dY − Σ(dY·y)); the max takes no gradient, as y does not depend on it (4 backward nodes;
   op by op 15).
+
+The reductions' axes are an input or, before opset 18 (ReduceSum: 13), an attribute, as older
+exporters wrote them; the backward reduces over the same axes in the same form.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import onnx_ir as ir
 from onnxscript.rewriter.pattern import OrValue
 
 from onnx_autodiff.rules.registry import rule
+from onnx_autodiff.toolkit import shapes
 
 
 def silu(op, x):
@@ -41,8 +45,13 @@ def _silu(op, match, dY):
     return {"x": op.Mul(dY, op.Add(s, op.Mul(y, op.Sub(op.const(1.0, like=s), s))))}
 
 
-def rms_norm(op, x, two, axes, eps):
-    mean = op.ReduceMean(op.Pow(x, two), axes, _outputs=["mean"])
+def _mean(op, x):
+    """ReduceMean of x, its axes an input or an attribute (read from the node, not bound)."""
+    return op.ReduceMean(x, _allow_other_inputs=True)
+
+
+def rms_norm(op, x, two, eps):
+    mean = op.ReduceMean(op.Pow(x, two), _allow_other_inputs=True, _outputs=["mean"])
     return op.Mul(x, op.Reciprocal(op.Sqrt(op.Add(mean, eps)), _outputs=["r"]))
 
 
@@ -61,29 +70,58 @@ def _reductions_keep_dims(context) -> bool:
                for node in context.nodes if node.op_type.startswith("Reduce"))
 
 
-def _axes(value) -> tuple[int, ...] | None:
-    """The constant axes ``value`` holds, also through the Reshape(Constant) torch.onnx.export writes
-    them as; None where they are not known before the run."""
-    tensor = ir.convenience.get_const_tensor(value)
-    producer = value.producer()
-    if tensor is None and producer is not None and producer.op_type == "Reshape":
-        tensor = ir.convenience.get_const_tensor(producer.inputs[0])
-    return None if tensor is None else tuple(sorted(int(a) for a in tensor.numpy().reshape(-1)))
+def _reductions(nodes) -> list[ir.Node]:
+    return [node for node in nodes if node.op_type.startswith("Reduce")]
 
 
-def _same_axes(first, second) -> bool:
-    return first is second or (_axes(first) is not None and _axes(first) == _axes(second))
+def _reduced_axes(node: ir.Node) -> ir.Value | tuple[int, ...] | None:
+    """What a Reduce* node reduces over: its axes input or its axes attribute; None for all axes."""
+    if len(node.inputs) > 1 and node.inputs[1] is not None:
+        return node.inputs[1]
+    attribute = node.attributes.get("axes")
+    return None if attribute is None else tuple(attribute.value)
 
 
-def _squares_kept_dims(context, x, two, axes, eps, **_) -> bool:
-    """x² (the exponent a constant 2, as exporters write it) averaged with the reduced axes kept."""
-    return _number(two) == 2.0 and _reductions_keep_dims(context)
+def _axes_numbers(axes: ir.Value | tuple[int, ...], rank: int | None) -> tuple[int, ...] | None:
+    """The axes as sorted numbers (non-negative where the rank is known), also through the
+    Reshape(Constant) torch.onnx.export writes them as; None where not known before the run."""
+    if isinstance(axes, ir.Value):
+        tensor = ir.convenience.get_const_tensor(axes)
+        producer = axes.producer()
+        if tensor is None and producer is not None and producer.op_type == "Reshape":
+            tensor = ir.convenience.get_const_tensor(producer.inputs[0])
+        if tensor is None:
+            return None
+        axes = tuple(int(a) for a in tensor.numpy().reshape(-1))
+    return tuple(sorted(a % rank if rank else a for a in axes))
 
 
-@rule(pattern=rms_norm, differentiable=("x",), since=18, when=_squares_kept_dims)
+def _same_axes(nodes, x: ir.Value) -> bool:
+    """Every reduction among ``nodes`` reduces x's axes (or a value of x's rank) over the same
+    given axes: one value, or constants naming the same axes."""
+    axes = [_reduced_axes(node) for node in _reductions(nodes)]
+    if not axes or any(a is None for a in axes):
+        return False
+    if all(a is axes[0] for a in axes):
+        return True
+    numbers = [_axes_numbers(a, shapes.rank(x)) for a in axes]
+    return numbers[0] is not None and all(n == numbers[0] for n in numbers)
+
+
+def _backward_axes(match) -> ir.Value | tuple[int, ...]:
+    """The axes the match reduces over, for the backward's reductions (the same form at the same opset)."""
+    return _reduced_axes(_reductions(match.nodes)[0])
+
+
+def _squares_kept_dims(context, x, two, eps, **_) -> bool:
+    """x² (the exponent a constant 2, as exporters write it) averaged over given axes, kept."""
+    return _number(two) == 2.0 and _same_axes(context.nodes, x) and _reductions_keep_dims(context)
+
+
+@rule(pattern=rms_norm, differentiable=("x",), when=_squares_kept_dims)
 def _rms_norm(op, match, dY):
-    r, y, axes = match["r"], match.outputs[0], match["axes"]
-    mean = op.ReduceMean(op.Mul(dY, y), axes, keepdims=1)
+    r, y = match["r"], match.outputs[0]
+    mean = op.reduce("ReduceMean", op.Mul(dY, y), _backward_axes(match))
     return {"x": op.Mul(r, op.Sub(dY, op.Mul(y, mean)))}
 
 
@@ -108,23 +146,23 @@ def _gelu_tanh(op, match, dY):
     return {"x": op.Mul(dY, total)}
 
 
-def layer_norm(op, x, centre_axes, two, axes, eps):
-    d = op.Sub(x, op.ReduceMean(x, centre_axes))
+def layer_norm(op, x, two, eps):
+    d = op.Sub(x, _mean(op, x))
     squares = OrValue([op.Pow(d, two), op.Mul(d, d)])
-    return op.Div(d, op.Sqrt(op.Add(op.ReduceMean(squares, axes), eps), _outputs=["root"]))
+    return op.Div(d, op.Sqrt(op.Add(_mean(op, squares), eps), _outputs=["root"]))
 
 
-def _centred_squares_kept_dims(context, x, centre_axes, axes, eps, two=None, **_) -> bool:
+def _centred_squares_kept_dims(context, x, eps, two=None, **_) -> bool:
     """Centred and averaged over the same axes, kept; squared by Pow(d, 2) or Mul(d, d); ε a constant."""
     squared = two is None or _number(two) == 2.0
-    return squared and _number(eps) is not None and _same_axes(centre_axes, axes) and _reductions_keep_dims(context)
+    return squared and _number(eps) is not None and _same_axes(context.nodes, x) and _reductions_keep_dims(context)
 
 
-@rule(pattern=layer_norm, differentiable=("x",), since=18, when=_centred_squares_kept_dims)
+@rule(pattern=layer_norm, differentiable=("x",), when=_centred_squares_kept_dims)
 def _layer_norm(op, match, dY):
-    root, y, axes = match["root"], match.outputs[0], match["axes"]
-    centred = op.Sub(dY, op.ReduceMean(dY, axes, keepdims=1))
-    return {"x": op.Div(op.Sub(centred, op.Mul(y, op.ReduceMean(op.Mul(dY, y), axes, keepdims=1))), root)}
+    root, y, axes = match["root"], match.outputs[0], _backward_axes(match)
+    centred = op.Sub(dY, op.reduce("ReduceMean", dY, axes))
+    return {"x": op.Div(op.Sub(centred, op.Mul(y, op.reduce("ReduceMean", op.Mul(dY, y), axes))), root)}
 
 
 def _erf_argument(op, x, scale):
@@ -164,17 +202,18 @@ def _gelu_erf_half_first(op, match, dY):
     return _gelu_erf_gradient(op, x, op.Mul(s, op.const(0.5, like=x)), dY)
 
 
-def softmax(op, x, max_axes, axes):
-    e = op.Exp(op.Sub(x, op.ReduceMax(x, max_axes)))
-    return op.Div(e, op.ReduceSum(e, axes))
+def softmax(op, x):
+    e = op.Exp(op.Sub(x, op.ReduceMax(x, _allow_other_inputs=True)))
+    return op.Div(e, op.ReduceSum(e, _allow_other_inputs=True, _outputs=["total"]))
 
 
-def _shifted_by_max_kept_dims(context, x, max_axes, axes, **_) -> bool:
+def _shifted_by_max_kept_dims(context, x, **_) -> bool:
     """Shifted by the maximum over the axes it sums (where the shift cancels out), kept."""
-    return _same_axes(max_axes, axes) and _reductions_keep_dims(context)
+    return _same_axes(context.nodes, x) and _reductions_keep_dims(context)
 
 
-@rule(pattern=softmax, differentiable=("x",), since=18, when=_shifted_by_max_kept_dims)
+@rule(pattern=softmax, differentiable=("x",), when=_shifted_by_max_kept_dims)
 def _softmax(op, match, dY):
-    y, axes = match.outputs[0], match["axes"]
-    return {"x": op.Mul(y, op.Sub(dY, op.ReduceSum(op.Mul(dY, y), axes, keepdims=1)))}
+    y = match.outputs[0]
+    axes = _reduced_axes(match["total"].producer())  # ReduceSum's own form (an input from opset 13)
+    return {"x": op.Mul(y, op.Sub(dY, op.reduce("ReduceSum", op.Mul(dY, y), axes)))}

@@ -13,19 +13,36 @@ from onnx_autodiff import autodiff_pass, cleanup_passes, default_registry
 R = rng(13)
 
 
-def rms_norm_model(exponent=2.0, axes=(-1,), weight=True):
-    """y = w · x / √(mean(x^exponent) + ε), spelled as torch.onnx.export(optimize=False) writes it."""
+def reduction(op_type, inputs, outputs, axes, opset):
+    """A Reduce* node over ``axes`` as the opset has it: the axes input named ``axes`` (a str;
+    ReduceSum from opset 13, the others from 18), else the attribute (a tuple)."""
+    if isinstance(axes, str):
+        return helper.make_node(op_type, [*inputs, axes], outputs, keepdims=1)
+    return helper.make_node(op_type, inputs, outputs, keepdims=1, axes=list(axes))
+
+
+def axes_by_opset(op_type, name, axes, opset):
+    """(nodes, axes) for a Reduce* over ``axes`` at ``opset``: a Constant input or the attribute."""
+    if opset >= (13 if op_type == "ReduceSum" else 18):
+        return [const(name, axes, np.int64)], name
+    return [], tuple(axes)
+
+
+def rms_norm_model(exponent=2.0, axes=(-1,), weight=True, opset=18):
+    """y = w · x / √(mean(x^exponent) + ε), spelled as torch.onnx.export(optimize=False) writes it
+    (before opset 18 the mean's axes an attribute)."""
     x = R.standard_normal((2, 3, 8)).astype(np.float32)
     const = lambda name, value: helper.make_node("Constant", [], [name], value=onnx.numpy_helper.from_array(np.asarray(value), name))
-    nodes = [const("two", np.float32(exponent)), const("axes", np.asarray(axes, np.int64)), const("eps", np.float32(1e-6)),
-             helper.make_node("Pow", ["x", "two"], ["sq"]), helper.make_node("ReduceMean", ["sq", "axes"], ["mean"], keepdims=1),
+    axes_nodes_, axes_ = axes_by_opset("ReduceMean", "axes", axes, opset)
+    nodes = [const("two", np.float32(exponent)), *axes_nodes_, const("eps", np.float32(1e-6)),
+             helper.make_node("Pow", ["x", "two"], ["sq"]), reduction("ReduceMean", ["sq"], ["mean"], axes_, opset),
              helper.make_node("Add", ["mean", "eps"], ["shifted"]), helper.make_node("Sqrt", ["shifted"], ["root"]),
              helper.make_node("Reciprocal", ["root"], ["r"]), helper.make_node("Mul", ["x", "r"], ["normed"])]
     feeds = {"x": x}
     if weight:
         nodes.append(helper.make_node("Mul", ["w", "normed"], ["y"]))
         feeds["w"] = R.uniform(0.5, 1.5, 8).astype(np.float32)
-    return make_model(nodes, feeds, ["y" if weight else "normed"]), feeds
+    return make_model(nodes, feeds, ["y" if weight else "normed"], opset=opset), feeds
 
 
 def silu_model():
@@ -39,9 +56,10 @@ def pattern_tags(model, wrt):
     return [p.value.split(":")[0] for n in proto.graph.node for p in n.metadata_props if p.key == "onnx_autodiff.grad_of"]
 
 
+@pytest.mark.parametrize("opset", [18, 17, 11])
 @pytest.mark.parametrize("axes", [(-1,), (1, 2)])
-def test_rms_norm(axes):
-    model, feeds = rms_norm_model(axes=axes)
+def test_rms_norm(axes, opset):
+    model, feeds = rms_norm_model(axes=axes, opset=opset)
     assert_gradients(model, feeds, ["x", "w"])
     tags = pattern_tags(model, ["x", "w"])
     assert "rms_norm" in tags and not {"Pow", "Sqrt", "Reciprocal", "ReduceMean"} & set(tags)
@@ -107,15 +125,20 @@ def assert_fewer_backward_nodes(model, wrt):
     assert len(backward_nodes(model, wrt)) < len(backward_nodes(model, wrt, patterns=False))
 
 
-def layer_norm_model(square="pow", exponent=2.0, variance_axes=(-1,), affine=True, variance_read=False):
+def layer_norm_model(square="pow", exponent=2.0, variance_axes=(-1,), affine=True, variance_read=False, opset=18):
     """(x − mean(x)) / √(mean((x − mean(x))²) + ε) · w + b, spelled as torch.onnx.export(optimize=False)
-    writes it (``variance_read``: the output also reads the variance)."""
+    writes it (``variance_read``: the output also reads the variance); before opset 18 the means'
+    axes are attributes, as the TorchScript-based exporter wrote them."""
     x = R.standard_normal((2, 3, 8)).astype(np.float32)
-    nodes = [*axes_nodes("axes", [-1]), *axes_nodes("variance_axes", variance_axes), const("two", exponent),
-             const("eps", 1e-5), helper.make_node("ReduceMean", ["x", "axes"], ["mean"], keepdims=1),
+    if opset >= 18:
+        axes_, variance_axes_ = "axes", "variance_axes"
+        nodes = [*axes_nodes("axes", [-1]), *axes_nodes("variance_axes", variance_axes)]
+    else:
+        axes_, variance_axes_, nodes = (-1,), tuple(variance_axes), []
+    nodes += [const("two", exponent), const("eps", 1e-5), reduction("ReduceMean", ["x"], ["mean"], axes_, opset),
              helper.make_node("Sub", ["x", "mean"], ["d"]),
              helper.make_node("Pow", ["d", "two"], ["sq"]) if square == "pow" else helper.make_node("Mul", ["d", "d"], ["sq"]),
-             helper.make_node("ReduceMean", ["sq", "variance_axes"], ["variance"], keepdims=1),
+             reduction("ReduceMean", ["sq"], ["variance"], variance_axes_, opset),
              helper.make_node("Add", ["variance", "eps"], ["shifted"]), helper.make_node("Sqrt", ["shifted"], ["root"]),
              helper.make_node("Div", ["d", "root"], ["normed"])]
     feeds, out = {"x": x}, "normed"
@@ -126,12 +149,13 @@ def layer_norm_model(square="pow", exponent=2.0, variance_axes=(-1,), affine=Tru
     if variance_read:
         nodes.append(helper.make_node("Add", [out, "variance"], ["z"]))
         out = "z"
-    return make_model(nodes, feeds, [out]), feeds
+    return make_model(nodes, feeds, [out], opset=opset), feeds
 
 
+@pytest.mark.parametrize("opset", [18, 17, 11])
 @pytest.mark.parametrize("square", ["pow", "mul"])
-def test_layer_norm(square):
-    model, feeds = layer_norm_model(square)
+def test_layer_norm(square, opset):
+    model, feeds = layer_norm_model(square, opset=opset)
     assert_gradients(model, feeds, ["x", "w", "b"])
     tags = pattern_tags(model, ["x", "w", "b"])
     assert "layer_norm" in tags
@@ -139,8 +163,17 @@ def test_layer_norm(square):
     assert_fewer_backward_nodes(model, ["x", "w", "b"])
 
 
-@pytest.mark.parametrize("change", [{"exponent": 4.0}, {"variance_axes": (1, 2)}, {"variance_read": True}],
-                         ids=["fourth-power", "other-axes", "variance-read"])
+@pytest.mark.parametrize("opset", [18, 13])
+def test_layer_norm_axes_named_either_way(opset):
+    """The centring over axis −1 and the variance over axis 2 of a rank-3 x reduce the same axis."""
+    model, feeds = layer_norm_model(variance_axes=(2,), opset=opset)
+    assert_gradients(model, feeds, ["x", "w", "b"])
+    assert "layer_norm" in pattern_tags(model, ["x", "w", "b"])
+
+
+@pytest.mark.parametrize("change", [{"exponent": 4.0}, {"variance_axes": (1, 2)}, {"variance_read": True},
+                                    {"variance_axes": (1, 2), "opset": 13}],
+                         ids=["fourth-power", "other-axes", "variance-read", "other-attribute-axes"])
 def test_not_layer_norm(change):
     model, feeds = layer_norm_model(affine=False, **change)
     assert_gradients(model, feeds, ["x"])
@@ -182,27 +215,31 @@ def test_not_gelu_erf(change):
     assert not {"gelu_erf", "gelu_erf_half_first"} & set(pattern_tags(model, ["x"]))
 
 
-def softmax_model(max_axes=(-1,), axes=(-1,), exp_read=False):
-    """exp(x − max(x)) / Σ exp(x − max(x)) over ``axes``, as torch.onnx.export(optimize=False) writes it."""
+def softmax_model(max_axes=(-1,), axes=(-1,), exp_read=False, opset=18):
+    """exp(x − max(x)) / Σ exp(x − max(x)) over ``axes``, as torch.onnx.export(optimize=False) writes
+    it (the axes attributes where the opset has no axes input: ReduceMax before 18, ReduceSum before 13)."""
     x = R.standard_normal((2, 3, 5)).astype(np.float32)
-    nodes = [const("max_axes", max_axes, np.int64), const("axes", axes, np.int64),
-             helper.make_node("ReduceMax", ["x", "max_axes"], ["m"], keepdims=1), helper.make_node("Sub", ["x", "m"], ["d"]),
-             helper.make_node("Exp", ["d"], ["e"]), helper.make_node("ReduceSum", ["e", "axes"], ["total"], keepdims=1),
-             helper.make_node("Div", ["e", "total"], ["y"])]
+    max_nodes, max_axes_ = axes_by_opset("ReduceMax", "max_axes", max_axes, opset)
+    sum_nodes, axes_ = axes_by_opset("ReduceSum", "axes", axes, opset)
+    nodes = [*max_nodes, *sum_nodes, reduction("ReduceMax", ["x"], ["m"], max_axes_, opset),
+             helper.make_node("Sub", ["x", "m"], ["d"]), helper.make_node("Exp", ["d"], ["e"]),
+             reduction("ReduceSum", ["e"], ["total"], axes_, opset), helper.make_node("Div", ["e", "total"], ["y"])]
     if exp_read:
         nodes.append(helper.make_node("Add", ["y", "e"], ["z"]))
-    return make_model(nodes, {"x": x}, ["z" if exp_read else "y"]), {"x": x}
+    return make_model(nodes, {"x": x}, ["z" if exp_read else "y"], opset=opset), {"x": x}
 
 
+@pytest.mark.parametrize("opset", [18, 13, 11])
 @pytest.mark.parametrize("axes", [(-1,), (1, 2)])
-def test_softmax(axes):
-    model, feeds = softmax_model(axes, axes)
+def test_softmax(axes, opset):
+    model, feeds = softmax_model(axes, axes, opset=opset)
     assert_gradients(model, feeds, ["x"])
     assert set(pattern_tags(model, ["x"])) == {"softmax"}
     assert_fewer_backward_nodes(model, ["x"])
 
 
-@pytest.mark.parametrize("change", [{"max_axes": (1,)}, {"exp_read": True}], ids=["other-axes", "exp-read"])
+@pytest.mark.parametrize("change", [{"max_axes": (1,)}, {"exp_read": True}, {"max_axes": (1,), "opset": 13}],
+                         ids=["other-axes", "exp-read", "other-attribute-axes"])
 def test_not_softmax(change):
     model, feeds = softmax_model(**change)
     assert_gradients(model, feeds, ["x"])
@@ -245,3 +282,29 @@ def test_torch_exports_match(name):
     x = model.graph.input[0].name
     assert_gradients(model, {x: R.standard_normal((2, 3, 8)).astype(np.float32)}, [x])
     assert name in pattern_tags(model, [x])
+
+
+@pytest.mark.parametrize("opset", [11, 14])
+def test_torchscript_exports_match(opset):
+    """The TorchScript-based exporter (dynamo=False) writes the reductions' axes as attributes below
+    opset 18 (ReduceSum's as an input from 13): LayerNorm and softmax spelled out still match."""
+    torch = pytest.importorskip("torch")
+    import io
+    import warnings
+
+    class Module(torch.nn.Module):
+        def forward(self, x):
+            d = x - x.mean(-1, keepdim=True)
+            y = d / torch.sqrt(d.pow(2).mean(-1, keepdim=True) + 1e-5)
+            e = torch.exp(y - y.amax(-1, keepdim=True))
+            return e / e.sum(-1, keepdim=True)
+
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Module(), (torch.randn(2, 3, 8),), buffer, dynamo=False, opset_version=opset)
+    model = onnx.load_from_string(buffer.getvalue())
+    assert not any(len(n.input) > 1 for n in model.graph.node if n.op_type == "ReduceMean")  # attribute axes
+    x = model.graph.input[0].name
+    assert_gradients(model, {x: R.standard_normal((2, 3, 8)).astype(np.float32)}, [x])
+    assert {"layer_norm", "softmax"} <= set(pattern_tags(model, [x]))
