@@ -195,12 +195,13 @@ class OpBuilder:
     def graph(self, inputs: Sequence[ir.Value], outputs: Sequence[ir.Value], name: str) -> ir.Graph:
         """A subgraph holding this builder's nodes; outputs not produced here get an Identity."""
         produced = {out for node in self.nodes for out in node.outputs}
-        fixed = []
+        fixed, taken = [], set()  # (a set: an optimiser's If returns tens of thousands of values)
         for value in outputs:
-            if value not in produced or value in fixed:
+            if value not in produced or value in taken:
                 value = self.Identity(value)
                 produced.add(value)
             fixed.append(value)
+            taken.add(value)
         return ir.Graph(list(inputs), fixed, nodes=self.nodes, name=name, opset_imports={})
 
     # Forms that changed across opsets. Axes are Python ints or an int64 ir.Value.

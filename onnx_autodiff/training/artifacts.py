@@ -203,6 +203,11 @@ class _Roles:
     left_out: list[str]  # float initializers the default parameters left out (constants)
     base_dir: str | None = None  # where external tensors are read from
 
+    @property
+    def state(self) -> frozenset[str]:
+        """The parameters and buffers: the initializers the trainer carries from step to step."""
+        return frozenset(self.params) | frozenset(self.buffers)
+
 
 def _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=None, base_dir=None) -> _Roles:
     graph = proto.graph
@@ -303,11 +308,13 @@ def _prepare(proto, roles: _Roles, training: bool):
             if training and len(node.outputs) < 2:
                 node.resize_outputs(2)
                 node.outputs[1].name = namer.fresh(f"{node.name or 'dropout'}_mask")
+    inputs = set(graph.inputs)  # (a set: a model may have thousands of parameters)
     for name in [*roles.params, *roles.buffers]:
         value = graph.initializers.pop(name)
         value.const_value = None
-        if value not in graph.inputs:
+        if value not in inputs:
             graph.inputs.append(value)
+            inputs.add(value)
     return model, namer, updates
 
 
@@ -468,7 +475,8 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
 
     model, namer, updates = _prepare(proto, roles, training=True)
     graph = model.graph
-    batch = [v for v in graph.inputs if v.name not in set(roles.params) | set(roles.buffers)]
+    state = roles.state
+    batch = [v for v in graph.inputs if v.name not in state]
     loss, labels, _ = attach_loss(model, namer, loss_spec)
     graph.outputs.clear()
     graph.outputs.append(loss)
@@ -540,7 +548,8 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     graph.extend(op.nodes)
     for domain, version in op.opsets.items():
         model.opset_imports.setdefault(domain, version)
-    buffer_inputs = [v for v in graph.inputs if v.name in set(roles.buffers)]
+    buffers = set(roles.buffers)
+    buffer_inputs = [v for v in graph.inputs if v.name in buffers]
     inputs = [*batch, *labels, *params, *extra_inputs, *buffer_inputs, *tail]
     proto_out = _finish(model, inputs, outputs, f"{kind} model", cleaned=True)
     layout = {
@@ -557,8 +566,9 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
 def _build_eval(proto, roles: _Roles, loss_spec):
     model, namer, _ = _prepare(proto, roles, training=False)
     graph = model.graph
-    batch = [v for v in graph.inputs if v.name not in set(roles.params) | set(roles.buffers)]
-    reads = [v for v in graph.inputs if v.name in set(roles.params) | set(roles.buffers)]
+    state = roles.state
+    batch = [v for v in graph.inputs if v.name not in state]
+    reads = [v for v in graph.inputs if v.name in state]
     loss, labels, others = attach_loss(model, namer, loss_spec)
     op = OpBuilder(default_opset(model), namer, dict(model.opset_imports))
     taken: set = set()
