@@ -56,8 +56,10 @@ def rms_norm(op, x, two, eps):
 
 
 def _number(value) -> float | None:
-    tensor = ir.convenience.get_const_tensor(value)
-    return None if tensor is None or tensor.numpy().size != 1 else float(tensor.numpy().reshape(()))
+    """The one number a value holds before run time: a constant, or one computed from constants
+    (a Cast of one, as exporters write some)."""
+    array = shapes.constant_input(value)
+    return None if array is None or array.size != 1 else float(array.reshape(()))
 
 
 def _reductions_keep_dims(context) -> bool:
@@ -83,16 +85,13 @@ def _reduced_axes(node: ir.Node) -> ir.Value | tuple[int, ...] | None:
 
 
 def _axes_numbers(axes: ir.Value | tuple[int, ...], rank: int | None) -> tuple[int, ...] | None:
-    """The axes as sorted numbers (non-negative where the rank is known), also through the
-    Reshape(Constant) torch.onnx.export writes them as; None where not known before the run."""
+    """The axes as sorted numbers (non-negative where the rank is known), also when computed from
+    constants (torch.onnx.export writes a Reshape of one); None where not known before the run."""
     if isinstance(axes, ir.Value):
-        tensor = ir.convenience.get_const_tensor(axes)
-        producer = axes.producer()
-        if tensor is None and producer is not None and producer.op_type == "Reshape":
-            tensor = ir.convenience.get_const_tensor(producer.inputs[0])
-        if tensor is None:
+        array = shapes.constant_input(axes)
+        if array is None:
             return None
-        axes = tuple(int(a) for a in tensor.numpy().reshape(-1))
+        axes = tuple(int(a) for a in array.reshape(-1))
     return tuple(sorted(a % rank if rank else a for a in axes))
 
 

@@ -180,12 +180,15 @@ def test_not_layer_norm(change):
     assert "layer_norm" not in pattern_tags(model, ["x"])
 
 
-def gelu_erf_model(divisor=2**0.5, half_first=False, multiply=False, cdf_read=False):
+def gelu_erf_model(divisor=2**0.5, half_first=False, multiply=False, cdf_read=False, cast_one=False):
     """x·½(1 + erf(x/√2)) as torch.onnx.export(optimize=False) writes nn.GELU() at opset 18
     (``half_first``: (x·½)·(1 + erf) as it writes transformers' gelu_python; ``multiply``: x·(1/√2));
-    ``cdf_read``: the output also reads ½(1 + erf), or 1 + erf with ``half_first``."""
+    ``cdf_read``: the output also reads ½(1 + erf), or 1 + erf with ``half_first``; ``cast_one``:
+    the 1 an int64 constant cast to float."""
     x = (R.standard_normal((3, 7)) * 2).astype(np.float32)
-    nodes = [const("scale", 1 / divisor if multiply else divisor), const("one", 1.0), const("half", 0.5),
+    one = ([const("one_int", 1, np.int64), helper.make_node("Cast", ["one_int"], ["one"], to=onnx.TensorProto.FLOAT)]
+           if cast_one else [const("one", 1.0)])
+    nodes = [const("scale", 1 / divisor if multiply else divisor), *one, const("half", 0.5),
              helper.make_node("Mul" if multiply else "Div", ["x", "scale"], ["u"]), helper.make_node("Erf", ["u"], ["e"]),
              helper.make_node("Add", ["e", "one"], ["s"])]
     if half_first:
@@ -197,10 +200,11 @@ def gelu_erf_model(divisor=2**0.5, half_first=False, multiply=False, cdf_read=Fa
     return make_model(nodes, {"x": x}, ["z" if cdf_read else "y"]), {"x": x}
 
 
+@pytest.mark.parametrize("cast_one", [False, True], ids=["float-one", "cast-one"])
 @pytest.mark.parametrize("half_first", [False, True], ids=["half-last", "half-first"])
 @pytest.mark.parametrize("multiply", [False, True], ids=["divided", "multiplied"])
-def test_gelu_erf(half_first, multiply):
-    model, feeds = gelu_erf_model(half_first=half_first, multiply=multiply)
+def test_gelu_erf(half_first, multiply, cast_one):
+    model, feeds = gelu_erf_model(half_first=half_first, multiply=multiply, cast_one=cast_one)
     assert_gradients(model, feeds, ["x"])
     assert set(pattern_tags(model, ["x"])) == {"gelu_erf_half_first" if half_first else "gelu_erf"}
     assert_fewer_backward_nodes(model, ["x"])
