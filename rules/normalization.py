@@ -77,14 +77,19 @@ def _per_channel(op, v, rank):
 
 
 def _standardized(op, node, x, axes):
-    """x̂ by a LayerNormalization with unit scale: one fused pass instead of Sub and Mul.
+    """x̂ by a LayerNormalization with unit scale: one fused pass instead of Sub and Mul, and in
+    x's precision where the saved statistics are float32 (stash_type=1 on a float64 x).
 
-    None when the normalised dims are not static (the unit scale is a constant of their shape).
+    The unit scale is a constant of the normalised dims' shape, or made from x's shape where those
+    dims are symbolic; None when x's dtype is unknown.
     """
-    d = shapes.dims(x)
-    if d is None or not all(isinstance(d[a], int) for a in axes) or x.dtype is None:
+    if x.dtype is None:
         return None
-    ones = op.const(np.ones([d[a] for a in axes]), dtype=x.dtype)
+    d = shapes.dims(x)
+    if d is not None and all(isinstance(d[a], int) for a in axes):
+        ones = op.const(np.ones([d[a] for a in axes]), dtype=x.dtype)
+    else:
+        ones = op.ConstantOfShape(op.Shape(x, start=axes[0]), value=np.ones(1, dtype=x.dtype.numpy()))
     return op.LayerNormalization(x, ones, axis=axes[0], epsilon=shapes.attr(node, "epsilon", 1e-5),
                                  stash_type=shapes.attr(node, "stash_type", 1))
 
