@@ -51,6 +51,9 @@ class Figures:
     checks: int = 0  # one per (graph, configuration, variable)
     elements: int = 0  # gradient elements compared with the oracle
     skipped: int = 0  # elements the oracle flagged unstable (not compared)
+    # checks of a variable whose every sampled element the oracle flagged (float32-accurate
+    # kernels inside a float64 model read as jumps): nothing compared, bounded by UNCHECKABLE
+    uncheckable: int = 0
     worst: float = 0.0  # the worst scaled error of a passing check (1 is the tolerance)
     mismatches: list[str] = dataclasses.field(default_factory=list)
     failing: list[RandomGraph] = dataclasses.field(default_factory=list)
@@ -61,7 +64,8 @@ class Figures:
         nodes = f"{min(self.nodes)}-{max(self.nodes)}" if self.nodes else "-"
         return (f"random graphs: {self.graphs} graphs of {nodes} nodes, {len(CONFIGURATIONS)} configurations "
                 f"({self.configurations} differentiated models), {self.checks} gradient checks "
-                f"({self.elements} elements, {self.skipped} skipped as unstable), worst scaled error "
+                f"({self.elements} elements, {self.skipped} skipped as unstable; {self.uncheckable} "
+                f"checks with nothing checkable), worst scaled error "
                 f"{self.worst:.3g}, {len(self.mismatches)} mismatches, "
                 f"{time.perf_counter() - self.started:.0f} s")
 
@@ -141,10 +145,12 @@ def check(graph: RandomGraph, figures: Figures) -> list[str]:
             figures.skipped += counts["unstable"]
             grad = outputs.get(autodiff.gradient_names.get(x, ""))
             error = float("inf") if grad is None else compare(grad, details, ATOL, RTOL)
-            if error > 1.0 or (counts["checked"] == 0 and counts["size"] > 0):
+            if error > 1.0 or (counts["evaluated"] == 0 and counts["size"] > 0):
                 shape = None if grad is None else grad.shape
                 problems.append(f"{config}: gradient of {x}: scaled error {error:.3g} "
                                 f"(AD {shape}, oracle {details.value.shape}, {counts})")
+            elif counts["checked"] == 0 and counts["size"] > 0:
+                figures.uncheckable += 1
             else:
                 figures.worst = max(figures.worst, error)
     figures.mismatches += problems
@@ -181,13 +187,26 @@ def sweep(examples: int, min_nodes: int = 12, max_nodes: int = 99, stop: bool = 
 
 
 CI_GRAPHS, SLOW_GRAPHS = 200, 2000
+UNCHECKABLE = 1e-3  # at most this share of the checks may find nothing checkable
+
+
+def acceptable(figures: Figures, graphs: int) -> bool:
+    return (figures.graphs >= graphs and not figures.mismatches
+            and figures.uncheckable <= UNCHECKABLE * figures.checks)
 
 
 def test_random_graphs_gradients_match_finite_differences(record_property):
     figures = sweep(CI_GRAPHS, max_nodes=60)
     print(figures)  # shown with -s or -rP
     record_property("figures", str(figures))
-    assert figures.graphs >= CI_GRAPHS and not figures.mismatches
+    assert acceptable(figures, CI_GRAPHS), figures
+
+
+def test_a_sweep_that_checks_too_little_fails():
+    assert acceptable(Figures(graphs=200, checks=3000, uncheckable=3), 200)
+    assert not acceptable(Figures(graphs=200, checks=3000, uncheckable=4), 200)
+    assert not acceptable(Figures(graphs=199, checks=3000), 200)
+    assert not acceptable(Figures(graphs=200, checks=3000, mismatches=["x"]), 200)
 
 
 @pytest.mark.slow
@@ -196,7 +215,7 @@ def test_random_graphs_sweep(record_property):
     print(figures)
     print(figures.coverage())
     record_property("figures", str(figures))
-    assert figures.graphs >= SLOW_GRAPHS and not figures.mismatches
+    assert acceptable(figures, SLOW_GRAPHS), figures
 
 
 def worst_error(model: onnx.ModelProto, feeds, wrt) -> float:
