@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Iterable
 
 import numpy as np
@@ -20,6 +21,7 @@ from onnx_autodiff.errors import TrainingError
 
 # Set by the launchers of MPICH (Hydra), Open MPI and PMIx for every rank they start.
 _LAUNCHER_VARIABLES = ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+ABORT_GRACE = 0.5  # seconds between a failing rank's message and its abort
 
 
 def world():
@@ -94,4 +96,7 @@ def abort_on_error(comm):
             message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             print(f"onnx-autodiff: error on rank {comm.Get_rank()} of {comm.Get_size()}: {message}",
                   file=sys.stderr, flush=True)
+            # mpiexec forwards a rank's output asynchronously, and the abort can tear that down
+            # before the message is through (seen once under load: nothing on stderr at all)
+            time.sleep(ABORT_GRACE)
         comm.Abort(code)
