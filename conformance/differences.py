@@ -470,18 +470,21 @@ def _gradient(samples: _Samples, shape, objective: _Objective, h1: float, h2: fl
     noise = 10 * objective.eps * max(1.0, objective.scale) / h1
     right, left, c1, c2, curvature, right2, left2 = samples.raw
     finite = np.isfinite(c1)
-    scale = max(1.0, float(np.max(np.abs(c1[finite]))) if finite.any() else 1.0)
     with np.errstate(invalid="ignore"):
-        # a smooth f has s+ − s- ≈ h1·f''; a kink's jump is far larger than that
-        smooth_gap = 10 * h1 * np.abs(curvature)
-        kink = finite & (np.abs(right - left) > noise + 1e-8 * scale + smooth_gap)
-        unstable = finite & (np.abs(c1 - c2) > noise + 1e-5 * scale + 1e-4 * np.abs(c1))
         # a jump: the change of f over h1 does not shrink with the step (|s(h1)| ≈ |s(h2)|·h2/h1)
         floor = 100 * objective.eps * max(1.0, objective.scale) / h1
         jump = finite & (
             ((np.abs(right) > floor) & (np.abs(right) * h1 > 0.5 * np.abs(right2) * h2))
             | ((np.abs(left) > floor) & (np.abs(left) * h1 > 0.5 * np.abs(left2) * h2))
         )
+        # the slopes' scale without the jumps, whose estimates grow as 1/h1 and would hide kinks
+        # and instability elsewhere
+        sloped = finite & ~jump
+        scale = max(1.0, float(np.max(np.abs(c1[sloped]))) if sloped.any() else 1.0)
+        # a smooth f has s+ − s- ≈ h1·f''; a kink's jump is far larger than that
+        smooth_gap = 10 * h1 * np.abs(curvature)
+        kink = finite & (np.abs(right - left) > noise + 1e-8 * scale + smooth_gap)
+        unstable = finite & (np.abs(c1 - c2) > noise + 1e-5 * scale + 1e-4 * np.abs(c1))
     lower = np.where(kink, np.minimum(left, right), c1)
     upper = np.where(kink, np.maximum(left, right), c1)
     return FDGradient(

@@ -210,6 +210,24 @@ def test_jump_is_discontinuous_and_skipped():
     assert fd.backend == "onnxruntime-float64"  # the probe is not fooled by the jump
 
 
+def test_a_jump_elsewhere_does_not_hide_a_kink():
+    """The slopes' scale leaves the jumps out: Floor's jump at 2 estimates a slope of ~1e9, which
+    as the scale hid the kink at ½ (the second-order DeformConv case at the padding border)."""
+    x = np.array([2.0, 0.5, 0.7], np.float32)  # y = 1000·floor(x) + relu(x − ½)
+    number = lambda name, v: helper.make_node("Constant", [], [name], value=onnx.numpy_helper.from_array(np.array(v, np.float32)))
+    nodes = [helper.make_node("Floor", ["X"], ["f"]), number("k", 1000.0), number("half", 0.5),
+             helper.make_node("Mul", ["f", "k"], ["steps"]), helper.make_node("Sub", ["X", "half"], ["shifted"]),
+             helper.make_node("Relu", ["shifted"], ["r"]), helper.make_node("Add", ["steps", "r"], ["Y"])]
+    model = make_model(nodes, {"X": x}, ["Y"])
+    (r,), fd = oracle(model, {"X": x}, ["X"])
+    detail = fd.details["X"]
+    np.testing.assert_array_equal(detail.discontinuous, [True, False, False])
+    np.testing.assert_array_equal(detail.kink, [False, True, False])
+    relu_subgradient = np.array([0.0, 0.0, r[2]])  # Relu's AD takes 0 at its kink; Floor's is 0
+    assert compare(relu_subgradient, detail, 1e-4, 1e-3) <= 1
+    assert compare(np.array([0.0, 3 * r[1], r[2]]), detail, 1e-4, 1e-3) > 1
+
+
 def test_gelu_float64_kernel_matches_analytic():
     x = np.array([-1.0, 0.0, 1.0, 2.5], np.float32)  # reference Gelu runs a float32 function body
     (r,), fd = oracle(op_model("Gelu", {"X": x}, opset=20), {"X": x}, ["X"])
