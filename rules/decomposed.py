@@ -64,12 +64,8 @@ def _number(value) -> float | None:
 
 def _reductions_keep_dims(context) -> bool:
     """Every reduction of the match keeps the reduced axes and reduces over the axes it is given."""
-    def attribute(node, name, default):
-        value = node.attributes.get(name)
-        return default if value is None else value.value
-
-    return all(attribute(node, "keepdims", 1) == 1 and attribute(node, "noop_with_empty_axes", 0) == 0
-               for node in context.nodes if node.op_type.startswith("Reduce"))
+    return all(shapes.attr(node, "keepdims", 1) == 1 and shapes.attr(node, "noop_with_empty_axes", 0) == 0
+               for node in _reductions(context.nodes))
 
 
 def _reductions(nodes) -> list[ir.Node]:
@@ -80,8 +76,8 @@ def _reduced_axes(node: ir.Node) -> ir.Value | tuple[int, ...] | None:
     """What a Reduce* node reduces over: its axes input or its axes attribute; None for all axes."""
     if len(node.inputs) > 1 and node.inputs[1] is not None:
         return node.inputs[1]
-    attribute = node.attributes.get("axes")
-    return None if attribute is None else tuple(attribute.value)
+    axes = shapes.attr(node, "axes")
+    return None if axes is None else tuple(axes)
 
 
 def _axes_numbers(axes: ir.Value | tuple[int, ...], rank: int | None) -> tuple[int, ...] | None:

@@ -13,6 +13,7 @@ from onnx_autodiff.toolkit.shapes import (
     fill_like,
     inverse_perm,
     known_rank,
+    literal,
     normalize_axis,
     ones_like,
     rank,
@@ -27,6 +28,6 @@ from onnx_autodiff.toolkit.shapes import (
 
 __all__ = [
     "Dim", "accumulate", "alias", "attr", "cast_like", "constant_input", "dims", "extent", "fill_like",
-    "infer_node_shapes", "inverse_perm", "known_rank", "normalize_axis", "ones_like", "rank", "require_opset",
+    "infer_node_shapes", "inverse_perm", "known_rank", "literal", "normalize_axis", "ones_like", "rank", "require_opset",
     "shape_from", "static_shape", "swap_last2", "typed_like", "unbroadcast", "zeros_like",
 ]

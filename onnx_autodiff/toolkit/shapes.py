@@ -120,21 +120,36 @@ _NEVER_FOLDED = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", 
                            "Multinomial", "Bernoulli", "Dropout"})
 
 
+def literal(value: ir.Value | None) -> np.ndarray | None:
+    """The value's array when it is an initializer or a Constant's output (not one computed from
+    them) and its data is there; None otherwise."""
+    if value is None:
+        return None
+    tensor = value.const_value
+    try:
+        if tensor is None:
+            node = value.producer()
+            if node is None or node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+                return None
+            attribute = node.attributes.get("value") if len(node.attributes) == 1 else None
+            # the tensor attribute read directly: get_const_tensor's protocol check of it costs
+            # more than the rest of a cleanup round's analysis
+            tensor = attribute.value if attribute is not None else ir.convenience.get_const_tensor(value)
+        return None if tensor is None else tensor.numpy()
+    except (OSError, ValueError):  # external data that is not there, a malformed Constant
+        return None
+
+
 def _constant(value: ir.Value | None, depth: int) -> np.ndarray | None:
     if value is None:
         return None
     if value.const_value is not None:
-        return value.const_value.numpy()
+        return literal(value)
     producer = value.producer()
     if producer is None or producer.domain not in ("", "ai.onnx") or depth > 12:
         return None
     if producer.op_type == "Constant":
-        for key in ("value", "value_float", "value_floats", "value_int", "value_ints"):
-            attribute = producer.attributes.get(key)
-            if attribute is not None:
-                raw = attribute.value
-                return raw.numpy() if hasattr(raw, "numpy") else np.asarray(raw)
-        return None
+        return literal(value)
     if producer.op_type == "Shape":
         shape = dims(producer.inputs[0])
         if shape is None:

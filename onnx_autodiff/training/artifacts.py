@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -203,7 +204,7 @@ class _Roles:
     left_out: list[str]  # float initializers the default parameters left out (constants)
     base_dir: str | None = None  # where external tensors are read from
 
-    @property
+    @functools.cached_property
     def state(self) -> frozenset[str]:
         """The parameters and buffers: the initializers the trainer carries from step to step."""
         return frozenset(self.params) | frozenset(self.buffers)
@@ -475,8 +476,7 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
 
     model, namer, updates = _prepare(proto, roles, training=True)
     graph = model.graph
-    state = roles.state
-    batch = [v for v in graph.inputs if v.name not in state]
+    batch = [v for v in graph.inputs if v.name not in roles.state]
     loss, labels, _ = attach_loss(model, namer, loss_spec)
     graph.outputs.clear()
     graph.outputs.append(loss)
@@ -566,9 +566,8 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
 def _build_eval(proto, roles: _Roles, loss_spec):
     model, namer, _ = _prepare(proto, roles, training=False)
     graph = model.graph
-    state = roles.state
-    batch = [v for v in graph.inputs if v.name not in state]
-    reads = [v for v in graph.inputs if v.name in state]
+    batch = [v for v in graph.inputs if v.name not in roles.state]
+    reads = [v for v in graph.inputs if v.name in roles.state]
     loss, labels, others = attach_loss(model, namer, loss_spec)
     op = OpBuilder(default_opset(model), namer, dict(model.opset_imports))
     taken: set = set()

@@ -9,7 +9,7 @@ import onnx_ir as ir
 
 from onnx_autodiff.errors import TrainingError
 from onnx_autodiff.toolkit import Namer, OpBuilder
-from onnx_autodiff.toolkit.shapes import typed_like
+from onnx_autodiff.toolkit.shapes import cast_like, typed_like
 from onnx_autodiff.training.values import dim_value, fresh_value
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -106,7 +106,7 @@ def step_kept(op: OpBuilder, grads, loss: ir.Value | None = None) -> tuple[ir.Va
         square = op.ReduceSumSquare(g if g.dtype in (float32, ir.DataType.DOUBLE) else op.Cast(g, to=float32), keepdims=0)
         squares.append(op.Cast(square, to=float32) if g.dtype == ir.DataType.DOUBLE else square)
     total = op.Sum(*squares) if len(squares) > 1 else squares[0]
-    checked = total if loss is None else op.Add(total, op.Abs(loss if loss.dtype == float32 else op.Cast(loss, to=float32)))
+    checked = total if loss is None else op.Add(total, op.Abs(cast_like(op, loss, total)))
     kept = op.Less(op.Abs(checked), op.const(float("inf"), dtype=float32))  # Less is False for NaN
     kept.shape = ir.Shape([])  # a model output: typed here, not by a shape inference of the whole model
     return kept, total
@@ -165,19 +165,15 @@ def _update(op: OpBuilder, spec, params, grads, states, lr: ir.Value, step: ir.V
     if max_grad_norm is not None:
         # torch.nn.utils.clip_grad_norm_: g ·= min(max_norm / (‖g‖₂ + 1e-6), 1) over all gradients
         coef = op.Min(op.Div(op.const(float(max_grad_norm), dtype=float32), op.Add(op.Sqrt(total), 1e-6)), 1.0)
-        grads = [op.Mul(g, coef if g.dtype == float32 else op.CastLike(coef, g)) for g in grads]
+        grads = [op.Mul(g, cast_like(op, coef, g)) for g in grads]
     # scalar coefficients in float64, like torch's Python-float arithmetic, then cast per dtype
     coefficients: dict = {}
 
     def scalar(key, build, like):
-        """A coefficient in ``like``'s dtype, ``build()`` computing it in float64 or a number."""
+        """A coefficient in ``like``'s dtype (no cast where it has it), ``build()`` computing it
+        (in float64, or lr as given) or a number."""
         if (key, like.dtype) not in coefficients:
-            if isinstance(build, float):
-                value = op.const(build, like=like)
-            elif key == "lr" and like.dtype == lr.dtype:  # its float64 round trip is exact
-                value = lr
-            else:
-                value = op.Cast(build(), to=like.dtype)
+            value = op.const(build, like=like) if isinstance(build, float) else cast_like(op, build(), like)
             coefficients[(key, like.dtype)] = value
         return coefficients[(key, like.dtype)]
 
@@ -214,7 +210,7 @@ def _update(op: OpBuilder, spec, params, grads, states, lr: ir.Value, step: ir.V
                     buf = op.Add(op.Mul(buf, m), g)  # buf = 0 before step 1: exactly g
                 outs.append(buf)
                 g = op.Add(g, op.Mul(buf, op.const(spec.momentum, like=p))) if spec.nesterov else buf
-            new_p = op.Sub(p, op.Mul(g, scalar("lr", lr_d, p)))
+            new_p = op.Sub(p, op.Mul(g, scalar("lr", lambda: lr, p)))
         else:
             b1, b2 = spec.betas
             m, v = inputs[0], inputs[1]

@@ -15,7 +15,7 @@ from onnx_autodiff.toolkit.builder import CONSTANT_TYPES_BEFORE_9, FLOAT_TYPES
 # Dims of a value: per axis an int (static), a str (named symbolic) or None (unknown).
 Dims = tuple
 SMALL = 16  # a zero tensor at most this large becomes a Constant, a larger one a ConstantOfShape
-dims, rank = shapes.dims, shapes.rank  # the cleanup's rules read them from here with the rest
+dims, rank, literal = shapes.dims, shapes.rank, shapes.literal  # the cleanup's rules read them from here with the rest
 
 _CASTABLE = {*FLOAT_TYPES, ir.DataType.BOOL,
              *(t for t in ir.DataType if t.name.startswith(("INT", "UINT")) and t.bitwidth >= 8)}
@@ -63,25 +63,6 @@ def broadcast(*shapes_: Dims | None) -> Dims | None:
             return None
         out.append(dim)
     return tuple(out)
-
-
-def literal(value: ir.Value | None) -> np.ndarray | None:
-    """The value's array when it is an initializer or a Constant's output (not one computed from
-    them: the folder does that), and its data is there."""
-    if value is None:
-        return None
-    tensor = value.const_value
-    node = value.producer() if tensor is None else None
-    try:
-        if node is not None and node.op_type == "Constant" and "value" in node.attributes and len(node.attributes) == 1:
-            # the tensor attribute read directly: get_const_tensor's protocol check of it costs
-            # more than the rest of a cleanup round's analysis
-            tensor = node.attributes["value"].value
-        elif node is not None:
-            tensor = ir.convenience.get_const_tensor(value)
-        return None if tensor is None else tensor.numpy()
-    except (OSError, ValueError):  # external data that is not there, a malformed Constant
-        return None
 
 
 def fill(value: ir.Value | None) -> float | None:
