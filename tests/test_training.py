@@ -114,6 +114,37 @@ def test_optimizer_matches_torch(name, options):
     assert int(state["__step__"]) == 3
 
 
+def float64(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with its weights, input and output in float64."""
+    for tensor in model.graph.initializer:
+        tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float64), tensor.name))
+    for value in (*model.graph.input, *model.graph.output):
+        value.type.tensor_type.elem_type = TensorProto.DOUBLE
+    return model
+
+
+@pytest.mark.parametrize("name,options", [("adamw", {"lr": 0.01}), ("sgd", {"lr": 0.1, "momentum": 0.9})])
+def test_float64_model_trains_and_matches_torch(name, options):
+    """A float64 model's loss comes back in float64 (the trainer bound it as float32 and every
+    step failed), and its steps match torch.optim in float64. The artifacts take lr as a float32
+    input, so torch gets the same rounded lr."""
+    model = float64(mlp())
+    torch, params, forward = torch_mlp(model)
+    cls = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[name]
+    optimizer = cls(list(params.values()), **{**options, "lr": float(np.float32(options["lr"]))})
+    trainer = Trainer(generate_artifacts(model, optimizer=name, optimizer_options=options))
+    for X, y in batches(3):
+        X = X.astype(np.float64)
+        ours = trainer.step({"X": X, "labels": y})
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(forward(X), torch.from_numpy(y))
+        loss.backward()
+        optimizer.step()
+        assert abs(ours - loss.item()) <= 1e-12 * abs(loss.item())
+    assert all(v.dtype == np.float64 for v in trainer.parameters().values())
+    assert_close_relative(trainer.parameters(), {k: v.detach().numpy() for k, v in params.items()}, rtol=1e-12)
+
+
 @pytest.mark.parametrize("loss", ["mse", "l1", "bce_with_logits"])
 def test_losses_match_torch(loss):
     model = mlp()

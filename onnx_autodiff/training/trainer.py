@@ -184,7 +184,10 @@ class _Runner:
             for key, name in layout.get("scalars", {}).items()
         }
         self.loss = layout.get("loss")
-        self.loss_value = self._scalar(np.float32) if self.loss and kind != "eval" else None
+        outputs = {o.name: o for o in self.session.get_outputs()}
+        # the loss in the model's own float type (a float64 model's is float64)
+        self.loss_value = (self._scalar(_ORT_TYPES[outputs[self.loss].type])
+                           if self.loss and kind != "eval" else None)
         self.flag_value = self._scalar(np.bool_ if layout.get("kept") else np.float32) if self.flag else None
         self.bindings: dict[tuple, object] = {}
 
