@@ -78,6 +78,19 @@ def assert_close_relative(ours: dict, reference: dict, rtol=1e-6):
         assert error <= rtol, f"{name}: relative error {error:.2e} > {rtol}"
 
 
+def steps_beside_torch(trainer, optimizer, forward, torch, dtype=np.float32, rtol=1e-6):
+    """Three steps of ``trainer`` and of the torch ``optimizer`` on the same batches (in ``dtype``),
+    the losses equal to ``rtol`` relative."""
+    for X, y in batches(3):
+        X = X.astype(dtype)
+        ours = trainer.step({"X": X, "labels": y})
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(forward(X), torch.from_numpy(y))
+        loss.backward()
+        optimizer.step()
+        assert abs(ours - loss.item()) <= rtol * abs(loss.item())
+
+
 OPTIMIZERS = [
     ("sgd", {"lr": 0.1, "momentum": 0.9}),
     ("sgd", {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
@@ -98,13 +111,7 @@ def test_optimizer_matches_torch(name, options):
     cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
     optimizer = cls(list(params.values()), **options)
     trainer = Trainer(generate_artifacts(model, optimizer=name, optimizer_options=options))
-    for X, y in batches(3):
-        ours = trainer.step({"X": X, "labels": y})
-        optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(forward(X), torch.from_numpy(y))
-        loss.backward()
-        optimizer.step()
-        assert abs(ours - loss.item()) <= 1e-6 * abs(loss.item())
+    steps_beside_torch(trainer, optimizer, forward, torch)
     assert_close_relative(trainer.parameters(), {k: v.detach().numpy() for k, v in params.items()})
     state = trainer.state_dict()
     for k, v in params.items():
@@ -133,14 +140,7 @@ def test_float64_model_trains_and_matches_torch(name, options):
     cls = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[name]
     optimizer = cls(list(params.values()), **{**options, "lr": float(np.float32(options["lr"]))})
     trainer = Trainer(generate_artifacts(model, optimizer=name, optimizer_options=options))
-    for X, y in batches(3):
-        X = X.astype(np.float64)
-        ours = trainer.step({"X": X, "labels": y})
-        optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(forward(X), torch.from_numpy(y))
-        loss.backward()
-        optimizer.step()
-        assert abs(ours - loss.item()) <= 1e-12 * abs(loss.item())
+    steps_beside_torch(trainer, optimizer, forward, torch, np.float64, rtol=1e-12)
     assert all(v.dtype == np.float64 for v in trainer.parameters().values())
     assert_close_relative(trainer.parameters(), {k: v.detach().numpy() for k, v in params.items()}, rtol=1e-12)
 
