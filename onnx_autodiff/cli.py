@@ -1,4 +1,4 @@
-"""The ``onnx-autodiff`` command line: grad, jvp, hvp, jacobian, check, artifacts, train, ops, demo, conformance."""
+"""The ``onnx-autodiff`` command line: grad, jvp, hvp, jacobian, check, artifacts, train, params, ops, demo, conformance."""
 
 from __future__ import annotations
 
@@ -164,6 +164,30 @@ def _opset_range(bounds: tuple[int, int]) -> str:
 OPS_BEGIN, OPS_END = "<!-- operators:begin -->", "<!-- operators:end -->"
 
 
+def cmd_params(args) -> int:
+    import json
+
+    from onnx_autodiff.passes.parameters import parameter_rows
+
+    rows = parameter_rows(load_model(args.model))
+    if args.json:
+        print(json.dumps([row.to_json() for row in rows], indent=1))
+        return EXIT_OK
+    table = [("module parameter", "initializer", "transform", "shape", "default", "found by / why")]
+    for row in rows:
+        shape = "[" + ", ".join(str(d) for d in row.shape) + "]"
+        default = "trained" if row.trained else "left out"
+        table.append((row.name or "-", row.initializer, row.transform or "-", shape, default,
+                      "; ".join(part for part in (row.found_by, row.why) if part)))
+    widths = [max(len(line[i]) for line in table) for i in range(5)]
+    for line in table:
+        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)) + "  " + line[5])
+    parameters = [row for row in rows if row.name is not None]
+    print(f"{count(len(parameters), 'module parameter')} ({sum(r.trained for r in parameters)} trained by default), "
+          f"{count(len(rows) - len(parameters), 'float constant')}")
+    return EXIT_OK
+
+
 def cmd_ops(args) -> int:
     table = operator_table()
     if args.update is None:
@@ -224,6 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--inputs", metavar="NPZ", help="input values (default: random floats)")
     check.add_argument("--seed", type=int, default=0)
     check.set_defaults(run=cmd_check)
+    params = commands.add_parser("params", help="list the module parameters found in a model and what training does with them")
+    params.add_argument("model", help="input .onnx file")
+    params.add_argument("--json", action="store_true", help="one JSON list instead of the table")
+    params.set_defaults(run=cmd_params)
     ops = commands.add_parser("ops", help="list the operators that have gradient rules (Markdown)")
     ops.add_argument("--update", metavar="FILE", help="rewrite the operator section of FILE (README.md)")
     ops.set_defaults(run=cmd_ops)

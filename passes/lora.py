@@ -27,6 +27,7 @@ import onnx_ir as ir
 
 from onnx_autodiff.errors import TrainingError, UnknownValueError, UnsupportedModelError, names_summary
 from onnx_autodiff.passes.opsets import default_opset
+from onnx_autodiff.passes.recovery import module_names
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, shapes
 
 NORMS = frozenset({"LayerNormalization", "BatchNormalization", "InstanceNormalization", "GroupNormalization",
@@ -41,7 +42,8 @@ class LoraConfig:
     rank: r, the adapters' inner size. alpha: the scale numerator (default: ``rank``, so
     scale = alpha / r = 1, as peft's defaults r = 8, lora_alpha = 8). targets: shell-style
     patterns (:func:`fnmatch.fnmatchcase`, case-sensitive) matched against the whole initializer
-    name, e.g. ``"*q_proj*"``; None: every target weight. dropout: the probability of peft's
+    name or, in a model whose parameters were recovered (:mod:`onnx_autodiff.passes.recovery`), the
+    module parameter's name, e.g. ``"*q_proj*"``; None: every target weight. dropout: the probability of peft's
     ``lora_dropout`` on the adapters' input (train model only). seed: the seed of A's initial
     values. train_biases: also train every bias (peft ``bias="all"``: a Gemm's C, a Conv's B, a
     1-D initializer added to a MatMul/Gemm/Conv result); train_norms: also train the scale and
@@ -116,9 +118,10 @@ class LoraPass(ir.passes.InPlacePass):
             rows, cols = weight.shape.dims if not transposed else reversed(weight.shape.dims)
             dtype = weight.dtype.numpy()
             bound = 1.0 / np.sqrt(rows)
-            a = _initializer(graph, namer, f"{weight.name}.lora_A",
+            stem = (module_names(weight) or [weight.name])[0]  # a folded val_29 is q_proj.weight
+            a = _initializer(graph, namer, f"{stem}.lora_A",
                              rng.uniform(-bound, bound, (config.rank, rows)).T.astype(dtype))
-            b = _initializer(graph, namer, f"{weight.name}.lora_B", np.zeros((config.rank, cols), dtype))
+            b = _initializer(graph, namer, f"{stem}.lora_B", np.zeros((config.rank, cols), dtype))
             self.adapters.append(Adapter(weight.name, a.name, b.name, transposed))
             for node in nodes:
                 self._adapt(graph, op, namer, node, a, b, dtype)
@@ -210,7 +213,7 @@ def _select(patterns: Sequence[str] | None, sites, skipped: Mapping[str, str]) -
         return list(sites)
     chosen = []
     for pattern in patterns:
-        found = [w for w in sites if fnmatch.fnmatchcase(w.name, pattern)]
+        found = [w for w in sites if any(fnmatch.fnmatchcase(n, pattern) for n in [w.name, *module_names(w)])]
         if not found:
             near = {n: why for n, why in skipped.items() if fnmatch.fnmatchcase(n, pattern)}
             raise UnknownValueError(_no_target(f"LoRA target pattern '{pattern}' matches no weight of a MatMul or Gemm",
@@ -227,7 +230,8 @@ def _no_target(what: str, skipped: Mapping[str, str], names: Sequence[str] | Non
         reasons = [f"'{n}' is {why}" for n, why in skipped.items()]
         message += "; not adaptable: " + "; ".join(reasons[:6]) + ("; ..." if len(reasons) > 6 else "")
     if names is not None:
-        message += "; the patterns are shell-style (fnmatch) on the whole initializer name, e.g. '*q_proj*'"
+        message += ("; the patterns are shell-style (fnmatch) on the whole initializer name or, in a model exported "
+                "from PyTorch, module parameter name, e.g. '*q_proj*'")
     return message
 
 

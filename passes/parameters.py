@@ -3,10 +3,13 @@
 A float initializer is a parameter when some node reads it where a gradient flows (a
 differentiable input of its rule, or an outer value a subgraph reads), and
 
-- in a model exported by ``torch.onnx.export`` (its initializers carry the exporter's
-  ``pkg.torch.export.graph_signature.InputSpec.kind`` mark): it is marked ``PARAMETER``, as the
-  module's ``named_parameters()`` are; buffers and the constants the exporter created (``val_*``:
-  exponents, epsilons, scale factors, causal masks, folded weights) are not;
+- in a model that :class:`~onnx_autodiff.passes.recovery.RecoverParametersPass` rewrote (its
+  initializers carry module names): it carries them;
+- in a model exported from PyTorch (``torch.onnx.export``, dynamo or TorchScript): it holds a
+  module parameter as :func:`~onnx_autodiff.passes.recovery.recover_parameters` finds them, as it is
+  or transposed (a folded ``weight.T``, a tied copy, one tensor the exporter stored for several
+  parameters of equal values); buffers and the constants the exporter created (exponents,
+  epsilons, scale factors, causal masks, rotary caches) are not;
 - in any other model: it has more than one element (a one-element initializer is an exponent,
   an epsilon, a scale factor or a bound) and every element is finite and below half the dtype's
   largest magnitude (a tensor holding -inf or -3.4e38 is an attention mask).
@@ -23,10 +26,9 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_autodiff.errors import AutodiffError
+from onnx_autodiff.passes.recovery import EXPORTER_KIND, MODULE_NAMES, recover_parameters
 from onnx_autodiff.rules import GradRegistry, default_registry
 from onnx_autodiff.toolkit import FLOAT_TYPES, captured_values
-
-EXPORTER_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"
 
 
 @dataclasses.dataclass
@@ -42,10 +44,10 @@ def default_parameters(model: ir.Model, registry: GradRegistry | None = None) ->
     graph = model.graph
     floats = [v for v in graph.initializers.values() if v.dtype in FLOAT_TYPES]
     read = _read_where_gradients_flow(model, registry or default_registry())
-    exported = any(EXPORTER_KIND in v.metadata_props for v in graph.initializers.values())
+    held = _held_parameters(model)
     parameters, left_out = [], {}
     for value in floats:
-        reason = _why_not_a_parameter(value, value in read, exported)
+        reason = _why_not_a_parameter(value, value in read, held)
         if reason is None:
             parameters.append(value)
         else:
@@ -53,12 +55,23 @@ def default_parameters(model: ir.Model, registry: GradRegistry | None = None) ->
     return DefaultParameters(parameters, left_out)
 
 
-def _why_not_a_parameter(value: ir.Value, read: bool, exported: bool) -> str | None:
+def _held_parameters(model: ir.Model) -> dict[str, str] | None:
+    """Initializer -> why it is no parameter (absent: it is one), for a rewritten or exported
+    model; None for any other model."""
+    graph = model.graph
+    if any(MODULE_NAMES in v.metadata_props for v in graph.initializers.values()):
+        return {v.name: "exporter constant" for v in graph.initializers.values() if MODULE_NAMES not in v.metadata_props}
+    recovery = recover_parameters(model)
+    if not recovery.torch_export:
+        return None
+    return recovery.constants
+
+
+def _why_not_a_parameter(value: ir.Value, read: bool, held: dict[str, str] | None) -> str | None:
     if not read:
         return "read by no differentiable input"
-    if exported:
-        kind = value.metadata_props.get(EXPORTER_KIND)
-        return None if kind == "PARAMETER" else f"exporter {kind.lower() if kind else 'constant'}"
+    if held is not None:
+        return held.get(value.name)
     if value.const_value is None or value.const_value.size <= 1:
         return "one-element constant"
     if not _finite_and_moderate(value.const_value):
@@ -105,3 +118,58 @@ def _input_names(rule, node: ir.Node, opset: int) -> list[str] | None:
     except AutodiffError:
         return None
 
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterRow:
+    """One line of ``onnx-autodiff params``: a module parameter (or a float constant, ``name``
+    None) with the tensor that stores it, the transform from the module's tensor to the stored
+    one, the module's shape, whether the defaults train it and why not."""
+
+    name: str | None
+    initializer: str
+    transform: str
+    shape: tuple[int, ...]
+    trained: bool
+    why: str
+    found_by: str = ""
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self) | {"shape": list(self.shape)}
+
+
+def parameter_rows(model: ir.Model, registry: GradRegistry | None = None) -> list[ParameterRow]:
+    """The module parameters that recovery finds in ``model`` (which is not changed) and the float
+    constants, with what the default training does with each: the parameters' rows first, in the
+    file's initializer order, then the constants'."""
+    from onnx_autodiff.passes.recovery import RecoverParametersPass
+
+    recovery = recover_parameters(model)
+    rewritten = ir.from_proto(ir.to_proto(model)) if recovery.torch_export else model
+    if recovery.torch_export:
+        rewrite = RecoverParametersPass(tie=True)
+        rewrite(rewritten)
+        homes = {p.name: p.initializer for p in rewrite.recovered}
+    else:
+        homes = {p.name: p.initializer for p in recovery.parameters}
+    default = default_parameters(rewritten, registry)
+    trained = {v.name for v in default.parameters}
+    shared: dict[str, int] = {}
+    for p in recovery.parameters:
+        shared[p.initializer] = shared.get(p.initializer, 0) + 1
+    rows = []
+    for p in recovery.parameters:
+        stored = p.initializer if p.initializer in model.graph.initializers else "(none: restored as zeros)"
+        transform = "transpose" if p.transposed else "identity"
+        notes = [f"shared with {shared[p.initializer] - 1} other parameter(s) of equal value: trained apart"] \
+            if shared[p.initializer] > 1 else []
+        notes += [f"tied: also {a}" for a in p.aliases] + [f"copy in {c}" for c, _ in p.copies]
+        home = homes.get(p.name)
+        why = "" if home in trained else default.left_out.get(home, "not chosen")
+        rows.append(ParameterRow(p.name, stored, transform, p.shape, home in trained,
+                                 "; ".join([why, *notes]) if why else "; ".join(notes), p.found_by))
+    for name, reason in recovery.constants.items():
+        value = model.graph.initializers[name]
+        dims = tuple(int(d) if isinstance(d, int) else -1 for d in value.shape) if value.shape is not None else ()
+        rows.append(ParameterRow(None, name, "", dims, False, reason))
+    return rows

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
 import json
 import os
@@ -34,6 +35,7 @@ from onnx_autodiff.passes.lora import adapted
 from onnx_autodiff.passes.autodiff import backward_trial
 from onnx_autodiff.passes.opsets import default_opset, upgraded_for
 from onnx_autodiff.passes.parameters import default_parameters
+from onnx_autodiff.passes.recovery import RecoverParametersPass, is_torch_export
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder
 from onnx_autodiff.training.losses import LossSpec, attach_loss
 from onnx_autodiff.training.optimizers import (
@@ -419,6 +421,12 @@ def generate_artifacts(
     proto.CopyFrom(forward)
     if proto.functions:
         proto = onnx.inliner.inline_local_functions(proto)
+    proto, forward, modules = _recovered(proto, forward, base_dir)
+    frozen_params = _module_selection(frozen_params, proto, modules, "frozen parameter")
+    named = set([requires_grad] if isinstance(requires_grad, str) else requires_grad or ())
+    requires_grad = _module_selection(requires_grad, proto, modules, "parameter")
+    if requires_grad is not None and frozen_params:  # what a pattern selects, frozen_params may take back
+        requires_grad = [n for n in requires_grad if n in named or n not in set(frozen_params)]
     if lora is not None:
         proto, injected = adapted(proto, lora)
         extra = [requires_grad] if isinstance(requires_grad, str) else list(requires_grad or [])
@@ -448,6 +456,8 @@ def generate_artifacts(
         "train": train["layout"],
         "eval": eval_layout,
     }
+    if modules is not None:
+        layout["modules"] = modules
     if lora is not None:
         layout["lora"] = {**injected.config.to_json(), "scale": injected.config.scale,
                           "adapters": [dataclasses.asdict(a) for a in injected.adapters]}
@@ -469,6 +479,55 @@ def generate_artifacts(
         layout["accumulate"] = accumulate["layout"]
         layout["apply"] = apply_layout
     return artifacts
+
+
+def _recovered(proto: onnx.ModelProto, forward: onnx.ModelProto, base_dir):
+    """For a model exported from PyTorch: the model to train (each module parameter one
+    initializer, tied copies read through it), the forward model in the file's own layout (what
+    ``Trainer.export`` fills in), and the parameters by module name as the layout records them
+    (each with the copies that export sets from it). Any other model comes back as it is, with None."""
+    model = from_proto(proto, base_dir)
+    if not is_torch_export(model):
+        return proto, forward, None
+    kept = RecoverParametersPass(tie=False)
+    layout = kept(from_proto(proto, base_dir))
+    tied = RecoverParametersPass(tie=True)
+    tied(model)
+    if [p.initializer for p in tied.recovered] != [p.initializer for p in kept.recovered]:
+        raise TrainingError("parameter recovery named the parameters differently in the train and the exported "
+                            "model (a bug, please report)")
+    modules = []
+    for p in kept.recovered:
+        entry = p.to_json()
+        entry["copies"] = [[name, bool(transposed != p.transposed)] for name, transposed in p.copies]  # from the stored
+        modules.append(entry)
+    # the file's layout, its parameters marked with their module names (LoRA's export names
+    # adapters after them)
+    return ir.to_proto(model), ir.to_proto(layout.model), modules
+
+
+def _module_selection(names, proto: onnx.ModelProto, modules, role: str):
+    """``names`` with module names and patterns (``*q_proj*``) replaced by the initializers that
+    hold them; initializer names stay as they are."""
+    if names is None or modules is None:
+        return names
+    names = [names] if isinstance(names, str) else list(names)
+    inits = [t.name for t in proto.graph.initializer]
+    known = set(inits)
+    held: dict[str, list[str]] = {}
+    for entry in modules:
+        held.setdefault(entry["initializer"], []).extend([entry["name"], *entry["aliases"]])
+    chosen = []
+    for name in names:
+        if name in known:
+            found = [name]
+        else:
+            found = [i for i in inits if fnmatch.fnmatchcase(i, name) or any(fnmatch.fnmatchcase(n, name) for n in held.get(i, ()))]
+            if not found:
+                raise UnknownValueError(f"{role} '{name}' is no initializer and matches no module parameter "
+                                        f"(the module's parameters are {names_summary([e['name'] for e in modules])})")
+        chosen.extend(f for f in found if f not in chosen)
+    return chosen
 
 
 def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str, registry):

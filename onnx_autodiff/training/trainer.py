@@ -626,6 +626,7 @@ class Trainer:
             weights = {a["weight"] for a in lora["adapters"]}
             base = {t.name: tensor_array(t, self.artifacts.base_dir) for t in proto.graph.initializer if t.name in weights}
             trained.update(merged_weights(lora["adapters"], lora["scale"], base, trained))
+        trained.update(self._copies(trained))
         if external_data or uses_external_data(proto) or over_limit(sum(a.nbytes for a in trained.values())):
             return self._export_large(proto, trained, path, external_data)
         for i, tensor in enumerate(proto.graph.initializer):
@@ -634,6 +635,76 @@ class Trainer:
         if path is not None:
             write_atomically(os.fspath(path), proto.SerializeToString(deterministic=True))
         return proto
+
+    def _copies(self, trained: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The tensors of the exported file that hold a copy of a trained parameter (a tied
+        weight stored twice, as it is or transposed), set from it."""
+        copies = {}
+        for entry in self.layout.get("modules", ()):
+            value = trained.get(entry["initializer"])
+            if value is not None:
+                for name, transposed in entry["copies"]:
+                    copies[name] = np.ascontiguousarray(value.T) if transposed else value
+        return copies
+
+    def module_state_dict(self) -> dict[str, np.ndarray]:
+        """The module's parameters by module name, in the module's layout (a folded ``weight.T``
+        transposed back; a tied parameter under each of its names), as PyTorch's
+        ``module.state_dict()`` keys them: for a model exported from PyTorch, so that a checkpoint
+        can be compared with the module or loaded into it (``load_state_dict(..., strict=False)``
+        after ``torch.from_numpy``). Trained parameters have their current values (LoRA's merged
+        into their base), the others the model's. An empty dict for models not exported from PyTorch."""
+        modules = self.layout.get("modules")
+        if not modules:
+            return {}
+        values = self._trained_or_stored({entry["initializer"] for entry in modules})
+        state = {}
+        for entry in modules:
+            stored = values[entry["initializer"]]
+            value = np.ascontiguousarray(stored.T) if entry["transposed"] else stored
+            for name in [entry["name"], *entry["aliases"]]:
+                state[name] = value
+        return state
+
+    def load_module_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        """Sets the trained parameters from a module's ``state_dict()`` (arrays by module name, in
+        the module's layout; extra keys are ignored). Checks every value before changing any."""
+        arrays = {}
+        for entry in self.layout.get("modules", ()):
+            key = entry["initializer"]
+            if key not in self.layout["params"]:
+                continue
+            name = next((n for n in [entry["name"], *entry["aliases"]] if n in state), None)
+            if name is None:
+                raise TrainingError(f"the state lacks the module parameter '{entry['name']}'")
+            array = np.asarray(state[name])
+            array = array.T if entry["transposed"] else array
+            want = self.artifacts.checkpoint[key]
+            if array.shape != want.shape:
+                raise TrainingError(f"module parameter '{name}' has shape {array.shape[::-1] if entry['transposed'] else array.shape}, "
+                                    f"not {tuple(entry['shape'])}")
+            arrays[key] = owned_copy(array, want.dtype)
+        if not arrays:
+            raise TrainingError("the artifacts record no module parameters (the model was not exported from PyTorch)")
+        for key, array in arrays.items():
+            self._set(key, array, owned=True)
+
+    def _trained_or_stored(self, names) -> dict[str, np.ndarray]:
+        from onnx_autodiff.passes.lora import merged_weights
+
+        values = {name: self._host(name) for name in names if name in self._values}
+        lora = self.layout.get("lora")
+        rest = set(names) - set(values)
+        if lora:
+            rest |= {a["weight"] for a in lora["adapters"]} & set(names)
+        inits = {t.name: t for t in self.artifacts.inference_model.graph.initializer if t.name in rest}
+        stored = {name: tensor_array(t, self.artifacts.base_dir) for name, t in inits.items()}
+        if lora:
+            adapters = [a for a in lora["adapters"] if a["weight"] in stored]
+            adapter_values = {k: self._host(k) for a in adapters for k in (a["A"], a["B"])}
+            stored.update(merged_weights(adapters, lora["scale"], stored, adapter_values))
+        values.update(stored)
+        return values
 
     def _export_large(self, proto: onnx.ModelProto, trained: dict, path, external_data) -> onnx.ModelProto:
         """export() through onnx-ir, which streams the tensors to the data file (no proto holds them)."""

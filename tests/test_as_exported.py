@@ -1,0 +1,228 @@
+"""Exports trained as they are exported: dynamo with optimize=True and False, and TorchScript files
+with constant folding, train their module's parameters as torch.optim does on the module.
+
+The oracle is the module itself, trained by torch.optim.AdamW beside the artifacts; the module
+names come from the files (recovered), never from the module."""
+
+import io
+import warnings
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from onnx_autodiff.passes.lora import LoraConfig
+from onnx_autodiff.passes.recovery import recover_parameters
+from onnx_autodiff.training import Trainer, generate_artifacts
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB, T, BATCH = 64, 8, 2
+KINDS = ["optimize", "plain", "torchscript"]  # dynamo optimize=True, dynamo optimize=False, TorchScript
+# What optimize=True folds with the static positions of these exports: an embedding gathered at
+# constant indices is a constant computed from the parameter, not recoverable (the file does not
+# hold the parameter, nor which rows were read how often).
+FOLDED_EMBEDDINGS = {
+    "gpt2": {"lm.transformer.wpe.weight"},
+    "bert": {"lm.bert.embeddings.position_embeddings.weight", "lm.bert.embeddings.token_type_embeddings.weight"},
+    "llama": set(),
+}
+
+
+class CausalLoss(torch.nn.Module):
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids, labels):
+        logits = self.lm(input_ids=ids).logits[:, :-1]
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+
+
+class MaskedLoss(CausalLoss):
+    def forward(self, ids, labels):
+        logits = self.lm(input_ids=ids).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def build(family: str):
+    torch.manual_seed(0)
+    if family == "gpt2":  # tied embedding and head
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16,
+                                         attn_implementation="eager")
+        return CausalLoss(transformers.GPT2LMHeadModel(config)).eval()
+    if family == "llama":
+        config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                          max_position_embeddings=16, attn_implementation="eager")
+        return CausalLoss(transformers.LlamaForCausalLM(config)).eval()
+    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                                     vocab_size=VOCAB, max_position_embeddings=16, attn_implementation="eager",
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return MaskedLoss(transformers.BertForMaskedLM(config)).eval()
+
+
+def batch(seed: int):
+    ids = np.random.default_rng(seed).integers(0, VOCAB, (BATCH, T)).astype(np.int64)
+    return {"ids": ids, "labels": ids}
+
+
+def export(module, kind: str) -> onnx.ModelProto:
+    ids = torch.from_numpy(batch(0)["ids"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if kind == "torchscript":
+            stream = io.BytesIO()
+            torch.onnx.export(module, (ids, ids), stream, dynamo=False, do_constant_folding=True,
+                              input_names=["ids", "labels"])
+            return onnx.load_from_string(stream.getvalue())
+        program = torch.onnx.export(module, (ids, ids), dynamo=True, optimize=kind == "optimize", verbose=False)
+    return program.model_proto
+
+
+_EXPORTS = {}
+
+
+def exported(family: str, kind: str):
+    """A fresh module and its export (the export made once per family and kind)."""
+    if (family, kind) not in _EXPORTS:
+        _EXPORTS[family, kind] = export(build(family), kind)
+    return build(family), _EXPORTS[family, kind]
+
+
+def feeds_for(proto, step):
+    names = {i.name for i in proto.graph.input}
+    return {k: v for k, v in batch(step).items() if k in names}
+
+
+def distinct_parameters(module) -> list[list[str]]:
+    """The module's parameters, each with all its names (a tied one has two)."""
+    names = {}
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return list(names.values())
+
+
+def _run_torch(module, feeds, optimizer):
+    optimizer.zero_grad()
+    loss = module(torch.from_numpy(feeds["ids"]), torch.from_numpy(feeds["labels"]))
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+def test_default_training_is_torch_adamw_on_the_module(family, kind):
+    module, proto = exported(family, kind)
+    artifacts = generate_artifacts(proto, loss=None, optimizer="adamw", optimizer_options={"lr": 1e-2})
+    trainer = Trainer(artifacts)
+    state = trainer.module_state_dict()
+    unrecovered = [names for names in distinct_parameters(module) if not any(n in state for n in names)]
+    expected = FOLDED_EMBEDDINGS[family] if kind == "optimize" else set()
+    assert {n for names in unrecovered for n in names} == expected
+    for names in unrecovered:  # stays a constant here: frozen in torch too
+        module.get_parameter(names[0]).requires_grad_(False)
+    # the module-name view is the module's state_dict before training, tied names included
+    reference = module.state_dict()
+    assert set(state) <= set(reference)
+    for name, value in state.items():
+        np.testing.assert_array_equal(value, reference[name].numpy(), err_msg=name)
+    optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(3):
+        feeds = feeds_for(proto, step)
+        ours = trainer.step(feeds)
+        theirs = _run_torch(module, batch(step), optimizer)
+        np.testing.assert_allclose(ours, theirs, rtol=2e-5)
+    state, reference = trainer.module_state_dict(), module.state_dict()
+    changed = 0
+    for name, value in state.items():
+        # Adam divides by |g|: where a gradient is float32 noise its sign, and so the step, may differ
+        np.testing.assert_allclose(value, reference[name].numpy(), rtol=1e-3, atol=2e-4, err_msg=name)
+        changed += not np.array_equal(value, build(family).state_dict()[name].numpy())
+    assert changed == len(state)  # every recovered parameter trained (ties under each name)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_export_keeps_the_files_layout_and_loads_into_the_module(kind):
+    """GPT-2: the tied head's copy in the file (a folded transpose or TorchScript's constant) is
+    written from the trained embedding; the module-name view loads into the module."""
+    module, proto = exported("gpt2", kind)
+    trainer = Trainer(generate_artifacts(proto, loss=None, optimizer="adamw", optimizer_options={"lr": 1e-2}))
+    for step in range(2):
+        trainer.step(feeds_for(proto, step))
+    result = trainer.export()
+    names = [t.name for t in proto.graph.initializer]
+    assert [t.name for t in result.graph.initializer][: len(names)] == names  # the file's names, in its order
+    onnx.checker.check_model(result, full_check=True)
+    state = {k: torch.from_numpy(np.array(v)) for k, v in trainer.module_state_dict().items()}
+    fresh = build("gpt2")
+    missing, unexpected = fresh.load_state_dict(state, strict=False)
+    assert not unexpected
+    buffers = set(fresh.state_dict()) - {n for n, _ in fresh.named_parameters(remove_duplicate=False)}
+    loaded_ties = {n for names in distinct_parameters(fresh) if set(names) & set(state) for n in names}
+    assert set(missing) - loaded_ties == buffers | (FOLDED_EMBEDDINGS["gpt2"] if kind == "optimize" else set())
+    # the exported file computes what the module with the loaded state computes (the folded wpe
+    # keeps its initial values in both)
+    session = ort.InferenceSession(result.SerializeToString(), providers=["CPUExecutionProvider"])
+    exported_loss = session.run(None, feeds_for(proto, 5))[0]
+    with torch.no_grad():
+        ids = torch.from_numpy(batch(5)["ids"])
+        np.testing.assert_allclose(exported_loss, fresh(ids, ids).item(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lora_by_module_name_is_peft(kind):
+    """LoRA on '*q_proj*' and '*v_proj*' adapts the modules peft adapts, and three AdamW steps
+    agree given the same initial A, whatever the file calls the weights (val_29, onnx::MatMul_559)."""
+    peft = pytest.importorskip("peft")
+    module, proto = exported("llama", kind)
+    options = {"lr": 1e-2, "weight_decay": 0.1}
+    artifacts = generate_artifacts(proto, loss=None, optimizer="adamw", optimizer_options=options,
+                                   lora=LoraConfig(rank=4, alpha=8, targets=["*q_proj*", "*v_proj*"]))
+    adapted = {a["weight"]: a for a in artifacts.layout["lora"]["adapters"]}
+    by_initializer = {e["initializer"]: e["name"] for e in artifacts.layout["modules"]}
+    ours = {by_initializer[w].removesuffix(".weight"): a for w, a in adapted.items()}
+    model = peft.get_peft_model(module, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                        lora_dropout=0.0))
+    theirs = {name.removeprefix("base_model.model."): layer for name, layer in model.named_modules()
+              if isinstance(layer, peft.tuners.lora.LoraLayer)}
+    assert set(ours) == set(theirs) and len(ours) == 4
+    for name, adapter in ours.items():  # ours is [in, r], peft's lora_A.weight [r, in]
+        theirs[name].lora_A["default"].weight.data = torch.from_numpy(artifacts.checkpoint[adapter["A"]].T.copy())
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **options)
+    trainer = Trainer(artifacts)
+    for step in range(3):
+        loss = trainer.step(feeds_for(proto, step))
+        np.testing.assert_allclose(loss, _run_torch(model, batch(step), optimizer), rtol=1e-5)
+    values = trainer.parameters()
+    for name, adapter in ours.items():
+        for part in ("A", "B"):
+            want = getattr(theirs[name], f"lora_{part}")["default"].weight.detach().numpy().T
+            np.testing.assert_allclose(values[adapter[part]], want, rtol=1e-4, atol=1e-6, err_msg=f"{name} {part}")
+
+
+def test_requires_grad_and_frozen_take_module_names():
+    _, proto = exported("llama", "optimize")
+    artifacts = generate_artifacts(proto, loss=None, optimizer="sgd", requires_grad=["*.mlp.*", "lm.model.norm.weight"],
+                                   frozen_params=["*down_proj*"])
+    modules = {e["initializer"]: e["name"] for e in artifacts.layout["modules"]}
+    trained = sorted(modules[p] for p in artifacts.params)
+    assert trained == sorted(["lm.model.norm.weight", *(f"lm.model.layers.{i}.mlp.{p}_proj.weight"
+                                                         for i in range(2) for p in ("gate", "up"))])
+    with pytest.raises(Exception, match="matches no module parameter"):
+        generate_artifacts(proto, loss=None, optimizer="sgd", requires_grad=["*nothing*"])
+
+
+def test_recovery_reads_each_export_alike():
+    """The three exports of one module give the same module names and shapes."""
+    found = {}
+    for kind in KINDS:
+        _, proto = exported("llama", kind)
+        recovery = recover_parameters(__import__("onnx_ir").from_proto(proto))
+        found[kind] = {p.name: p.shape for p in recovery.parameters}
+    module = build("llama")
+    assert found["optimize"] == found["plain"] == found["torchscript"] == {
+        n: tuple(p.shape) for n, p in module.named_parameters()}
