@@ -27,7 +27,7 @@ import onnx_ir as ir
 
 from onnx_autodiff.errors import TrainingError, UnknownValueError, UnsupportedModelError, names_summary
 from onnx_autodiff.passes.opsets import default_opset
-from onnx_autodiff.passes.recovery import module_names
+from onnx_autodiff.passes.metadata import module_names
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, shapes
 
 NORMS = frozenset({"LayerNormalization", "BatchNormalization", "InstanceNormalization", "GroupNormalization",

@@ -14,6 +14,21 @@ GRAD_OF = "onnx_autodiff.grad_of"
 # Model metadata: a JSON list of the values being differentiated, which the cleanup never folds.
 DIFFERENTIATED_KEY = "onnx_autodiff.differentiated"
 
+# Initializer metadata set by RecoverParametersPass: the module parameter names the tensor holds (a
+# JSON list; a tied parameter has several) and whether it holds the module's tensor transposed
+# ("1", a folded weight.T) or as it is ("0"); read by the default parameters and by LoRA's targets.
+MODULE_NAMES = "onnx_autodiff.module_names"
+MODULE_TRANSPOSED = "onnx_autodiff.module_transposed"
+
+
+def module_names(value: ir.Value) -> list[str]:
+    """The module names :data:`MODULE_NAMES` records on ``value`` (none: [])."""
+    try:
+        names = json.loads(value.metadata_props.get(MODULE_NAMES, "[]"))
+    except ValueError:
+        return []
+    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+
 
 def grad_of_tag(node: ir.Node) -> str:
     """The GRAD_OF metadata of the backward nodes a rule emits for ``node``."""

@@ -32,7 +32,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import fnmatch
-import hashlib
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -40,6 +39,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import onnx_ir as ir
 
+from onnx_autodiff.passes.metadata import MODULE_NAMES, MODULE_TRANSPOSED, module_names
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer
 
 EXPORTER_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"
@@ -48,22 +48,11 @@ FOLDED_FROM = "pkg.onnxscript.optimizer.folded_from"
 FX_NODE = "pkg.torch.onnx.fx_node"
 NAME_SCOPES = "pkg.torch.onnx.name_scopes"
 
-# what the rewrite marks each parameter's initializer with: its module names (a JSON list) and
-# whether it holds the module's tensor transposed ("1") or as it is ("0")
-MODULE_NAMES = "pkg.onnx_autodiff.module_names"
-MODULE_TRANSPOSED = "pkg.onnx_autodiff.module_transposed"
-
 _PLACEHOLDER = re.compile(r"%(p_[A-Za-z0-9_]+)")
 _TARGET = re.compile(r"target=torch\.ops\.([A-Za-z0-9_.]+)")
 # fx targets whose weight operand an exporter stores transposed (MatMul(x, Wᵀ))
 _TRANSPOSING = ("aten.linear", "aten.t", "aten.permute", "aten.transpose", "aten.numpy_T")
 _PRODUCTS = {"MatMul": 1, "Gemm": 1}
-
-
-def module_names(value: ir.Value) -> list[str]:
-    """The module names that :class:`RecoverParametersPass` marked ``value`` with (none: [])."""
-    text = value.metadata_props.get(MODULE_NAMES)
-    return json.loads(text) if text else []
 
 
 def mangled(name: str) -> str:
@@ -130,7 +119,7 @@ class Recovery:
 class _Claim:
     """One read of an initializer, claimed for a module parameter."""
 
-    node: ir.Node
+    node: ir.Node | None  # None: read only where no claim is made (inside a subgraph)
     index: int
     value: ir.Value
     name: str
@@ -165,7 +154,7 @@ def _folded_biases(graph: ir.Graph, claims: list[_Claim], placeholders: Mapping[
     ``Add(y, 0)`` and a Gemm's zero C, so the bias was zeros; PyTorch trains it all the same."""
     claimed: dict[str, set[str]] = {}
     for claim in claims:
-        fx = claim.node.metadata_props.get(FX_NODE)
+        fx = claim.node.metadata_props.get(FX_NODE) if claim.node is not None else None
         if fx is not None:
             claimed.setdefault(fx, set()).add(claim.name)
     restored, seen = [], set()
@@ -193,12 +182,13 @@ def _folded_biases(graph: ir.Graph, claims: list[_Claim], placeholders: Mapping[
     return restored
 
 
-def _analyse(model: ir.Model) -> tuple[Recovery, list[_Claim]]:
+def _analyse(model: ir.Model) -> tuple[Recovery, list[_Claim], list[_Restored]]:
     graph = model.graph
     floats = {v for v in graph.initializers.values() if v.dtype in FLOAT_TYPES}
     torch_export = is_torch_export(model)
     claims: list[_Claim] = []
     restored: list[_Restored] = []
+    digests: dict = {}
     constants: dict[str, str] = {}
     if torch_export:
         placeholders = _placeholder_names(graph)
@@ -226,14 +216,21 @@ def _analyse(model: ir.Model) -> tuple[Recovery, list[_Claim]]:
         for node in graph:  # TorchScript's Identity of a shared tensor, under the module name
             if node.op_type == "Identity" and node.inputs[0] in floats and _module_like(node.outputs[0].name):
                 claims.append(_Claim(node, 0, node.inputs[0], node.outputs[0].name, False, "Identity node"))
-        _claim_by_value(graph, floats, claims)
+        claimed = {c.value for c in claims}
+        for value in graph.initializers.values():  # read only inside a subgraph, say: as it is
+            if value in floats and value not in claimed and (value.metadata_props.get(EXPORTER_KIND) == "PARAMETER" or (
+                    EXPORTER_KIND not in value.metadata_props and _module_like(value.name))) and value.uses():
+                claims.append(_Claim(None, -1, value, value.name, False, "exporter mark"
+                                     if EXPORTER_KIND in value.metadata_props else "name"))
+        digests: dict = {}
+        _claim_by_value(graph, floats, claims, digests)
         restored = _folded_biases(graph, claims, placeholders)
     else:
         for node in graph:
             for index, value in enumerate(node.inputs):
                 if value in floats:
                     claims.append(_Claim(node, index, value, value.name, False, "name"))
-    parameters = _parameters(graph, claims)
+    parameters = _parameters(graph, claims, digests if torch_export else None)
     parameters.extend(Parameter(r.name, r.name, False, (r.size,), "restored (a zero bias the exporter folded away)")
                       for r in restored)
     held = {p.initializer for p in parameters} | {c for p in parameters for c, _ in p.copies}
@@ -381,7 +378,7 @@ def _attr(node: ir.Node, name: str, default):
     return default if attribute is None else attribute.value
 
 
-def _claim_by_value(graph: ir.Graph, floats: set[ir.Value], claims: list[_Claim]) -> None:
+def _claim_by_value(graph: ir.Graph, floats: set[ir.Value], claims: list[_Claim], digests: dict) -> None:
     """A constant that no metadata claims, equal to a claimed tensor or to its transpose, is a
     copy of that parameter. Tensors of one repeated value (ones, zeros) prove nothing."""
     claimed: dict[ir.Value, _Claim] = {}
@@ -389,34 +386,61 @@ def _claim_by_value(graph: ir.Graph, floats: set[ir.Value], claims: list[_Claim]
         claimed.setdefault(claim.value, claim)
     known: dict[tuple, _Claim] = {}
     for value, claim in claimed.items():
-        digest = _digest(value, transposed=False)
+        digest = _digest(value, False, digests)
         if digest is not None:
             known.setdefault(digest, claim)
     for value in sorted(floats - set(claimed), key=lambda v: v.name):
         for transposed in (False, True):
-            digest = _digest(value, transposed)
+            digest = _digest(value, transposed, digests)
             source = known.get(digest) if digest is not None else None
-            if source is None:
+            if source is None or not _equal(value, transposed, source.value, False):
                 continue
             for node, index in value.uses():
                 claims.append(_Claim(node, index, value, source.name, source.transposed != transposed, "value identity"))
             break
 
 
-def _digest(value: ir.Value, transposed: bool) -> tuple | None:
+_SAMPLES = 256
+
+
+def _digest(value: ir.Value, transposed: bool, cache: dict) -> tuple | None:
+    """What equal tensors share, cheaply: dtype, shape and an even sample of the elements in
+    that orientation (a match is confirmed by :func:`_equal`, which reads them all); None for a
+    tensor of one repeated value. Memoised in ``cache``: a weight stored beside the model is
+    read a few pages at a time, not whole."""
+    key = (value, transposed)
+    if key not in cache:
+        cache[key] = _sampled(value, transposed)
+    return cache[key]
+
+
+def _oriented(value: ir.Value, transposed: bool) -> np.ndarray | None:
     tensor = value.const_value
     if tensor is None or tensor.size < 2 or (transposed and len(tensor.shape) != 2):
         return None
     array = tensor.numpy()
-    flat = array.reshape(-1)
-    if (flat == flat[0]).all():
+    return array.T if transposed else array
+
+
+def _sampled(value: ir.Value, transposed: bool) -> tuple | None:
+    array = _oriented(value, transposed)
+    if array is None:
         return None
-    if transposed:
-        array = array.T
-    return (array.dtype.str, array.shape, hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest())
+    positions = np.unique(np.linspace(0, array.size - 1, min(_SAMPLES, array.size)).astype(np.int64))
+    sample = array[np.unravel_index(positions, array.shape)]
+    if (sample == sample[0]).all() and (array == sample[0]).all():
+        return None
+    return array.dtype.str, array.shape, sample.tobytes()
 
 
-def _parameters(graph: ir.Graph, claims: list[_Claim]) -> list[Parameter]:
+def _equal(a: ir.Value, a_transposed: bool, b: ir.Value, b_transposed: bool) -> bool:
+    x, y = _oriented(a, a_transposed), _oriented(b, b_transposed)
+    return x is not None and y is not None and x.shape == y.shape and x.dtype == y.dtype and np.array_equal(x, y)
+
+
+def _parameters(graph: ir.Graph, claims: list[_Claim], digests: dict | None) -> list[Parameter]:
+    """The claims grouped by module name; ``digests``: tie equal tensors (None: never, a model
+    that no exporter wrote)."""
     order = {v: i for i, v in enumerate(graph.initializers.values())}
     stored: dict[str, dict[tuple[ir.Value, bool], str]] = {}
     for claim in claims:
@@ -428,13 +452,13 @@ def _parameters(graph: ir.Graph, claims: list[_Claim]) -> list[Parameter]:
         dims = _dims(value)
         parameters.append(Parameter(name, value.name, transposed, tuple(reversed(dims)) if transposed else dims,
                                     holders[ranked[0]], tuple((v.name, t) for v, t in ranked[1:])))
-    _merge_ties(graph, parameters)
+    _merge_ties(graph, parameters, digests)
     parameters[:] = [p for p in parameters if p is not None]
     parameters.sort(key=lambda p: (order.get(graph.initializers.get(p.initializer), 0), p.name))
     return parameters
 
 
-def _merge_ties(graph: ir.Graph, parameters: list) -> None:
+def _merge_ties(graph: ir.Graph, parameters: list, digests: dict | None) -> None:
     """Two module names found for one tensor are one tied parameter (GPT-2's embedding and head in
     a TorchScript file): the first keeps the tensor, the other becomes an alias. One tensor is
     one initializer read under both names, or two initializers of equal values (up to a
@@ -444,11 +468,14 @@ def _merge_ties(graph: ir.Graph, parameters: list) -> None:
     for i, p in enumerate(parameters):
         value = graph.initializers[p.initializer]
         keys = [c for c, _ in [(p.initializer, p.transposed), *p.copies]]
-        digest = _digest(value, transposed=p.transposed)
+        digest = _digest(value, p.transposed, digests) if digests is not None else None
         if digest is not None:
             keys.append(digest)
         owner = next((first[k] for k in keys if k in first), None)
         q = parameters[owner] if owner is not None else None
+        if q is not None and digest is not None and first.get(digest) == owner and q.initializer != p.initializer \
+                and not _equal(value, p.transposed, graph.initializers[q.initializer], q.transposed):
+            q = None  # equal samples, other values
         if q is None or q.shape != p.shape or (
                 p.initializer == q.initializer and p.transposed == q.transposed and p.found_by in _DISTINCT):
             for k in keys:
@@ -530,8 +557,8 @@ class RecoverParametersPass(ir.passes.InPlacePass):
             name = alias_of.get(claim.name, claim.name)
             p = by_name[name]
             home = homes[name]
-            if claim.value is home and claim.transposed == p.transposed:
-                continue
+            if claim.node is None or (claim.value is home and claim.transposed == p.transposed):
+                continue  # (no node: a read inside a subgraph, left as it is)
             if claim.value is not home and not self.tie and claim.value.name != p.initializer \
                     and owner.get(claim.value) is None:
                 continue  # a copy kept in the file's layout

@@ -19,7 +19,9 @@ from onnx_autodiff.training import Trainer, generate_artifacts
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-VOCAB, T, BATCH = 64, 8, 2
+from test_exported_transformers import BATCH, T, VOCAB, LossOf, batch  # noqa: E402
+from test_exported_transformers import build as build_causal  # noqa: E402
+
 KINDS = ["optimize", "plain", "torchscript"]  # dynamo optimize=True, dynamo optimize=False, TorchScript
 # What optimize=True folds with the static positions of these exports: an embedding gathered at
 # constant indices is a constant computed from the parameter, not recoverable (the file does not
@@ -31,42 +33,22 @@ FOLDED_EMBEDDINGS = {
 }
 
 
-class CausalLoss(torch.nn.Module):
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
+class MaskedLoss(LossOf):
+    """A masked LM whose output is its loss over every position."""
 
-    def forward(self, ids, labels):
-        logits = self.lm(input_ids=ids).logits[:, :-1]
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
-
-
-class MaskedLoss(CausalLoss):
     def forward(self, ids, labels):
         logits = self.lm(input_ids=ids).logits
         return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
 
 def build(family: str):
+    if family in ("gpt2", "llama"):  # GPT-2 with its embedding and head tied
+        return build_causal(family)
     torch.manual_seed(0)
-    if family == "gpt2":  # tied embedding and head
-        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16,
-                                         attn_implementation="eager")
-        return CausalLoss(transformers.GPT2LMHeadModel(config)).eval()
-    if family == "llama":
-        config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
-                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                          max_position_embeddings=16, attn_implementation="eager")
-        return CausalLoss(transformers.LlamaForCausalLM(config)).eval()
     config = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                                      vocab_size=VOCAB, max_position_embeddings=16, attn_implementation="eager",
                                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     return MaskedLoss(transformers.BertForMaskedLM(config)).eval()
-
-
-def batch(seed: int):
-    ids = np.random.default_rng(seed).integers(0, VOCAB, (BATCH, T)).astype(np.int64)
-    return {"ids": ids, "labels": ids}
 
 
 def export(module, kind: str) -> onnx.ModelProto:
@@ -164,6 +146,13 @@ def test_export_keeps_the_files_layout_and_loads_into_the_module(kind):
     buffers = set(fresh.state_dict()) - {n for n, _ in fresh.named_parameters(remove_duplicate=False)}
     loaded_ties = {n for names in distinct_parameters(fresh) if set(names) & set(state) for n in names}
     assert set(missing) - loaded_ties == buffers | (FOLDED_EMBEDDINGS["gpt2"] if kind == "optimize" else set())
+    # and back: a new trainer takes the module's state by module name
+    again = Trainer(generate_artifacts(proto, loss=None, optimizer="adamw", optimizer_options={"lr": 1e-2}))
+    again.load_module_state_dict({k: v.numpy() for k, v in fresh.state_dict().items()})
+    for name, value in trainer.module_state_dict().items():
+        np.testing.assert_array_equal(again.module_state_dict()[name], value, err_msg=name)
+    with pytest.raises(Exception, match="has shape"):
+        again.load_module_state_dict({k: v.numpy()[..., :1] for k, v in fresh.state_dict().items()})
     # the exported file computes what the module with the loaded state computes (the folded wpe
     # keeps its initial values in both)
     session = ort.InferenceSession(result.SerializeToString(), providers=["CPUExecutionProvider"])
@@ -202,6 +191,11 @@ def test_lora_by_module_name_is_peft(kind):
         for part in ("A", "B"):
             want = getattr(theirs[name], f"lora_{part}")["default"].weight.detach().numpy().T
             np.testing.assert_allclose(values[adapter[part]], want, rtol=1e-4, atol=1e-6, err_msg=f"{name} {part}")
+    merged = trainer.module_state_dict()  # the module's layout, adapters merged as peft merges them
+    model.merge_adapter()
+    for name in ours:
+        np.testing.assert_allclose(merged[f"{name}.weight"], theirs[name].base_layer.weight.detach().numpy(),
+                                   rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def test_requires_grad_and_frozen_take_module_names():
@@ -226,3 +220,89 @@ def test_recovery_reads_each_export_alike():
     module = build("llama")
     assert found["optimize"] == found["plain"] == found["torchscript"] == {
         n: tuple(p.shape) for n, p in module.named_parameters()}
+
+
+def test_grad_with_the_defaults_differentiates_the_folded_weights():
+    """grad's default variables on an optimize=True export are the file's tensors that hold the
+    parameters: a folded weight's gradient is torch's gradient of the weight, transposed."""
+    import onnx_ir as ir
+
+    from onnx_autodiff import autodiff_pass
+
+    module, proto = exported("llama", "optimize")
+    model = ir.from_proto(proto)
+    autodiff = autodiff_pass(of=proto.graph.output[0].name, wrt=None)
+    result = ir.to_proto(ir.passes.PassManager([autodiff])(model).model)
+    recovery = recover_parameters(ir.from_proto(proto))
+    holders = {p.initializer for p in recovery.parameters}
+    assert set(autodiff.gradient_names) == holders
+    session = ort.InferenceSession(result.SerializeToString(), providers=["CPUExecutionProvider"])
+    outputs = dict(zip([o.name for o in result.graph.output], session.run(None, feeds_for(proto, 0))))
+    feeds = batch(0)
+    module(torch.from_numpy(feeds["ids"]), torch.from_numpy(feeds["labels"])).backward()
+    grads = {name: p.grad.numpy() for name, p in module.named_parameters()}
+    for p in recovery.parameters:
+        ours = outputs[autodiff.gradient_names[p.initializer]]
+        shared = [q.name for q in recovery.parameters if q.initializer == p.initializer]
+        want = sum(grads[n] for n in shared)  # a tensor stored for several parameters: their sum
+        np.testing.assert_allclose(p.module_value(ours), want, rtol=2e-3, atol=1e-5, err_msg=p.name)
+
+
+def test_params_command(tmp_path, capsys):
+    import json
+
+    from onnx_autodiff.cli import main
+
+    _, proto = exported("gpt2", "optimize")
+    path = tmp_path / "gpt2.onnx"
+    onnx.save(proto, path)
+    assert main(["params", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:4] == ["module", "parameter", "initializer", "transform"]
+    assert lines[-1].startswith("27 module parameters (27 trained by default)")
+    head = next(line for line in lines if line.startswith("lm.lm_head.weight "))
+    assert "copy in val_" in head and "trained" in head
+    assert main(["params", str(path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    restored = [r for r in rows if r["found_by"].startswith("restored")]
+    assert {r["name"] for r in restored} == {f"lm.transformer.h.{i}.{m}.bias" for i in range(2)
+                                             for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    folded = [r for r in rows if r["name"] is None and "lm.transformer.wpe.weight" in r["why"]]
+    assert len(folded) == 1 and not folded[0]["trained"]
+
+
+def test_artifacts_command_lora_targets_by_module_name(tmp_path, capsys):
+    from onnx_autodiff.cli import main
+    from onnx_autodiff.training import TrainingArtifacts
+
+    _, proto = exported("llama", "torchscript")
+    path = tmp_path / "llama.onnx"
+    onnx.save(proto, path)
+    out = tmp_path / "artifacts"
+    assert main(["artifacts", str(path), "-o", str(out), "--loss", "none", "--lora", "4",
+                 "--lora-targets", "*q_proj*", "*v_proj*"]) == 0
+    assert "LoRA rank 4 on 4 weights" in capsys.readouterr().out
+    artifacts = TrainingArtifacts.load(out)
+    assert sorted(artifacts.params) == sorted(f"lm.model.layers.{i}.self_attn.{p}_proj.weight.lora_{m}"
+                                              for i in range(2) for p in ("q", "v") for m in "AB")
+    assert main(["artifacts", str(path), "-o", str(tmp_path / "none"), "--loss", "none", "--lora", "4",
+                 "--lora-targets", "*nothing*"]) == 2
+    assert "matches no weight" in capsys.readouterr().err
+
+
+def test_a_dynamic_sequence_length_keeps_the_position_embeddings():
+    """What the README advises for the embeddings a static export folds: with the sequence
+    length dynamic, optimize=True keeps every parameter recoverable."""
+    import onnx_ir as ir
+
+    module = build("gpt2")
+    ids = torch.from_numpy(batch(0)["ids"])
+    seq = torch.export.Dim("seq", min=2, max=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        proto = torch.onnx.export(module, (ids, ids), dynamo=True, optimize=True, verbose=False,
+                                  dynamic_shapes=({1: seq}, {1: seq})).model_proto
+    recovery = recover_parameters(ir.from_proto(proto))
+    found = {n for p in recovery.parameters for n in (p.name, *p.aliases)}
+    assert all(set(names) & found for names in distinct_parameters(module))
+    assert not any("computed from" in why for why in recovery.constants.values())

@@ -42,8 +42,10 @@ def add_generation_arguments(parser) -> list[str]:
         parser.add_argument("--loss", choices=[*LOSSES, "none"],
                             help="loss on the model's output; 'none': the model's output is the loss (default cross_entropy)"),
         parser.add_argument("--optimizer", choices=OPTIMIZERS, help="default adamw"),
-        parser.add_argument("--requires-grad", nargs="+", metavar="NAME", help="initializers to train (default: the float initializers that are not constants)"),
-        parser.add_argument("--frozen", nargs="+", metavar="NAME", help="initializers to keep fixed"),
+        parser.add_argument("--requires-grad", nargs="+", metavar="NAME", help="initializers to train, by name or shell-style pattern on initializer or module parameter names, "
+                                 "e.g. 'model.layers.*.mlp.*' (default: the model's parameters)"),
+        parser.add_argument("--frozen", nargs="+", metavar="NAME",
+                            help="initializers to keep fixed (names or patterns, as --requires-grad)"),
         parser.add_argument("--output-name", metavar="NAME", help="the model output the loss applies to (default: the first)"),
         parser.add_argument("--lr", type=float, help="learning rate (default: the optimiser's, recorded in the artifacts)"),
         parser.add_argument("--momentum", type=float, help="SGD momentum"),
@@ -55,7 +57,8 @@ def add_generation_arguments(parser) -> list[str]:
                                  "(--requires-grad then names extra initializers to train)"),
         parser.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA scale numerator: scale = A / RANK (default RANK)"),
         parser.add_argument("--lora-targets", nargs="+", metavar="PATTERN",
-                            help="weights to adapt, shell-style patterns on initializer names, e.g. '*q_proj*' (default: all)"),
+                            help="weights to adapt, shell-style patterns on initializer or module parameter names, "
+                                 "e.g. '*q_proj*' (default: all)"),
         parser.add_argument("--lora-dropout", type=float, metavar="P", help="dropout on the adapters' input in training (default 0)"),
         parser.add_argument("--no-upgrade", action="store_true", help=NO_UPGRADE_HELP),
     ]
@@ -99,9 +102,11 @@ def run(args) -> int:
     lora = artifacts.layout.get("lora")
     count = len(lora["adapters"]) if lora else 0
     adapted = f", LoRA rank {lora['rank']} on {count} weight{'s' if count != 1 else ''}" if lora else ""
+    module = {e["initializer"]: e["name"] for e in artifacts.layout.get("modules", ())}
+    names = [module.get(p, p) for p in artifacts.params]  # a folded val_29 shown as q_proj.weight
     print(
         f"wrote {len(written)} files to {args.output} in {seconds:.2f} s: {len(artifacts.params)} parameters "
-        f"({names_summary(artifacts.params)}){adapted}, {artifacts.optimizer.name}, train model {len(artifacts.train_model.graph.node)} nodes"
+        f"({names_summary(names)}){adapted}, {artifacts.optimizer.name}, train model {len(artifacts.train_model.graph.node)} nodes"
     )
     return 0
 
