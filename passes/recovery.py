@@ -8,7 +8,8 @@ store some parameters under other names and layouts:
 - a tied parameter stored twice (GPT-2's embedding as ``lm_head.weight`` for the Gather and as
   a folded transpose for the head's MatMul);
 - distinct parameters with equal values stored once (every RMSNorm weight is ones at
-  initialisation: one initializer for all, or ``Identity`` nodes of one in TorchScript files).
+  initialisation: one initializer for all, or ``Identity`` nodes of one in TorchScript files);
+- zero biases dropped (a Gemm's C, a Conv's B).
 
 :func:`recover_parameters` reads, in this order, the dynamo exporter's node metadata (the
 ``%p_…`` placeholders of ``pkg.torch.onnx.fx_node`` with ``pkg.torch.onnx.name_scopes``, and the
@@ -17,9 +18,10 @@ optimizer's ``folded_from`` and ``original_node_name`` marks), the TorchScript n
 parameter or to its transpose). Each read of an initializer is claimed for one module parameter
 with the transform from the module's tensor (identity or transpose). :class:`RecoverParametersPass`
 then rewrites the model so that each parameter is one initializer of its own: a shared tensor is
-split (the split parameters named by their module names), and, with ``tie=True``, every other copy
-of a parameter becomes a ``Transpose``/``Identity`` of it, so that the gradients of its uses add,
-as in PyTorch. Training the stored transpose of a weight is training the weight: SGD, Adam and
+split (the split parameters named by their module names), a dropped bias is restored as zeros,
+and, with ``tie=True``, every other copy
+of a parameter is read from it (through a ``Transpose`` where the copy is transposed), so that the
+gradients of its uses add, as in PyTorch. Training the stored transpose of a weight is training the weight: SGD, Adam and
 AdamW are elementwise.
 
 What cannot be recovered stays constant and is listed with the reason: a value computed from a
@@ -53,6 +55,10 @@ _TARGET = re.compile(r"target=torch\.ops\.([A-Za-z0-9_.]+)")
 # fx targets whose weight operand an exporter stores transposed (MatMul(x, Wᵀ))
 _TRANSPOSING = ("aten.linear", "aten.t", "aten.permute", "aten.transpose", "aten.numpy_T")
 _PRODUCTS = {"MatMul": 1, "Gemm": 1}
+# the products whose bias the optimizer drops when it is zero, by the fx calls they come from
+# (onnxscript's no-op rules remove Add(y, 0) for a scalar 0 only: a linear's MatMul keeps its Add)
+_BIASED = {"Gemm": ("aten.linear", "aten.addmm"),
+           "Conv": ("aten.convolution", "aten.conv1d", "aten.conv2d", "aten.conv3d")}
 
 
 def mangled(name: str) -> str:
@@ -141,7 +147,7 @@ def recover_parameters(model: ir.Model) -> Recovery:
 
 @dataclasses.dataclass
 class _Restored:
-    """A zero bias that the exporter's optimizer removed: ``node`` computes the product it was added to."""
+    """A zero bias that the exporter's optimizer removed from ``node`` (a Gemm or Conv)."""
 
     node: ir.Node
     name: str
@@ -150,8 +156,8 @@ class _Restored:
 
 
 def _folded_biases(graph: ir.Graph, claims: list[_Claim], placeholders: Mapping[str, str]) -> list[_Restored]:
-    """The biases of ``aten.linear``/``aten.addmm`` that no node reads any more: the optimizer drops
-    ``Add(y, 0)`` and a Gemm's zero C, so the bias was zeros; PyTorch trains it all the same."""
+    """The biases of linear, addmm and convolution calls that no node reads any more: the
+    optimizer drops a Gemm's C and a Conv's B when they are zeros; PyTorch trains them all the same."""
     claimed: dict[str, set[str]] = {}
     for claim in claims:
         fx = claim.node.metadata_props.get(FX_NODE) if claim.node is not None else None
@@ -160,23 +166,21 @@ def _folded_biases(graph: ir.Graph, claims: list[_Claim], placeholders: Mapping[
     restored, seen = [], set()
     for node in graph:
         fx = node.metadata_props.get(FX_NODE)
-        if fx is None or fx in seen or node.op_type not in _PRODUCTS:
+        if fx is None or fx in seen or node.op_type not in _BIASED:
             continue
         target = (_TARGET.search(fx) or [None, ""])[1]
-        if not target.startswith(("aten.linear", "aten.addmm")) or (node.op_type == "Gemm" and len(node.inputs) > 2
-                                                                    and node.inputs[2] is not None):
+        if not target.startswith(_BIASED[node.op_type]) or (len(node.inputs) > 2 and node.inputs[2] is not None):
             continue
         weight = node.inputs[1]
-        if weight is None or len(_dims(weight)) != 2:
+        dims = _dims(weight) if weight is not None else ()
+        if len(dims) < 2 or (node.op_type == "Gemm" and len(dims) != 2):
             continue
-        if any(user.metadata_props.get(FX_NODE) == fx for user, _ in node.outputs[0].uses()):
-            continue  # the bias is still added by a node of the same call
         names = [_module_name(p, node, placeholders) for p in dict.fromkeys(_PLACEHOLDER.findall(fx))]
         free = [n for n in names if n not in claimed.get(fx, set())]
         if len(free) != 1 or len(names) < 2:
             continue
-        transposed = node.op_type == "Gemm" and int(_attr(node, "transB", 0))
-        size = _dims(weight)[0 if transposed else 1]
+        transposed = node.op_type == "Conv" or int(_attr(node, "transB", 0))
+        size = dims[0 if transposed else 1]  # a Conv's output channels lead its weight
         seen.add(fx)
         restored.append(_Restored(node, free[0], size, weight.dtype))
     return restored
@@ -217,9 +221,12 @@ def _analyse(model: ir.Model) -> tuple[Recovery, list[_Claim], list[_Restored]]:
             if node.op_type == "Identity" and node.inputs[0] in floats and _module_like(node.outputs[0].name):
                 claims.append(_Claim(node, 0, node.inputs[0], node.outputs[0].name, False, "Identity node"))
         claimed = {c.value for c in claims}
-        for value in graph.initializers.values():  # read only inside a subgraph, say: as it is
-            if value in floats and value not in claimed and (value.metadata_props.get(EXPORTER_KIND) == "PARAMETER" or (
-                    EXPORTER_KIND not in value.metadata_props and _module_like(value.name))) and value.uses():
+        # read only inside a subgraph, say: as it is (by its mark; by its name in a TorchScript file)
+        dynamo = any(EXPORTER_KIND in v.metadata_props for v in graph.initializers.values()) or any(
+            FX_NODE in node.metadata_props for node in graph)
+        for value in graph.initializers.values():
+            if value in floats and value not in claimed and value.uses() and (
+                    value.metadata_props.get(EXPORTER_KIND) == "PARAMETER" or (not dynamo and _module_like(value.name))):
                 claims.append(_Claim(None, -1, value, value.name, False, "exporter mark"
                                      if EXPORTER_KIND in value.metadata_props else "name"))
         digests: dict = {}
@@ -497,12 +504,24 @@ def _why_constant(value: ir.Value, torch_export: bool) -> str:
         return f"exporter {kind.lower()}"
     if not value.uses():
         return "read by no node"
+    if any(_fused_batch_norm(node, value) for node, _ in value.uses()):
+        return ("a Conv's weight or bias with a batch normalization fused into it by the exporter: not recoverable "
+                "(export in training mode or with optimize=False to train them)")
     sources = _folded_from(value)
     if sources and any(_module_like(s) for s in sources):
         named = [s for s in sources if _module_like(s)]
         return (f"computed from {', '.join(named)} and constants when exported (optimize=True folded it): "
                 "not recoverable")
     return "exporter constant" if torch_export else "constant"
+
+
+def _fused_batch_norm(node: ir.Node, value: ir.Value) -> bool:
+    if node.op_type != "Conv":
+        return False
+    fx = node.metadata_props.get(FX_NODE)
+    if fx is not None:
+        return "batch_norm" in (_TARGET.search(fx) or [None, ""])[1]
+    return (value.name or "").startswith("onnx::Conv")
 
 
 class RecoverParametersPass(ir.passes.InPlacePass):
@@ -595,36 +614,14 @@ class RecoverParametersPass(ir.passes.InPlacePass):
 
 
 def _restore_bias(graph: ir.Graph, namer: Namer, restored: _Restored) -> ir.Value:
-    """A zero bias under the parameter's name, added to the product where the export dropped it."""
-    node = restored.node
+    """A zero bias under the parameter's name, as the product's C (Gemm) or B (Conv) input."""
     name = restored.name if not (restored.name in graph.initializers or _taken(graph, restored.name)) \
         else namer.fresh(restored.name)
     bias = ir.Value(name=name, type=ir.TensorType(restored.dtype), shape=ir.Shape([restored.size]),
                     const_value=ir.Tensor(np.zeros(restored.size, restored.dtype.numpy())))
     graph.register_initializer(bias)
-    if node.op_type == "Gemm":
-        node.resize_inputs(3)
-        node.replace_input_with(2, bias)
-        return bias
-    product = node.outputs[0]
-    add = ir.node("Add", [product, bias], name=namer.fresh(f"{node.name or 'linear'}_bias"))
-    total = add.outputs[0]
-    total.type, total.shape = product.type, product.shape
-    users = list(product.uses())
-    graph.insert_after(node, add)
-    for user, index in users:
-        user.replace_input_with(index, total)
-    if product.is_graph_output():
-        outputs = graph.outputs
-        for i, output in enumerate(outputs):
-            if output is product:
-                outputs[i] = total
-        total.name, product.name = product.name, namer.fresh(f"{product.name}.unbiased")
-    else:
-        total.name = namer.fresh(f"{product.name}.biased")
-    metadata = node.metadata_props.get(FX_NODE)
-    if metadata is not None:
-        add.metadata_props[FX_NODE] = metadata
+    restored.node.resize_inputs(3)
+    restored.node.replace_input_with(2, bias)
     return bias
 
 

@@ -306,3 +306,72 @@ def test_a_dynamic_sequence_length_keeps_the_position_embeddings():
     found = {n for p in recovery.parameters for n in (p.name, *p.aliases)}
     assert all(set(names) & found for names in distinct_parameters(module))
     assert not any("computed from" in why for why in recovery.constants.values())
+
+
+def test_zero_biases_the_optimizer_dropped_are_trained():
+    """optimize=True drops a zero bias (a Conv's B, a Gemm's C); torch trains it."""
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(2, 4, 3)
+            self.fc = torch.nn.Linear(4, 3)
+            for layer in (self.conv, self.fc):
+                torch.nn.init.zeros_(layer.bias)
+
+        def forward(self, x, target):
+            h = torch.tanh(self.conv(x)).mean((2, 3))
+            return ((self.fc(h) - target) ** 2).mean()
+
+    torch.manual_seed(0)
+    net = Net()
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((2, 2, 5, 5)).astype(np.float32),
+             "target": rng.standard_normal((2, 3)).astype(np.float32)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        proto = torch.onnx.export(net, tuple(torch.from_numpy(v) for v in feeds.values()), dynamo=True,
+                                  optimize=True, verbose=False).model_proto
+    read = {i for node in proto.graph.node for i in node.input}
+    assert not {"conv.bias", "fc.bias"} & read  # dropped by the exporter
+    artifacts = generate_artifacts(proto, loss=None, optimizer="sgd", optimizer_options={"lr": 0.5})
+    trainer = Trainer(artifacts)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.5)
+    names = [i.name for i in proto.graph.input]
+    for _ in range(3):
+        ours = trainer.step(dict(zip(names, feeds.values())))
+        optimizer.zero_grad()
+        theirs = net(*(torch.from_numpy(v) for v in feeds.values()))
+        theirs.backward()
+        optimizer.step()
+        np.testing.assert_allclose(ours, theirs.item(), rtol=1e-5)
+    state = trainer.module_state_dict()
+    assert set(state) == {n for n, _ in net.named_parameters()}
+    for name, parameter in net.named_parameters():
+        assert np.abs(parameter.detach().numpy()).max() > 0
+        np.testing.assert_allclose(state[name], parameter.detach().numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_batch_norm_fused_into_a_conv_is_said_to_be_unrecoverable(kind):
+    """Both exporters fold an inference-mode BatchNormalization into the Conv before it; the Conv's
+    weight is then neither the module's conv weight nor anything else that torch trains."""
+    import onnx_ir as ir
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU()).eval()
+    x = torch.randn(1, 2, 5, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if kind == "torchscript":
+            stream = io.BytesIO()
+            torch.onnx.export(net, (x,), stream, dynamo=False)
+            proto = onnx.load_from_string(stream.getvalue())
+        else:
+            proto = torch.onnx.export(net, (x,), dynamo=True, optimize=kind == "optimize", verbose=False).model_proto
+    recovery = recover_parameters(ir.from_proto(proto))
+    if kind == "plain":
+        assert {p.name for p in recovery.parameters} == {"0.weight", "0.bias", "1.weight", "1.bias"}
+        return
+    assert not recovery.parameters
+    assert len(recovery.constants) == 2
+    assert all("batch normalization fused" in why for why in recovery.constants.values())
