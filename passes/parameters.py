@@ -27,7 +27,7 @@ import onnx_ir as ir
 
 from onnx_autodiff.errors import AutodiffError
 from onnx_autodiff.passes.metadata import MODULE_NAMES
-from onnx_autodiff.passes.recovery import EXPORTER_KIND, recover_parameters
+from onnx_autodiff.passes.recovery import recover_parameters
 from onnx_autodiff.rules import GradRegistry, default_registry
 from onnx_autodiff.toolkit import FLOAT_TYPES, captured_values
 

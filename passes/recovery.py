@@ -33,10 +33,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import fnmatch
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import onnx_ir as ir
@@ -99,26 +98,6 @@ class Recovery:
     parameters: list[Parameter]
     constants: dict[str, str]
     torch_export: bool
-
-    def by_initializer(self) -> dict[str, Parameter]:
-        return {p.initializer: p for p in self.parameters}
-
-    def names(self) -> dict[str, list[str]]:
-        """Initializer -> the module names it holds (its own parameter's and those of copies)."""
-        names: dict[str, list[str]] = {}
-        for p in self.parameters:
-            for initializer in [p.initializer, *(c for c, _ in p.copies)]:
-                names.setdefault(initializer, []).extend([p.name, *p.aliases])
-        return names
-
-    def select(self, patterns: Iterable[str], initializers: Iterable[str]) -> dict[str, list[str]]:
-        """Pattern -> the initializers it matches (fnmatch, case-sensitive), by initializer name or
-        by the module names they hold."""
-        names = self.names()
-        initializers = list(initializers)
-        return {pattern: [i for i in initializers
-                          if fnmatch.fnmatchcase(i, pattern) or any(fnmatch.fnmatchcase(n, pattern) for n in names.get(i, ()))]
-                for pattern in patterns}
 
 
 @dataclasses.dataclass

@@ -19,7 +19,7 @@ from onnx_autodiff.training import Trainer, generate_artifacts
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_exported_transformers import BATCH, T, VOCAB, LossOf, batch  # noqa: E402
+from test_exported_transformers import VOCAB, LossOf, batch  # noqa: E402
 from test_exported_transformers import build as build_causal  # noqa: E402
 
 KINDS = ["optimize", "plain", "torchscript"]  # dynamo optimize=True, dynamo optimize=False, TorchScript
