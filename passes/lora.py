@@ -32,6 +32,7 @@ from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, shapes
 
 NORMS = frozenset({"LayerNormalization", "BatchNormalization", "InstanceNormalization", "GroupNormalization",
                    "RMSNormalization"})
+QUANTIZED_BASES = frozenset({"MatMulNBits", "DequantizeLinear"})
 _PRODUCTS = frozenset({"MatMul", "Gemm", "Conv", "ConvTranspose"})
 
 
@@ -83,12 +84,28 @@ class LoraConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Adapter:
-    """One target's adapter: ``transposed`` when the nodes multiply by Wᵀ (A is then [W.shape[1], r])."""
+    """One target's adapter: ``transposed`` when the nodes multiply by Wᵀ (A is then [W.shape[1], r]);
+    ``base`` the form the weight is stored in: "float", "Cast" (float16/bfloat16 read through
+    Cast), "DequantizeLinear" or "MatMulNBits" (a frozen quantized base)."""
 
     weight: str
     A: str
     B: str
     transposed: bool
+    base: str = "float"
+
+
+@dataclasses.dataclass
+class _Site:
+    """Where a target weight is multiplied: the nodes, their orientation, the [rows, cols] of the
+    matrix they multiply by (before ``transposed``), its float dtype and the stored form."""
+
+    nodes: list
+    transposed: bool
+    rows: int
+    cols: int
+    dtype: ir.DataType
+    base: str = "float"
 
 
 class LoraPass(ir.passes.InPlacePass):
@@ -114,15 +131,16 @@ class LoraPass(ir.passes.InPlacePass):
         rng = np.random.default_rng(config.seed)
         self.adapters = []
         for weight in chosen:
-            nodes, transposed = sites[weight]
-            rows, cols = weight.shape.dims if not transposed else reversed(weight.shape.dims)
-            dtype = weight.dtype.numpy()
+            site = sites[weight]
+            nodes, transposed = site.nodes, site.transposed
+            rows, cols = (site.rows, site.cols) if not transposed else (site.cols, site.rows)
+            dtype = site.dtype.numpy()
             bound = 1.0 / np.sqrt(rows)
             stem = (module_names(weight) or [weight.name])[0]  # a folded val_29 is q_proj.weight
             a = _initializer(graph, namer, f"{stem}.lora_A",
                              rng.uniform(-bound, bound, (config.rank, rows)).T.astype(dtype))
             b = _initializer(graph, namer, f"{stem}.lora_B", np.zeros((config.rank, cols), dtype))
-            self.adapters.append(Adapter(weight.name, a.name, b.name, transposed))
+            self.adapters.append(Adapter(weight.name, a.name, b.name, transposed, site.base))
             for node in nodes:
                 self._adapt(graph, op, namer, node, a, b, dtype)
         return ir.passes.PassResult(model, modified=bool(self.adapters))
@@ -202,8 +220,51 @@ def _targets(graph: ir.Graph) -> tuple[dict[ir.Value, tuple[list[ir.Node], bool]
         if isinstance(reads, str):
             skipped[value.name] = reads
         else:
-            sites[value] = ([node for node, _ in reads], reads[0][1])
+            rows, cols = value.shape.dims
+            sites[value] = _Site([node for node, _ in reads], reads[0][1], rows, cols, value.dtype)
+    for node in graph:
+        site = _frozen_base(node, graph, inputs)
+        if isinstance(site, tuple):
+            stored, site = site
+            sites.setdefault(stored, site)
+        elif site is not None:
+            skipped[node.inputs[1 if node.op_type == "MatMulNBits" else 0].name] = site
     return sites, skipped
+
+
+def _frozen_base(node: ir.Node, graph: ir.Graph, inputs) -> tuple[ir.Value, _Site] | str | None:
+    """A weight stored in a shipped form, as (stored initializer, site): the packed weight of a
+    MatMulNBits, or a weight read through DequantizeLinear or through a Cast from float16 or
+    bfloat16; why it is no target; None for any other node."""
+    if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
+        packed = node.inputs[1]
+        if packed is None or not packed.is_initializer() or packed in inputs:
+            return None
+        if len([v for v in node.inputs[4:5] if v is not None]):
+            return "a MatMulNBits weight with g_idx (act-order)"
+        K, N = shapes.attr(node, "K", None), shapes.attr(node, "N", None)
+        return packed, _Site([node], False, K, N, node.inputs[2].dtype, "MatMulNBits")
+    if node.domain not in ("", "ai.onnx") or node.op_type not in ("DequantizeLinear", "Cast"):
+        return None
+    stored, weight = node.inputs[0], node.outputs[0]
+    if node.op_type == "Cast":
+        dtype = ir.DataType(shapes.attr(node, "to", 0))
+    else:
+        dtype = ir.DataType(shapes.attr(node, "output_dtype", 0)) or (node.inputs[1].dtype if len(node.inputs) > 1 else None)
+    if stored is None or not stored.is_initializer() or stored in inputs or stored.const_value is None \
+            or len(stored.const_value.shape) != 2 or dtype not in FLOAT_TYPES:
+        return None
+    if node.op_type == "Cast" and stored.dtype not in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+        return None
+    if any(user.op_type not in ("MatMul", "Gemm", "Transpose") for user, _ in weight.uses()):
+        return None  # a dequantized value read otherwise: not a weight
+    reads = _weight_reads(weight, graph)
+    if isinstance(reads, list) and len({transposed for _, transposed in reads}) > 1:
+        reads = "multiplied both as it is and transposed"
+    if isinstance(reads, str) or not reads:
+        return reads or None
+    rows, cols = (int(d) for d in stored.const_value.shape)
+    return stored, _Site([n for n, _ in reads], reads[0][1], rows, cols, dtype, node.op_type)
 
 
 def _select(patterns: Sequence[str] | None, sites, skipped: Mapping[str, str]) -> list[ir.Value]:
@@ -266,10 +327,15 @@ def _extra_trainable(graph: ir.Graph, config: LoraConfig) -> list[str]:
 def merged_weights(adapters: Sequence[Adapter | Mapping], scale: float, weights: Mapping[str, np.ndarray],
                    values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """``W + scale · A @ B`` (transposed back for a transposed adapter) for every adapter, from
-    the base ``weights`` and the adapter ``values`` by name; each in its weight's dtype."""
+    the base ``weights`` and the adapter ``values`` by name; each in its weight's dtype (a float16
+    base read through Cast stays float16). A quantized base would need quantizing again: refused."""
     merged = {}
     for adapter in adapters:
         adapter = adapter if isinstance(adapter, Adapter) else Adapter(**adapter)
+        if adapter.base in QUANTIZED_BASES:
+            raise TrainingError(f"merging the LoRA adapter of '{adapter.weight}' into its {adapter.base} base would "
+                                "quantize it again, which is not supported yet: export(merge=False) keeps the "
+                                "adapters apart, beside the unchanged base")
         w = np.asarray(weights[adapter.weight])
         delta = scale * (values[adapter.A].astype(np.float64) @ values[adapter.B].astype(np.float64))
         merged[adapter.weight] = (w.astype(np.float64) + (delta.T if adapter.transposed else delta)).astype(w.dtype)

@@ -109,3 +109,107 @@ def test_a_model_from_onnxruntimes_quantizer():
     dy = rng.standard_normal((2, 16)).astype(np.float32)
     outputs = _session(result).run(None, {"x": identity, autodiff.seed_name: dy})
     np.testing.assert_allclose(outputs[1], dy @ dequantized.T, rtol=1e-5, atol=1e-5)
+
+
+def shipped_base(form: str, rng):
+    """y = (x · s) @ W with W frozen in a shipped form, and W dequantized (float64) for the oracle."""
+    if form.startswith("nbits"):
+        packed, scales, zero, weight = quantized(int(form[5]), form.endswith("zp"), rng)
+        return model(int(form[5]), packed, scales, zero, None), weight
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, K])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, N])
+    inits = [numpy_helper.from_array(np.linspace(0.5, 1.5, K).astype(np.float32), "s")]
+    opset = 18
+    if form == "float16":
+        stored = rng.standard_normal((K, N)).astype(np.float16)
+        inits.append(numpy_helper.from_array(stored, "W16"))
+        read = helper.make_node("Cast", ["W16"], ["W"], to=TensorProto.FLOAT)
+        weight = stored.astype(np.float64)
+    elif form == "int8_axis":
+        q = rng.integers(-128, 128, (K, N)).astype(np.int8)
+        scale = rng.uniform(0.01, 0.1, N).astype(np.float32)
+        zero = rng.integers(-5, 5, N).astype(np.int8)
+        inits += [numpy_helper.from_array(q, "Wq"), numpy_helper.from_array(scale, "Wscale"),
+                  numpy_helper.from_array(zero, "Wzero")]
+        read = helper.make_node("DequantizeLinear", ["Wq", "Wscale", "Wzero"], ["W"], axis=1)
+        weight = (q.astype(np.float64) - zero) * scale
+    else:  # int4 blocked along K (opset 21)
+        opset = 21
+        q = rng.integers(-8, 8, (K, N)).astype(np.int8)
+        scale = rng.uniform(0.01, 0.1, (K // 8, N)).astype(np.float32)
+        inits += [helper.make_tensor("Wq", TensorProto.INT4, [K, N], q.reshape(-1).tolist()),
+                  numpy_helper.from_array(scale, "Wscale")]
+        read = helper.make_node("DequantizeLinear", ["Wq", "Wscale"], ["W"], axis=0, block_size=8)
+        weight = q.astype(np.float64) * np.repeat(scale, 8, axis=0)
+    nodes = [helper.make_node("Mul", ["x", "s"], ["h"]), read, helper.make_node("MatMul", ["h", "W"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [x], [y], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), weight
+
+
+FORMS = ["nbits4", "nbits4zp", "nbits8", "int8_axis", "int4_blocked", "float16"]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_lora_on_a_frozen_base(form):
+    """The base is a LoRA target in each shipped form; the adapters' gradients through it are
+    those of x·s @ W + (x·s @ A) @ B with W dequantized in numpy."""
+    from onnx_autodiff.passes.lora import LoraConfig, LoraPass
+
+    rng = np.random.default_rng(FORMS.index(form))
+    proto, weight = shipped_base(form, rng)
+    x = rng.standard_normal((2, 3, K)).astype(np.float32)
+    h = x.astype(np.float64) * np.linspace(0.5, 1.5, K)
+    # onnxruntime fuses an int8 DequantizeLinear into its MatMul and quantizes x to int8 on the fly
+    # (dynamic quantization): about 1% off the exact product
+    tolerance = 2e-2 if form == "int8_axis" else 1e-3
+
+    def close(actual, desired, name=""):
+        np.testing.assert_allclose(actual, desired, rtol=0, atol=tolerance * np.abs(desired).max(), err_msg=name)
+
+    close(_session(proto).run(None, {"x": x})[0], h @ weight)
+    model_ir = ir.from_proto(proto)
+    lora = LoraPass(LoraConfig(rank=3))
+    lora(model_ir)
+    [adapter] = lora.adapters
+    assert adapter.base == {"nbits": "MatMulNBits", "float": "Cast"}.get(form[:5], "DequantizeLinear")
+    a = rng.standard_normal((K, 3)).astype(np.float32)  # B random too: with B = 0 A's gradient is 0
+    b = rng.standard_normal((3, N)).astype(np.float32)
+    model_ir.graph.initializers[adapter.A].const_value = ir.Tensor(a)
+    model_ir.graph.initializers[adapter.B].const_value = ir.Tensor(b)
+    autodiff = autodiff_pass(of="y", wrt=[adapter.A, adapter.B, "x"])
+    result = ir.to_proto(ir.passes.PassManager([autodiff, *cleanup_passes()])(model_ir).model)
+    onnx.checker.check_model(result, full_check=True)
+    dy = rng.standard_normal((2, 3, N)).astype(np.float32)
+    outputs = dict(zip([o.name for o in result.graph.output], _session(result).run(None, {"x": x, autodiff.seed_name: dy})))
+    r = dy.astype(np.float64)
+    want = {adapter.A: np.einsum("btk,btn,rn->kr", h, r, b), adapter.B: np.einsum("btk,kr,btn->rn", h, a, r),
+            "x": (r @ weight.T + r @ b.T @ a.T) * np.linspace(0.5, 1.5, K)}
+    close(outputs["y"], h @ weight + h @ a @ b)
+    for name, value in want.items():
+        close(outputs[autodiff.gradient_names[name]], value, name)
+
+
+@pytest.mark.parametrize("form", ["nbits4zp", "float16"])
+def test_lora_artifacts_on_a_frozen_base_train_and_export(form):
+    from onnx_autodiff.passes.lora import LoraConfig
+    from onnx_autodiff.training import Trainer, generate_artifacts
+
+    rng = np.random.default_rng(0)
+    proto, weight = shipped_base(form, rng)
+    artifacts = generate_artifacts(proto, loss="mse", optimizer="adamw", optimizer_options={"lr": 1e-2},
+                                   lora=LoraConfig(rank=2))
+    assert len(artifacts.params) == 2
+    trainer = Trainer(artifacts)
+    x = rng.standard_normal((2, 3, K)).astype(np.float32)
+    labels = rng.standard_normal((2, 3, N)).astype(np.float32)
+    losses = [trainer.step({"x": x, "labels": labels}) for _ in range(8)]
+    assert losses[-1] < losses[0]
+    kept = trainer.export(merge=False)
+    want = _session(kept).run(None, {"x": x})[0]
+    if form == "float16":  # merged into the float16 initializer, rounded to float16
+        merged = trainer.export()
+        assert [t.name for t in merged.graph.initializer] == [t.name for t in proto.graph.initializer]
+        np.testing.assert_allclose(_session(merged).run(None, {"x": x})[0], want, rtol=2e-2, atol=2e-2)
+    else:
+        with pytest.raises(Exception, match="quantize it again"):
+            trainer.export()
