@@ -23,11 +23,7 @@ MODULE_TRANSPOSED = "onnx_autodiff.module_transposed"
 
 def module_names(value: ir.Value) -> list[str]:
     """The module names :data:`MODULE_NAMES` records on ``value`` (none: [])."""
-    try:
-        names = json.loads(value.metadata_props.get(MODULE_NAMES, "[]"))
-    except ValueError:
-        return []
-    return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
+    return _names(value.metadata_props.get(MODULE_NAMES))
 
 
 def grad_of_tag(node: ir.Node) -> str:
@@ -44,8 +40,13 @@ def record_differentiated(model: ir.Model, names: Iterable[str]) -> None:
 
 def differentiated(model: ir.Model) -> list[str]:
     """The names recorded under :data:`DIFFERENTIATED_KEY` (empty when there are none)."""
+    return _names(model.metadata_props.get(DIFFERENTIATED_KEY))
+
+
+def _names(text: str | None) -> list[str]:
+    """A JSON list of names as metadata holds it; [] for none or anything else."""
     try:
-        names = json.loads(model.metadata_props.get(DIFFERENTIATED_KEY, "[]"))
+        names = json.loads(text or "[]")
     except ValueError:
         return []
     return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []

@@ -239,13 +239,16 @@ def _placeholder_names(graph: ir.Graph) -> dict[str, str]:
 
 
 def _folded_from(value: ir.Value) -> list[str]:
-    text = value.metadata_props.get(FOLDED_FROM)
-    if not text:
-        return []
+    return _listed(value.metadata_props.get(FOLDED_FROM))
+
+
+def _listed(text: str | None) -> list[str]:
+    """The strings of a Python list literal as the exporter writes metadata ("['', 'lm']")."""
     try:
-        return [s for s in ast.literal_eval(text) if isinstance(s, str)]
+        items = ast.literal_eval(text) if text else []
     except (ValueError, SyntaxError):
         return []
+    return [s for s in items if isinstance(s, str)] if isinstance(items, (list, tuple)) else []
 
 
 def _claim(node: ir.Node, index: int, value: ir.Value, placeholders: Mapping[str, str],
@@ -327,14 +330,7 @@ def _module_name(placeholder: str, node: ir.Node, placeholders: Mapping[str, str
 
 
 def _scopes(node: ir.Node) -> list[str]:
-    text = node.metadata_props.get(NAME_SCOPES)
-    if not text:
-        return []
-    try:
-        scopes = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return []
-    return [s for s in scopes if isinstance(s, str)]
+    return _listed(node.metadata_props.get(NAME_SCOPES))
 
 
 def _torchscript_scope(node: ir.Node) -> str | None:
