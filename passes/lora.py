@@ -240,7 +240,7 @@ def _frozen_base(node: ir.Node, graph: ir.Graph, inputs) -> tuple[ir.Value, _Sit
         packed = node.inputs[1]
         if packed is None or not packed.is_initializer() or packed in inputs:
             return None
-        if len([v for v in node.inputs[4:5] if v is not None]):
+        if len(node.inputs) > 4 and node.inputs[4] is not None:
             return "a MatMulNBits weight with g_idx (act-order)"
         K, N = shapes.attr(node, "K", None), shapes.attr(node, "N", None)
         return packed, _Site([node], False, K, N, node.inputs[2].dtype, "MatMulNBits")

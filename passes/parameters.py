@@ -27,7 +27,7 @@ import onnx_ir as ir
 
 from onnx_autodiff.errors import AutodiffError
 from onnx_autodiff.passes.metadata import MODULE_NAMES
-from onnx_autodiff.passes.recovery import recover_parameters
+from onnx_autodiff.passes.recovery import recover_parameters, stored_shape
 from onnx_autodiff.rules import GradRegistry, default_registry
 from onnx_autodiff.toolkit import FLOAT_TYPES, captured_values
 
@@ -170,7 +170,5 @@ def parameter_rows(model: ir.Model, registry: GradRegistry | None = None) -> lis
         rows.append(ParameterRow(p.name, stored, transform, p.shape, home in trained,
                                  "; ".join([why, *notes]) if why else "; ".join(notes), p.found_by))
     for name, reason in recovery.constants.items():
-        value = model.graph.initializers[name]
-        dims = tuple(int(d) if isinstance(d, int) else -1 for d in value.shape) if value.shape is not None else ()
-        rows.append(ParameterRow(None, name, "", dims, False, reason))
+        rows.append(ParameterRow(None, name, "", stored_shape(model.graph.initializers[name]), False, reason))
     return rows

@@ -41,7 +41,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnx_autodiff.passes.metadata import MODULE_NAMES, MODULE_TRANSPOSED, module_names
-from onnx_autodiff.toolkit import FLOAT_TYPES, Namer
+from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, shapes
 
 EXPORTER_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"
 ORIGINAL_NAME = "pkg.torch.onnx.original_node_name"
@@ -113,10 +113,15 @@ class _Claim:
 
 
 def is_torch_export(model: ir.Model) -> bool:
+    """Written by torch.onnx.export: dynamo (its marks and node metadata) or TorchScript (its
+    ``/module/path/Op`` node names)."""
     graph = model.graph
-    if any(EXPORTER_KIND in v.metadata_props for v in graph.initializers.values()):
-        return True
-    return any(FX_NODE in n.metadata_props or (n.name or "").startswith("/") for n in graph)
+    return _dynamo_export(graph) or any((n.name or "").startswith("/") for n in graph)
+
+
+def _dynamo_export(graph: ir.Graph) -> bool:
+    return any(EXPORTER_KIND in v.metadata_props for v in graph.initializers.values()) or any(
+        FX_NODE in n.metadata_props for n in graph)
 
 
 def recover_parameters(model: ir.Model) -> Recovery:
@@ -134,31 +139,37 @@ class _Restored:
     dtype: ir.DataType
 
 
-def _folded_biases(graph: ir.Graph, claims: list[_Claim], placeholders: Mapping[str, str]) -> list[_Restored]:
-    """The biases of linear, addmm and convolution calls that no node reads any more: the
-    optimizer drops a Gemm's C and a Conv's B when they are zeros; PyTorch trains them all the same."""
-    claimed: dict[str, set[str]] = {}
+def _names_by_call(claims: list[_Claim]) -> dict[str, set[str]]:
+    """fx_node record -> the module names that the reads of its nodes are claimed for."""
+    names: dict[str, set[str]] = {}
     for claim in claims:
         fx = claim.node.metadata_props.get(FX_NODE) if claim.node is not None else None
         if fx is not None:
-            claimed.setdefault(fx, set()).add(claim.name)
+            names.setdefault(fx, set()).add(claim.name)
+    return names
+
+
+def _folded_biases(graph: ir.Graph, claims: list[_Claim], placeholders: Mapping[str, str]) -> list[_Restored]:
+    """The biases of linear, addmm and convolution calls that no node reads any more: the
+    optimizer drops a Gemm's C and a Conv's B when they are zeros; PyTorch trains them all the same."""
+    claimed = _names_by_call(claims)
     restored, seen = [], set()
     for node in graph:
         fx = node.metadata_props.get(FX_NODE)
         if fx is None or fx in seen or node.op_type not in _BIASED:
             continue
-        target = (_TARGET.search(fx) or [None, ""])[1]
+        target = _fx_target(fx)
         if not target.startswith(_BIASED[node.op_type]) or (len(node.inputs) > 2 and node.inputs[2] is not None):
             continue
         weight = node.inputs[1]
-        dims = _dims(weight) if weight is not None else ()
+        dims = stored_shape(weight) if weight is not None else ()
         if len(dims) < 2 or (node.op_type == "Gemm" and len(dims) != 2):
             continue
         names = [_module_name(p, node, placeholders) for p in dict.fromkeys(_PLACEHOLDER.findall(fx))]
         free = [n for n in names if n not in claimed.get(fx, set())]
         if len(free) != 1 or len(names) < 2:
             continue
-        transposed = node.op_type == "Conv" or int(_attr(node, "transB", 0))
+        transposed = node.op_type == "Conv" or int(shapes.attr(node, "transB", 0))
         size = dims[0 if transposed else 1]  # a Conv's output channels lead its weight
         seen.add(fx)
         restored.append(_Restored(node, free[0], size, weight.dtype))
@@ -186,11 +197,7 @@ def _analyse(model: ir.Model) -> tuple[Recovery, list[_Claim], list[_Restored]]:
                         open_reads.append((node, index, value))
         # an fx call spread over several nodes (a linear's MatMul and Add): what the others read is
         # not this read's
-        taken: dict[str, set[str]] = {}
-        for claim in claims:
-            fx = claim.node.metadata_props.get(FX_NODE)
-            if fx is not None:
-                taken.setdefault(fx, set()).add(claim.name)
+        taken = _names_by_call(claims)
         for node, index, value in open_reads:
             fx = node.metadata_props[FX_NODE]
             claim = _claim(node, index, value, placeholders, taken.get(fx, set()))
@@ -201,14 +208,12 @@ def _analyse(model: ir.Model) -> tuple[Recovery, list[_Claim], list[_Restored]]:
                 claims.append(_Claim(node, 0, node.inputs[0], node.outputs[0].name, False, "Identity node"))
         claimed = {c.value for c in claims}
         # read only inside a subgraph, say: as it is (by its mark; by its name in a TorchScript file)
-        dynamo = any(EXPORTER_KIND in v.metadata_props for v in graph.initializers.values()) or any(
-            FX_NODE in node.metadata_props for node in graph)
+        dynamo = _dynamo_export(graph)
         for value in graph.initializers.values():
             if value in floats and value not in claimed and value.uses() and (
                     value.metadata_props.get(EXPORTER_KIND) == "PARAMETER" or (not dynamo and _module_like(value.name))):
                 claims.append(_Claim(None, -1, value, value.name, False, "exporter mark"
                                      if EXPORTER_KIND in value.metadata_props else "name"))
-        digests: dict = {}
         _claim_by_value(graph, floats, claims, digests)
         restored = _folded_biases(graph, claims, placeholders)
     else:
@@ -266,10 +271,16 @@ def _claim(node: ir.Node, index: int, value: ir.Value, placeholders: Mapping[str
     if _module_like(value.name):
         return _Claim(node, index, value, value.name, False, "name")
     scope = _torchscript_scope(node)
-    if scope is not None and _PRODUCTS.get(node.op_type) == index and len(_dims(value)) == 2:
-        transposed = node.op_type == "MatMul" or not int(_attr(node, "transB", 0))
+    if scope is not None and _PRODUCTS.get(node.op_type) == index and len(stored_shape(value)) == 2:
+        transposed = node.op_type == "MatMul" or not int(shapes.attr(node, "transB", 0))
         return _Claim(node, index, value, f"{scope}.weight", transposed, "node path")
     return None
+
+
+def _fx_target(fx: str) -> str:
+    """``aten.linear.default`` from an fx_node record ('' when it names none)."""
+    match = _TARGET.search(fx)
+    return match[1] if match else ""
 
 
 def _claim_from_fx(node, index, value, fx: str, placeholders, taken) -> _Claim | None:
@@ -282,7 +293,7 @@ def _claim_from_fx(node, index, value, fx: str, placeholders, taken) -> _Claim |
     if mine is None:
         return None
     name = _module_name(mine, node, placeholders)
-    target = (_TARGET.search(fx) or [None, ""])[1]
+    target = _fx_target(fx)
     own = value.metadata_props.get(ORIGINAL_NAME)
     folded = _folded_from(value)
     if own == mine or (own is not None and value.metadata_props.get(EXPORTER_KIND) == "PARAMETER"):
@@ -290,7 +301,7 @@ def _claim_from_fx(node, index, value, fx: str, placeholders, taken) -> _Claim |
     if value.name == name or name in module_names(value):
         return _Claim(node, index, value, name, value.metadata_props.get(MODULE_TRANSPOSED) == "1", "fx_node")
     if len(folded) == 1 and "p_" + mangled(folded[0]) == mine.lower():
-        if target.startswith(_TRANSPOSING) and len(_dims(value)) == 2:
+        if target.startswith(_TRANSPOSING) and len(stored_shape(value)) == 2:
             return _Claim(node, index, value, name, True, "folded_from")
         return None  # folded by a transform that is not recorded
     return None  # computed from the parameter and other values: not the parameter
@@ -347,17 +358,13 @@ def _module_like(name: str | None) -> bool:
         and name.rsplit(".", 1)[-1].isidentifier()
 
 
-def _dims(value: ir.Value) -> tuple[int, ...]:
-    """An initializer's shape, from its tensor (a value_info may declare less)."""
+def stored_shape(value: ir.Value) -> tuple[int, ...]:
+    """An initializer's shape, from its tensor (a value_info may declare less); -1 for an unknown
+    dimension of a value without one."""
     tensor = value.const_value
     if tensor is not None:
         return tuple(int(d) for d in tensor.shape)
     return tuple(d if isinstance(d, int) else -1 for d in value.shape) if value.shape is not None else ()
-
-
-def _attr(node: ir.Node, name: str, default):
-    attribute = node.attributes.get(name)
-    return default if attribute is None else attribute.value
 
 
 def _claim_by_value(graph: ir.Graph, floats: set[ir.Value], claims: list[_Claim], digests: dict) -> None:
@@ -431,7 +438,7 @@ def _parameters(graph: ir.Graph, claims: list[_Claim], digests: dict | None) -> 
     for name, holders in stored.items():
         ranked = sorted(holders, key=lambda h: (h[0].name != name, h[1], order.get(h[0], 0)))
         value, transposed = ranked[0]
-        dims = _dims(value)
+        dims = stored_shape(value)
         parameters.append(Parameter(name, value.name, transposed, tuple(reversed(dims)) if transposed else dims,
                                     holders[ranked[0]], tuple((v.name, t) for v, t in ranked[1:])))
     _merge_ties(graph, parameters, digests)
@@ -495,7 +502,7 @@ def _fused_batch_norm(node: ir.Node, value: ir.Value) -> bool:
         return False
     fx = node.metadata_props.get(FX_NODE)
     if fx is not None:
-        return "batch_norm" in (_TARGET.search(fx) or [None, ""])[1]
+        return "batch_norm" in _fx_target(fx)
     return (value.name or "").startswith("onnx::Conv")
 
 
@@ -534,14 +541,15 @@ class RecoverParametersPass(ir.passes.InPlacePass):
                 owner[value] = p.name
                 homes[p.name] = value
         for claim in claims:  # the Identity's output name is the split parameter's
-            if claim.found_by == "Identity node" and not claim.node.outputs[0].is_graph_output():
-                claim.node.outputs[0].name = namer.fresh(f"{claim.name}.shared")
+            output = claim.node.outputs[0] if claim.found_by == "Identity node" else None
+            if output is not None and not output.is_graph_output():
+                namer.taken.discard(output.name)
+                output.name = namer.fresh(f"{claim.name}.shared")
         for p in self.recovery.parameters:
             if p.name in homes:
                 continue
             shared = graph.initializers[p.initializer]
-            copy = ir.Value(name=namer.fresh(p.name) if p.name in graph.initializers or _taken(graph, p.name) else p.name,
-                            type=shared.type, shape=shared.shape,
+            copy = ir.Value(name=namer.fresh(p.name), type=shared.type, shape=shared.shape,
                             const_value=ir.Tensor(np.array(shared.const_value.numpy()), name=None))
             graph.register_initializer(copy)
             homes[p.name], owner[copy] = copy, p.name
@@ -557,7 +565,7 @@ class RecoverParametersPass(ir.passes.InPlacePass):
                     and owner.get(claim.value) is None:
                 continue  # a copy kept in the file's layout
             if claim.found_by == "Identity node":
-                modified |= _replace_identity(graph, claim.node, home, claim.name)
+                modified |= _replace_identity(graph, claim.node, home)
                 continue
             source = home
             if claim.transposed != p.transposed:
@@ -567,14 +575,15 @@ class RecoverParametersPass(ir.passes.InPlacePass):
                     node.outputs[0].name = namer.fresh(f"{name}.T")
                     node.outputs[0].type = home.type
                     node.outputs[0].shape = ir.Shape(list(reversed(list(home.shape))))
-                    graph.insert_before(_first_node(graph), node)
+                    graph.insert_before(next(iter(graph)), node)
                     transposes[key] = node.outputs[0]
                 source = transposes[key]
             if claim.node.inputs[claim.index] is not source:
                 claim.node.replace_input_with(claim.index, source)
                 modified = True
+        claimed = {c.value for c in claims}
         for value in list(graph.initializers.values()):
-            if value in {c.value for c in claims} and not value.uses() and not value.is_graph_output():
+            if value in claimed and not value.uses() and not value.is_graph_output():
                 graph.initializers.pop(value.name)
         self.recovered = []
         kept = set(graph.initializers)
@@ -590,9 +599,7 @@ class RecoverParametersPass(ir.passes.InPlacePass):
 
 def _restore_bias(graph: ir.Graph, namer: Namer, restored: _Restored) -> ir.Value:
     """A zero bias under the parameter's name, as the product's C (Gemm) or B (Conv) input."""
-    name = restored.name if not (restored.name in graph.initializers or _taken(graph, restored.name)) \
-        else namer.fresh(restored.name)
-    bias = ir.Value(name=name, type=ir.TensorType(restored.dtype), shape=ir.Shape([restored.size]),
+    bias = ir.Value(name=namer.fresh(restored.name), type=ir.TensorType(restored.dtype), shape=ir.Shape([restored.size]),
                     const_value=ir.Tensor(np.zeros(restored.size, restored.dtype.numpy())))
     graph.register_initializer(bias)
     restored.node.resize_inputs(3)
@@ -600,16 +607,8 @@ def _restore_bias(graph: ir.Graph, namer: Namer, restored: _Restored) -> ir.Valu
     return bias
 
 
-def _taken(graph: ir.Graph, name: str) -> bool:
-    return any(v.name == name for v in graph.inputs) or any(o.name == name for n in graph for o in n.outputs)
-
-
-def _first_node(graph: ir.Graph) -> ir.Node:
-    return next(iter(graph))
-
-
-def _replace_identity(graph: ir.Graph, node: ir.Node, home: ir.Value, name: str) -> bool:
-    """TorchScript's ``Identity(shared)`` named ``name``: its reads now read ``home``."""
+def _replace_identity(graph: ir.Graph, node: ir.Node, home: ir.Value) -> bool:
+    """TorchScript's ``Identity(shared)`` under a split parameter's name: its reads now read ``home``."""
     output = node.outputs[0]
     if output.is_graph_output():
         return False

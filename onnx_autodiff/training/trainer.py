@@ -614,7 +614,7 @@ class Trainer:
         With LoRA adapters, ``merge=True`` gives the input model's graph and initializer names with
         each adapted weight W replaced by W + scale·A·B; ``merge=False`` keeps the adapter nodes and
         ``<W>.lora_A``/``<W>.lora_B`` initializers (without dropout), W unchanged."""
-        from onnx_autodiff.passes.lora import merged_weights, unmerged
+        from onnx_autodiff.passes.lora import unmerged
 
         proto = onnx.ModelProto()
         proto.CopyFrom(self.artifacts.inference_model)
@@ -623,9 +623,7 @@ class Trainer:
         if lora and not merge:
             proto = unmerged(proto, lora)
         elif lora:
-            weights = {a["weight"] for a in lora["adapters"]}
-            base = {t.name: tensor_array(t, self.artifacts.base_dir) for t in proto.graph.initializer if t.name in weights}
-            trained.update(merged_weights(lora["adapters"], lora["scale"], base, trained))
+            trained.update(self._merged_bases({a["weight"] for a in lora["adapters"]}))
         trained.update(self._copies(trained))
         if external_data or uses_external_data(proto) or over_limit(sum(a.nbytes for a in trained.values())):
             return self._export_large(proto, trained, path, external_data)
@@ -690,21 +688,29 @@ class Trainer:
             self._set(key, array, owned=True)
 
     def _trained_or_stored(self, names) -> dict[str, np.ndarray]:
+        """``names``' current values: trained ones from the trainer, LoRA bases merged with their
+        adapters, the others as the model stores them."""
+        values = {name: self._host(name) for name in names if name in self._values}
+        merged = self._merged_bases(set(names))
+        values.update(merged)
+        values.update(self._stored(set(names) - set(values)))
+        return values
+
+    def _merged_bases(self, names: set[str]) -> dict[str, np.ndarray]:
+        """The LoRA base weights among ``names`` with their adapters' current values merged in."""
         from onnx_autodiff.passes.lora import merged_weights
 
-        values = {name: self._host(name) for name in names if name in self._values}
         lora = self.layout.get("lora")
-        rest = set(names) - set(values)
-        if lora:
-            rest |= {a["weight"] for a in lora["adapters"]} & set(names)
-        inits = {t.name: t for t in self.artifacts.inference_model.graph.initializer if t.name in rest}
-        stored = {name: tensor_array(t, self.artifacts.base_dir) for name, t in inits.items()}
-        if lora:
-            adapters = [a for a in lora["adapters"] if a["weight"] in stored]
-            adapter_values = {k: self._host(k) for a in adapters for k in (a["A"], a["B"])}
-            stored.update(merged_weights(adapters, lora["scale"], stored, adapter_values))
-        values.update(stored)
-        return values
+        adapters = [a for a in lora["adapters"] if a["weight"] in names] if lora else []
+        if not adapters:
+            return {}
+        values = {key: self._value(key).numpy() for a in adapters for key in (a["A"], a["B"])}
+        return merged_weights(adapters, lora["scale"], self._stored({a["weight"] for a in adapters}), values)
+
+    def _stored(self, names: set[str]) -> dict[str, np.ndarray]:
+        """Initializers of the inference model as it stores them (external ones mapped from their file)."""
+        return {t.name: tensor_array(t, self.artifacts.base_dir)
+                for t in self.artifacts.inference_model.graph.initializer if t.name in names}
 
     def _export_large(self, proto: onnx.ModelProto, trained: dict, path, external_data) -> onnx.ModelProto:
         """export() through onnx-ir, which streams the tensors to the data file (no proto holds them)."""
