@@ -312,8 +312,10 @@ def _placeholder_of(node, index, value, args: list[str], placeholders) -> str | 
     own = value.metadata_props.get(ORIGINAL_NAME)
     if own in args:
         return own
-    folded = ["p_" + mangled(s) for s in _folded_from(value)]
-    direct = [a for a in args if a.lower() in folded]
+    # the names the value is known by: the sources it was folded from, the module names a
+    # rewrite marked it with (a split or restored parameter, whose fx call may read no other)
+    known = ["p_" + mangled(s) for s in (*_folded_from(value), *module_names(value))]
+    direct = [a for a in args if a.lower() in known]
     if len(direct) == 1:
         return direct[0]
     if len(args) == 1:
