@@ -3,7 +3,8 @@
 The quantized weight, its scales and zero points are frozen data (integers, or the quantizer's
 statistics); the gradient flows to the activation and the bias. The forward keeps MatMulNBits
 (the fast kernel); the backward multiplies by the weight dequantized in standard operators, the
-operator's definition written out: B packs, per output column n and block b of ``block_size``
+operator's definition written out in a form onnxruntime computes at each step instead of
+folding it into a float copy at load (see ``_times_weight``): B packs, per output column n and block b of ``block_size``
 rows, ``bits``-bit unsigned integers q low bits first, and W[k, n] = (q - zero_point) · scale
 with zero_point 2^(bits-1) when none is given.
 """
@@ -22,12 +23,20 @@ _NBITS_INPUTS = ("A", "B", "scales", "zero_points", "g_idx", "bias")
 
 @rule("MatMulNBits", domain="com.microsoft", differentiable=("A", "bias"), inputs=_NBITS_INPUTS, broadcast=("bias",))
 def matmul_nbits(op, node, dY):
-    """Y = A @ W + bias, W [K, N] the dequantized B."""
-    return {"A": op.MatMul(dY, dequantized_nbits(op, node)), "bias": dY}
+    """Y = A @ W + bias, W [K, N] the dequantized B: dA = dY @ Wᵀ."""
+    return {"A": _times_weight(op, node, dY), "bias": dY}
 
 
-def dequantized_nbits(op, node):
-    """The weight of a MatMulNBits node as a float [N, K] tensor (Wᵀ), in standard operators."""
+def _times_weight(op, node, dY):
+    """dY [..., N] @ Wᵀ, the weight dequantized in standard operators.
+
+    The bytes become floats through DequantizeLinear (scale 1) and split into their low and
+    high halves in float arithmetic (exact on integers below 2^24): onnxruntime never
+    constant-folds a DequantizeLinear, so the weight is unpacked each time the backward reads it
+    and only the packed bytes stay in memory (BitShift on the constant bytes would be folded at
+    load into a copy twice their size). A 4-bit weight is multiplied as its two halves, the
+    columns of the low and of the high nibbles, and the two products interleaved: no whole float
+    copy of the weight is made."""
     inputs = list(node.inputs) + [None] * (len(_NBITS_INPUTS) - len(node.inputs))
     _, packed, scales, zero_points, g_idx, _ = inputs
     K, N = shapes.attr(node, "K", None), shapes.attr(node, "N", None)
@@ -39,27 +48,41 @@ def dequantized_nbits(op, node):
     blocks = -(-K // block)
     dtype = scales.dtype
     per_block = block * bits // 8
-    q = op.reshape(_unpacked(op, op.reshape(packed, [N, blocks, per_block]), [N, blocks, per_block], bits),
-                   [N, blocks, block])
+    scale = op.reshape(scales, [N, blocks, 1])
     if zero_points is None:
-        zero = op.const(np.array(2 ** (bits - 1)), dtype=dtype)
+        zero = op.const(float(2 ** (bits - 1)), dtype=dtype)
     elif zero_points.dtype == dtype:
         zero = op.reshape(zero_points, [N, blocks, 1])
     else:  # packed like B, one value per block, padded to whole bytes per row
         per_row = -(-blocks * bits // 8)
-        zero = op.Cast(_unpacked(op, op.reshape(zero_points, [N, per_row]), [N, per_row], bits), to=int(dtype))
+        halves = _halves(op, _floats(op, op.reshape(zero_points, [N, per_row]), dtype), bits)
+        zero = halves[0] if bits == 8 else op.reshape(
+            op.Concat(*[op.reshape(half, [N, per_row, 1]) for half in halves], axis=-1), [N, per_row * 2])
         zero = op.reshape(op.slice(zero, [0], [blocks], axes=[1]), [N, blocks, 1])
-    weight = op.Mul(op.Sub(op.Cast(q, to=int(dtype)), zero), op.reshape(scales, [N, blocks, 1]))
-    weight = op.reshape(weight, [N, blocks * block])
-    return weight if blocks * block == K else op.slice(weight, [0], [K], axes=[1])
+    values = _floats(op, op.reshape(packed, [N, blocks, per_block]), dtype)
+    parts = [op.reshape(op.Mul(op.Sub(half, zero), scale), [N, blocks * per_block]) for half in _halves(op, values, bits)]
+    products = [op.MatMul(dY, part) for part in parts]
+    if bits == 4:  # columns 2j and 2j + 1 of Wᵀ: interleave the products along the last axis
+        pairs = op.Concat(*[op.Unsqueeze(p, op.const([-1])) for p in products], axis=-1)
+        rank = node.inputs[0].shape.rank() if node.inputs[0].shape is not None else None
+        if rank is not None:
+            shape = op.const([0] * (rank - 1) + [blocks * block])
+        else:
+            shape = op.Concat(op.slice(op.Shape(dY), [0], [-1]), op.const([blocks * block]), axis=0)
+        products = [op.Reshape(pairs, shape)]
+    dA = products[0]
+    return dA if blocks * block == K else op.slice(dA, [0], [K], axes=[-1])
 
 
-def _unpacked(op, packed, dims, bits):
-    """uint8 ``dims`` [..., m] holding 8/bits values a byte, low bits first -> uint8 [..., m · 8/bits]."""
+def _floats(op, packed, dtype):
+    """uint8 bytes as numbers of ``dtype``, through DequantizeLinear (never folded, see above)."""
+    values = op.DequantizeLinear(packed, op.const(1.0, dtype=ir.DataType.FLOAT), op.const(0, dtype=ir.DataType.UINT8))
+    return values if dtype == ir.DataType.FLOAT else op.Cast(values, to=int(dtype))
+
+
+def _halves(op, values, bits):
+    """The values a byte holds, low bits first: the byte itself (8 bits) or its low and high nibbles."""
     if bits == 8:
-        return packed
-    four = op.const(4, dtype=ir.DataType.UINT8)
-    high = op.BitShift(packed, four, direction="RIGHT")
-    low = op.Sub(packed, op.BitShift(high, four, direction="LEFT"))
-    pairs = op.Concat(op.reshape(low, [*dims, 1]), op.reshape(high, [*dims, 1]), axis=-1)
-    return op.reshape(pairs, [*dims[:-1], dims[-1] * 2])
+        return [values]
+    high = op.Floor(op.Mul(values, op.const(1 / 16, like=values)))
+    return [op.Sub(values, op.Mul(high, op.const(16.0, like=values))), high]

@@ -326,6 +326,8 @@ def _result_dtype(op_type: str, inputs: Sequence[ir.Value | None], attrs: dict):
         return ir.DataType(attrs["to"])
     if op_type == "CastLike":
         return inputs[1].dtype
+    if op_type == "DequantizeLinear":  # the scale's type (output_dtype, opset 23, aside)
+        return ir.DataType(attrs["output_dtype"]) if attrs.get("output_dtype") else inputs[1].dtype
     if op_type == "ConstantOfShape":
         value = attrs.get("value")
         if value is None:
