@@ -48,12 +48,14 @@ def _single_output(model: ir.Model) -> str:
 
 def cmd_grad(args) -> int:
     from onnx_autodiff.passes import AutodiffPass, cleanup_passes
+    from onnx_autodiff.passes.parameters import quantized_weights
     from onnx_autodiff.passes.progress import collector_paused
 
     check_output_path(args.output)
     model = load_model(args.model)
     forward_nodes = len(model.graph)
     of = args.of or _single_output(model)
+    quantized = quantized_weights(model.graph)
     start = time.perf_counter()
     autodiff = AutodiffPass(of=of, wrt=args.wrt or None, upgrade_opset=not args.no_upgrade)
     target = None if args.target == "none" else args.target
@@ -64,7 +66,7 @@ def cmd_grad(args) -> int:
         seconds = time.perf_counter() - start
         progress.report("writing", 0, 1)
         data = save_output(result.model, args.output, args.external_data)
-    note_left_out(getattr(autodiff, "left_out", []))
+    note_left_out(getattr(autodiff, "left_out", []), quantized_names=quantized)
     gradients = list(autodiff.gradient_names.values())
     seed = f"; seed input '{autodiff.seed_name}'" if autodiff.seed_name else ""
     print(
@@ -77,6 +79,7 @@ def cmd_grad(args) -> int:
 
 def cmd_transform(args) -> int:
     from onnx_autodiff.passes import transforms
+    from onnx_autodiff.passes.parameters import quantized_weights
 
     passes = {"jvp": transforms.JvpPass, "hvp": transforms.HvpPass, "jacobian": transforms.JacobianPass}
     check_output_path(args.output)
@@ -84,11 +87,12 @@ def cmd_transform(args) -> int:
     of = args.of or _single_output(model)
     options = {"chunk": args.chunk} if args.command == "jacobian" else {}
     transform = passes[args.command](of, args.wrt or None, upgrade_opset=not args.no_upgrade, **options)
+    quantized = quantized_weights(model.graph)
     start = time.perf_counter()
     result = transform(model)
     seconds = time.perf_counter() - start
     data = save_output(result.model, args.output, args.external_data)
-    note_left_out(getattr(transform, "left_out", []))
+    note_left_out(getattr(transform, "left_out", []), quantized_names=quantized)
     outputs, inputs = list(transform.output_names.values()), list(transform.input_names.values())
     added = f"; {count(len(inputs), 'input')} {names_summary(inputs)}" if inputs else ""
     print(f"wrote {args.output}{data} in {seconds:.2f} s: {count(len(outputs), 'output')} {names_summary(outputs)}{added}")

@@ -127,8 +127,16 @@ def count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
-def note_left_out(left_out: Sequence[str], option: str = "--wrt", verb: str = "differentiate") -> None:
-    """One line on stderr naming the float initializers that the default variables left out as constants."""
+def note_left_out(left_out: Sequence[str], option: str = "--wrt", verb: str = "differentiate",
+                  quantized_names: Sequence[str] = ()) -> None:
+    """One line on stderr naming the float initializers that the default variables left out as
+    constants, and one naming the quantized weights (``quantized_names``) among them."""
+    quantized_names = set(quantized_names)
+    quantized = [n for n in left_out if n in quantized_names]
+    left_out = [n for n in left_out if n not in quantized_names]
+    if quantized:
+        print(f"onnx-autodiff: note: {count(len(quantized), 'quantized weight')} stay frozen "
+              f"({names_summary(quantized, 3)}); LoRA (--lora RANK) trains adapters on them", file=sys.stderr)
     if left_out:
         are = "is a constant and was" if len(left_out) == 1 else "are constants and were"
         done = verb + ("d" if verb.endswith("e") else "ed")

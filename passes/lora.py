@@ -28,6 +28,7 @@ import onnx_ir as ir
 from onnx_autodiff.errors import TrainingError, UnknownValueError, UnsupportedModelError, names_summary
 from onnx_autodiff.passes.opsets import default_opset
 from onnx_autodiff.passes.metadata import module_names
+from onnx_autodiff.passes.quantize import INT4_OPSET, Quantization, QuantizedBase, requantized, stored_weight
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, shapes
 
 NORMS = frozenset({"LayerNormalization", "BatchNormalization", "InstanceNormalization", "GroupNormalization",
@@ -59,8 +60,14 @@ class LoraConfig:
     seed: int = 0
     train_biases: bool = False
     train_norms: bool = False
+    quantize_base: str | None = None
+    quantize_format: str = "dequantizelinear"
+    quantize_block: int = 32
+    quantize_symmetric: bool = True
 
     def __post_init__(self) -> None:
+        if self.quantize_base is not None:
+            self.quantization  # noqa: B018 - checks the options
         if isinstance(self.rank, bool) or not isinstance(self.rank, (int, np.integer)) or self.rank < 1:
             raise TrainingError(f"LoRA rank must be a positive integer, not {self.rank!r}")
         if self.alpha is not None and not self.alpha > 0:
@@ -73,13 +80,22 @@ class LoraConfig:
             object.__setattr__(self, "targets", tuple(self.targets))
 
     @property
+    def quantization(self) -> Quantization | None:
+        """How the frozen base weights are stored (None: as the model stores them)."""
+        if self.quantize_base is None:
+            return None
+        return Quantization(self.quantize_base, self.quantize_format, self.quantize_block, self.quantize_symmetric)
+
+    @property
     def scale(self) -> float:
         return float(self.rank if self.alpha is None else self.alpha) / self.rank
 
     def to_json(self) -> dict:
         return {"rank": int(self.rank), "alpha": self.alpha, "targets": None if self.targets is None else list(self.targets),
                 "dropout": self.dropout, "seed": self.seed, "train_biases": self.train_biases,
-                "train_norms": self.train_norms}
+                "train_norms": self.train_norms, "quantize_base": self.quantize_base,
+                "quantize_format": self.quantize_format, "quantize_block": self.quantize_block,
+                "quantize_symmetric": self.quantize_symmetric}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,16 +127,24 @@ class _Site:
 class LoraPass(ir.passes.InPlacePass):
     """Adds a LoRA adapter (A random, B zeros) to every target weight that ``config.targets`` selects."""
 
-    def __init__(self, config: LoraConfig) -> None:
+    def __init__(self, config: LoraConfig, trained: Sequence[str] = ()) -> None:
         super().__init__()
         self.config = config
+        self.trained = tuple(trained)  # other initializers that are trained: never quantized
         self.adapters: list[Adapter] = []
         self.extra: list[str] = []  # the biases and norm parameters the config also trains
+        self.quantized: list[str] = []  # the weights that config.quantize_base stored anew
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         config, graph = self.config, model.graph
         sites, skipped = _targets(graph)
         chosen = _select(config.targets, sites, skipped)
+        if config.quantization is not None:
+            chosen_names = [w.name for w in chosen]
+            self.quantized = quantize_bases(model, config.quantization, [w for w, site in sites.items()
+                                                                         if site.base == "float" and w.name not in self.trained])
+            sites, skipped = _targets(graph)
+            chosen = [w for w in sites if w.name in chosen_names]
         opset = default_opset(model) or 1
         if config.dropout and opset < 12:
             raise UnsupportedModelError(f"LoRA dropout needs opset >= 12 (Dropout's training mode); the model imports "
@@ -226,6 +250,8 @@ def _targets(graph: ir.Graph) -> tuple[dict[ir.Value, tuple[list[ir.Node], bool]
         site = _frozen_base(node, graph, inputs)
         if isinstance(site, tuple):
             stored, site = site
+            if stored in sites and site.base == "MatMulNBits":  # one packed weight, several kernels
+                sites[stored].nodes.extend(site.nodes)
             sites.setdefault(stored, site)
         elif site is not None:
             skipped[node.inputs[1 if node.op_type == "MatMulNBits" else 0].name] = site
@@ -265,6 +291,27 @@ def _frozen_base(node: ir.Node, graph: ir.Graph, inputs) -> tuple[ir.Value, _Sit
         return reads or None
     rows, cols = (int(d) for d in stored.const_value.shape)
     return stored, _Site([n for n, _ in reads], reads[0][1], rows, cols, dtype, node.op_type)
+
+
+def quantize_bases(model: ir.Model, spec: Quantization, weights: Sequence[ir.Value | str]) -> list[str]:
+    """Stores each of ``weights`` (float LoRA targets of ``model``, or their names) in the form
+    ``spec`` gives (QLoRA: a frozen quantized base), in place; returns their names."""
+    graph = model.graph
+    if spec.kind == "int4" and spec.format == "dequantizelinear" and (default_opset(model) or 1) < INT4_OPSET:
+        raise UnsupportedModelError(f"an int4 base read through DequantizeLinear needs opset {INT4_OPSET}; the model "
+                                    f"imports opset {default_opset(model)}: convert it (generate_artifacts does with "
+                                    "upgrade_opset) or use quantize_format 'matmulnbits'")
+    sites, _ = _targets(graph)
+    by_name = {w.name: (w, site) for w, site in sites.items() if site.base == "float"}
+    names = [w if isinstance(w, str) else w.name for w in weights]
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise TrainingError(f"cannot quantize {names_summary(missing)}: no float weight of a MatMul or Gemm")
+    store = QuantizedBase(graph, Namer.for_graph(graph, prefix="quantized"), spec, model.opset_imports)
+    for name in names:
+        weight, site = by_name[name]
+        store.store(weight, site.nodes, site.transposed)
+    return names
 
 
 def _select(patterns: Sequence[str] | None, sites, skipped: Mapping[str, str]) -> list[ir.Value]:
@@ -325,29 +372,35 @@ def _extra_trainable(graph: ir.Graph, config: LoraConfig) -> list[str]:
 
 
 def merged_weights(adapters: Sequence[Adapter | Mapping], scale: float, weights: Mapping[str, np.ndarray],
-                   values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+                   values: Mapping[str, np.ndarray], model: ir.Model | None = None) -> dict[str, np.ndarray]:
     """``W + scale · A @ B`` (transposed back for a transposed adapter) for every adapter, from
     the base ``weights`` and the adapter ``values`` by name; each in its weight's dtype (a float16
-    base read through Cast stays float16). A quantized base would need quantizing again: refused."""
+    base read through Cast stays float16). A quantized base is dequantized from ``model`` (the
+    forward model), merged and quantized again in its own scheme: its data, scales and zero
+    points are all in the result."""
     merged = {}
     for adapter in adapters:
         adapter = adapter if isinstance(adapter, Adapter) else Adapter(**adapter)
-        if adapter.base in QUANTIZED_BASES:
-            raise TrainingError(f"merging the LoRA adapter of '{adapter.weight}' into its {adapter.base} base would "
-                                "quantize it again, which is not supported yet: export(merge=False) keeps the "
-                                "adapters apart, beside the unchanged base")
-        w = np.asarray(weights[adapter.weight])
         delta = scale * (values[adapter.A].astype(np.float64) @ values[adapter.B].astype(np.float64))
-        merged[adapter.weight] = (w.astype(np.float64) + (delta.T if adapter.transposed else delta)).astype(w.dtype)
+        delta = delta.T if adapter.transposed else delta
+        if adapter.base in QUANTIZED_BASES:
+            if model is None:
+                raise TrainingError(f"merging into the {adapter.base} base of '{adapter.weight}' needs the model")
+            merged.update(requantized(model, adapter.weight, adapter.base,
+                                      stored_weight(model, adapter.weight, adapter.base) + delta))
+            continue
+        w = np.asarray(weights[adapter.weight])
+        merged[adapter.weight] = (w.astype(np.float64) + delta).astype(w.dtype)
     return merged
 
 
-def adapted(proto: onnx.ModelProto, config: LoraConfig) -> tuple[onnx.ModelProto, LoraPass]:
-    """A copy of ``proto`` with the adapters of ``config``, and the pass (its adapters and extras)."""
+def adapted(proto: onnx.ModelProto, config: LoraConfig, trained: Sequence[str] = ()) -> tuple[onnx.ModelProto, LoraPass]:
+    """A copy of ``proto`` with the adapters of ``config``, and the pass (its adapters and extras);
+    ``trained``: other initializers to be trained, which a ``quantize_base`` leaves as they are."""
     if not isinstance(config, LoraConfig):
         raise TrainingError(f"lora must be an onnx_autodiff.passes.lora.LoraConfig, not a {type(config).__name__}")
     model = ir.from_proto(proto)
-    lora = LoraPass(config)
+    lora = LoraPass(config, trained)
     lora(model)
     return ir.to_proto(model), lora
 

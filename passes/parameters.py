@@ -53,7 +53,31 @@ def default_parameters(model: ir.Model, registry: GradRegistry | None = None) ->
             parameters.append(value)
         else:
             left_out[value.name] = reason
+    left_out.update(quantized_weights(graph))
     return DefaultParameters(parameters, left_out)
+
+
+def quantized_weights(graph: ir.Graph) -> dict[str, str]:
+    """The integer initializers that hold a quantized weight (the data of a DequantizeLinear, the
+    packed weight of com.microsoft.MatMulNBits), each with why it is frozen: a gradient cannot
+    change an integer tensor; LoRA trains adapters beside it."""
+    found = {}
+    for node in graph:
+        if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
+            stored, what = (node.inputs[1] if len(node.inputs) > 1 else None), f"{shapes_bits(node)}-bit MatMulNBits"
+        elif node.op_type == "DequantizeLinear" and node.domain in ("", "ai.onnx"):
+            stored = node.inputs[0]
+            what = f"{stored.dtype.name.lower() if stored is not None and stored.dtype else 'integer'} DequantizeLinear"
+        else:
+            continue
+        if stored is not None and stored.is_initializer() and stored.dtype not in FLOAT_TYPES:
+            found.setdefault(stored.name, f"quantized weight ({what}): frozen, LoRA trains adapters on it")
+    return found
+
+
+def shapes_bits(node: ir.Node) -> int:
+    attribute = node.attributes.get("bits")
+    return attribute.as_int() if attribute is not None else 4
 
 
 def _held_parameters(model: ir.Model) -> dict[str, str] | None:

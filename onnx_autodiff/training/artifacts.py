@@ -31,9 +31,10 @@ from onnx_autodiff.modelfile import (
     uses_external_data,
 )
 from onnx_autodiff.toolkit.inference import onnx_inferred
-from onnx_autodiff.passes.lora import adapted
+from onnx_autodiff.passes.lora import LoraConfig, adapted, quantize_bases
+from onnx_autodiff.passes.quantize import INT4_OPSET
 from onnx_autodiff.passes.autodiff import backward_trial
-from onnx_autodiff.passes.opsets import default_opset, upgraded_for
+from onnx_autodiff.passes.opsets import OpsetError, convert_proto, default_opset, upgraded_for
 from onnx_autodiff.passes.parameters import default_parameters
 from onnx_autodiff.passes.recovery import RecoverParametersPass, is_torch_export
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder
@@ -266,7 +267,19 @@ def _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=Non
         constants = f"; the default left out {names_summary(left_out)}: name them in requires_grad" if left_out else ""
         raise TrainingError(f"there is no parameter to train: the model has no floating-point initializer left after freezing{constants}")
     buffers = [] if freeze_batchnorm else [s for s in stats if s not in frozen]
+    left_out += [n for n in quantized_weight_names(proto) if n not in left_out]
     return _Roles(params=params, buffers=buffers, opset=opset, left_out=left_out, base_dir=base_dir)
+
+
+def quantized_weight_names(proto: onnx.ModelProto) -> list[str]:
+    """The integer initializers that hold a quantized weight (see passes.parameters.quantized_weights)."""
+    integers = {t.name for t in proto.graph.initializer if ir.DataType(t.data_type) not in FLOAT_TYPES}
+    found = []
+    for node in proto.graph.node:
+        position = {("com.microsoft", "MatMulNBits"): 1, ("", "DequantizeLinear"): 0}.get((node.domain, node.op_type))
+        if position is not None and len(node.input) > position and node.input[position] in integers:
+            found.append(node.input[position])
+    return list(dict.fromkeys(found))
 
 
 def _prepare(proto, roles: _Roles, training: bool):
@@ -428,8 +441,11 @@ def generate_artifacts(
     if requires_grad is not None and frozen_params:  # what a pattern selects, frozen_params may take back
         requires_grad = [n for n in requires_grad if n in named or n not in set(frozen_params)]
     if lora is not None:
-        proto, injected = adapted(proto, lora)
         extra = [requires_grad] if isinstance(requires_grad, str) else list(requires_grad or [])
+        proto, forward = _with_opset_for(lora, proto, forward, upgrade_opset)
+        proto, injected = adapted(proto, lora, trained=extra)
+        if injected.quantized:  # the inference model stores the base as the train model does
+            forward = _quantized(forward, lora, injected.quantized, base_dir)
         frozen = {frozen_params} if isinstance(frozen_params, str) else set(frozen_params or [])
         adapters = [name for a in injected.adapters for name in (a.A, a.B)]
         requires_grad = list(dict.fromkeys([*adapters, *(n for n in injected.extra if n not in frozen), *extra]))
@@ -504,6 +520,24 @@ def _recovered(proto: onnx.ModelProto, forward: onnx.ModelProto, base_dir):
     # the file's layout, its parameters marked with their module names (LoRA's export names
     # adapters after them)
     return ir.to_proto(model), ir.to_proto(layout.model), modules
+
+
+def _with_opset_for(lora, proto: onnx.ModelProto, forward: onnx.ModelProto, upgrade: bool):
+    """``proto`` and ``forward`` at the opset that ``lora``'s quantized base needs (int4 read through
+    DequantizeLinear: 21)."""
+    spec = lora.quantization if isinstance(lora, LoraConfig) else None
+    if spec is None or spec.kind != "int4" or spec.format != "dequantizelinear" or _default_opset(proto) >= INT4_OPSET:
+        return proto, forward
+    reason = f"an int4 base read through DequantizeLinear needs opset {INT4_OPSET}"
+    if not upgrade:
+        raise OpsetError(f"{reason}; the model imports opset {_default_opset(proto)} (upgrade_opset=False)")
+    return convert_proto(proto, INT4_OPSET, reason), convert_proto(forward, INT4_OPSET, reason)
+
+
+def _quantized(forward: onnx.ModelProto, lora, names: list[str], base_dir) -> onnx.ModelProto:
+    model = from_proto(forward, base_dir)
+    quantize_bases(model, lora.quantization, names)
+    return ir.to_proto(model)
 
 
 def _module_selection(names, proto: onnx.ModelProto, modules, role: str):

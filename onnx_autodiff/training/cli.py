@@ -12,7 +12,8 @@ from onnx import helper, numpy_helper
 from onnx_autodiff.commands import NO_UPGRADE_HELP, CommandError, UsageError, note_left_out, read_model_proto
 from onnx_autodiff.errors import TrainingError, names_summary
 from onnx_autodiff.passes.lora import LoraConfig
-from onnx_autodiff.training.artifacts import TrainingArtifacts, generate_artifacts
+from onnx_autodiff.passes.quantize import BLOCK_SIZES, FORMATS, KINDS
+from onnx_autodiff.training.artifacts import TrainingArtifacts, generate_artifacts, quantized_weight_names
 from onnx_autodiff.training.losses import LOSSES
 from onnx_autodiff.training.optimizers import OPTIMIZERS
 from onnx_autodiff.training.trainer import Trainer
@@ -60,6 +61,16 @@ def add_generation_arguments(parser) -> list[str]:
                             help="weights to adapt, shell-style patterns on initializer or module parameter names, "
                                  "e.g. '*q_proj*' (default: all)"),
         parser.add_argument("--lora-dropout", type=float, metavar="P", help="dropout on the adapters' input in training (default 0)"),
+        parser.add_argument("--quantize-base", choices=KINDS,
+                            help="QLoRA: store the frozen MatMul/Gemm weights quantized (int4 blocked, int8 per "
+                                 "channel) or in float16; the adapters train in float"),
+        parser.add_argument("--quantize-format", choices=FORMATS,
+                            help="how the quantized base is read: standard DequantizeLinear (default; int4 needs "
+                                 "opset 21, converted) or onnxruntime's com.microsoft.MatMulNBits kernel"),
+        parser.add_argument("--quantize-block", type=int, choices=BLOCK_SIZES, metavar="SIZE",
+                            help="int4 block size along the reduction axis (default 32)"),
+        parser.add_argument("--quantize-asymmetric", action="store_true",
+                            help="unsigned values with a zero point per block/channel (default symmetric)"),
         parser.add_argument("--no-upgrade", action="store_true", help=NO_UPGRADE_HELP),
     ]
     return [action.dest for action in actions]
@@ -98,7 +109,8 @@ def run(args) -> int:
     except OSError as error:  # each file is written atomically: none is half-written
         raise CommandError(f"cannot write the artifacts to {args.output}: {error.strerror or error}") from error
     seconds = time.perf_counter() - start
-    note_left_out(getattr(artifacts, "left_out", []), "--requires-grad", "train")
+    note_left_out(getattr(artifacts, "left_out", []), "--requires-grad", "train",
+                  quantized_weight_names(artifacts.inference_model))
     lora = artifacts.layout.get("lora")
     count = len(lora["adapters"]) if lora else 0
     adapted = f", LoRA rank {lora['rank']} on {count} weight{'s' if count != 1 else ''}" if lora else ""
@@ -114,14 +126,21 @@ def run(args) -> int:
 def _lora_config(args, usage_error) -> LoraConfig | None:
     """The LoRA options as a LoraConfig (None without --lora); bad values are usage errors."""
     given = [flag for flag, value in (("--lora-alpha", args.lora_alpha), ("--lora-targets", args.lora_targets),
-                                      ("--lora-dropout", args.lora_dropout)) if value is not None]
+                                      ("--lora-dropout", args.lora_dropout), ("--quantize-base", args.quantize_base),
+                                      ("--quantize-format", args.quantize_format),
+                                      ("--quantize-block", args.quantize_block),
+                                      ("--quantize-asymmetric", args.quantize_asymmetric or None)) if value is not None]
     if args.lora is None:
         if given:
             raise usage_error(f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} --lora RANK")
         return None
     try:
+        if args.quantize_base is None and (args.quantize_format or args.quantize_block or args.quantize_asymmetric):
+            raise usage_error("--quantize-format, --quantize-block and --quantize-asymmetric need --quantize-base")
         return LoraConfig(rank=args.lora, alpha=args.lora_alpha, targets=args.lora_targets,
-                          dropout=args.lora_dropout or 0.0)
+                          dropout=args.lora_dropout or 0.0, quantize_base=args.quantize_base,
+                          quantize_format=args.quantize_format or "dequantizelinear",
+                          quantize_block=args.quantize_block or 32, quantize_symmetric=not args.quantize_asymmetric)
     except TrainingError as error:
         raise usage_error(str(error)) from error
 

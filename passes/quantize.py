@@ -1,0 +1,313 @@
+"""Frozen base weights in the shipped formats: quantized at build time (QLoRA), read back and
+quantized again after merging.
+
+A weight is the matrix W [K, N] that a MatMul or Gemm multiplies by (K the reduction axis); a
+model may store it as Wᵀ [N, K] (torch's ``nn.Linear``), and its stored form keeps that layout.
+
+- ``int8``: one scale per output column (per channel); symmetric int8 (scale = max|w| / 127),
+  or asymmetric uint8 with a zero point.
+- ``int4``: one scale per block of ``block_size`` rows of K; symmetric int4 (max|w| / 7) or
+  asymmetric uint4.
+- ``float16``: float16 storage.
+
+Read through ``DequantizeLinear`` (int4 needs opset 21) or ``Cast`` in standard operators, or,
+with ``format="matmulnbits"``, by onnxruntime's ``com.microsoft.MatMulNBits`` kernel in place of
+the MatMul (its packing: per output column and block, the unsigned values low bits first, zero
+point 2^(bits-1) when symmetric). Rounding is numpy's (half to even); every scale is float32 or
+the weight's float type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+
+from onnx_autodiff.errors import TrainingError
+from onnx_autodiff.toolkit import Namer, shapes
+
+KINDS = ("int4", "int8", "float16")
+FORMATS = ("dequantizelinear", "matmulnbits")
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+INT4_OPSET = 21  # DequantizeLinear of int4/uint4 with block_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+    """How to store frozen base weights: ``kind`` in :data:`KINDS`, ``format`` in :data:`FORMATS`."""
+
+    kind: str
+    format: str = "dequantizelinear"
+    block_size: int = 32
+    symmetric: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise TrainingError(f"quantize_base must be one of {', '.join(KINDS)}, not {self.kind!r}")
+        if self.format not in FORMATS:
+            raise TrainingError(f"quantize_format must be one of {', '.join(FORMATS)}, not {self.format!r}")
+        if self.block_size not in BLOCK_SIZES:
+            raise TrainingError(f"quantize_block must be one of {', '.join(map(str, BLOCK_SIZES))}, not {self.block_size!r}")
+        if self.kind == "float16" and self.format == "matmulnbits":
+            raise TrainingError("quantize_format 'matmulnbits' stores 4 or 8 bits: use quantize_base int4 or int8")
+
+    @property
+    def bits(self) -> int:
+        return {"int4": 4, "int8": 8}.get(self.kind, 16)
+
+
+def quantized(w: np.ndarray, bits: int, block: int, symmetric: bool, signed: bool = False):
+    """W [K, N] as (q [K, N] integers, scale [blocks, N], zero [blocks, N] or None), blocks of
+    ``block`` rows (the last one may be shorter); ``w ≈ (q - zero) · scale`` row-block-wise.
+    Symmetric: signed q, no zero point; else unsigned q (``signed``: signed) and a zero point."""
+    K, N = w.shape
+    blocks = -(-K // block)
+    padded = np.zeros((blocks * block, N), np.float64)
+    padded[:K] = w
+    tiles = padded.reshape(blocks, block, N)
+    if symmetric:
+        top = 2 ** (bits - 1) - 1
+        scale = np.abs(tiles).max(axis=1) / top
+        scale[scale == 0] = 1.0
+        q = np.clip(np.rint(tiles / scale[:, None]), -top - 1, top)
+        zero = None
+    else:
+        first = -(2 ** (bits - 1)) if signed else 0
+        last = first + 2 ** bits - 1
+        low, high = np.minimum(tiles.min(axis=1), 0), np.maximum(tiles.max(axis=1), 0)
+        scale = (high - low) / (last - first)
+        scale[scale == 0] = 1.0
+        zero = np.clip(np.rint(first - low / scale), first, last)
+        q = np.clip(np.rint(tiles / scale[:, None]) + zero[:, None], first, last)
+    return q.reshape(blocks * block, N)[:K].astype(np.int64), scale, zero
+
+
+def dequantized(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, block: int) -> np.ndarray:
+    """The float64 W [K, N] of :func:`quantized`'s parts."""
+    K = q.shape[0]
+    rows = np.repeat(np.arange(scale.shape[0]), block)[:K]
+    return (q - (0 if zero is None else zero[rows])) * scale[rows].astype(np.float64)
+
+
+class QuantizedBase:
+    """Writes one float weight's stored form into a graph and reads such forms back."""
+
+    def __init__(self, graph: ir.Graph, namer: Namer, spec: Quantization, opsets: dict) -> None:
+        self.graph, self.namer, self.spec, self.opsets = graph, namer, spec, opsets
+
+    def store(self, weight: ir.Value, nodes: list[ir.Node], transposed: bool) -> ir.Value:
+        """Replaces the float initializer ``weight``, which ``nodes`` multiply by (through its
+        transpose when ``transposed``), with its quantized form; returns the stored initializer
+        (named and marked as ``weight`` was)."""
+        spec, array = self.spec, weight.const_value.numpy()
+        w = (array.T if transposed else array).astype(np.float64)  # [K, N]
+        if spec.format == "matmulnbits":
+            return self._nbits(weight, w, nodes)
+        name, dtype = weight.name, weight.dtype
+        if spec.kind == "float16":
+            stored = self._initializer(name, array.astype(np.float16), weight)
+            read = ir.Node("", "Cast", [stored], attributes=[ir.AttrInt64("to", int(dtype))], name=f"{name}.cast")
+        else:
+            block = w.shape[0] if spec.kind == "int8" else spec.block_size
+            q, scale, zero = quantized(w, spec.bits, block, spec.symmetric)
+            kind = {(4, True): ir.DataType.INT4, (4, False): ir.DataType.UINT4,
+                    (8, True): ir.DataType.INT8, (8, False): ir.DataType.UINT8}[spec.bits, spec.symmetric]
+            stored_layout = (lambda a: a.T) if transposed else (lambda a: a)
+            if spec.kind == "int8":  # per channel: one scale per output column
+                scale, zero = scale[0], None if zero is None else zero[0]
+            q_tensor = ir.Tensor(stored_layout(q).astype(kind.numpy()), dtype=kind)
+            stored = self._initializer(name, q_tensor, weight)
+            inputs = [stored, self._initializer(f"{name}.scale", stored_layout(scale).astype(dtype.numpy()))]
+            if zero is not None:
+                inputs.append(self._initializer(f"{name}.zero_point",
+                                                ir.Tensor(stored_layout(zero).astype(kind.numpy()), dtype=kind)))
+            axis = (0 if transposed else 1) if spec.kind == "int8" else (1 if transposed else 0)
+            attributes = [ir.AttrInt64("axis", axis)]
+            if spec.kind == "int4":
+                attributes.append(ir.AttrInt64("block_size", spec.block_size))
+            read = ir.Node("", "DequantizeLinear", inputs, attributes=attributes, name=f"{name}.dequantize")
+        out = read.outputs[0]
+        out.name, out.dtype, out.shape = self.namer.fresh(f"{name}.dequantized"), dtype, ir.Shape(array.shape)
+        ir.convenience.replace_all_uses_with(weight, out)
+        self.graph.insert_before(self._first(nodes), read)
+        return stored
+
+    def _nbits(self, weight: ir.Value, w: np.ndarray, nodes: list[ir.Node]) -> ir.Value:
+        spec, name, dtype = self.spec, weight.name, weight.dtype
+        if any(node.op_type != "MatMul" for node in nodes):
+            kinds = sorted({node.op_type for node in nodes} - {"MatMul"})
+            raise TrainingError(f"quantize_format 'matmulnbits' replaces MatMul nodes; '{name}' is also read by "
+                                f"{', '.join(kinds)}: use quantize_format 'dequantizelinear'")
+        K, N = w.shape
+        bits, block = spec.bits, spec.block_size
+        q, scale, zero = quantized(w, bits, block, spec.symmetric)
+        offset = 2 ** (bits - 1) if zero is None else 0  # symmetric: the kernel's default zero point
+        blocks = scale.shape[0]
+        padded = np.full((blocks * block, N), offset if zero is None else 0, np.int64)
+        padded[:K] = q + offset
+        if zero is not None:  # the padding rows dequantize to 0
+            padded[K:] = np.repeat(zero, block, axis=0)[K:]
+        packed = _packed(padded.T.reshape(N, blocks, block), bits)  # [N, blocks, block · bits / 8]
+        stored = self._initializer(name, packed, weight)
+        inputs = [None, stored, self._initializer(f"{name}.scales", scale.T.reshape(-1).astype(dtype.numpy()))]
+        if zero is not None:
+            inputs.append(self._initializer(f"{name}.zero_points", _packed(zero.T.astype(np.int64), bits, pad=True)))
+        self.opsets.setdefault("com.microsoft", 1)
+        for node in nodes:
+            read = node
+            x = read.inputs[0]
+            attributes = [ir.AttrInt64("K", K), ir.AttrInt64("N", N), ir.AttrInt64("bits", bits),
+                          ir.AttrInt64("block_size", block)]
+            kernel = ir.Node("com.microsoft", "MatMulNBits", [x, *inputs[1:]], attributes=attributes,
+                             name=self.namer.fresh(f"{node.name or name}.nbits"))
+            old, new = read.outputs[0], kernel.outputs[0]
+            new.dtype = old.dtype or dtype
+            new.shape = old.shape or (ir.Shape([*x.shape[:-1], N]) if x.shape is not None else None)
+            self.graph.insert_before(read, kernel)
+            old.replace_all_uses_with(new, replace_graph_outputs=True)
+            self.graph.remove(read, safe=True)
+            old.name, new.name = None, old.name
+        _drop_unused(self.graph, weight)
+        return stored
+
+    def _initializer(self, hint: str, data, like: ir.Value | None = None) -> ir.Value:
+        tensor = data if isinstance(data, ir.Tensor) else ir.Tensor(np.ascontiguousarray(data))
+        if like is not None:  # the stored form takes the float weight's place, name and marks
+            self.graph.initializers.pop(like.name)
+            metadata = dict(like.metadata_props)
+            value = ir.Value(name=like.name, type=ir.TensorType(tensor.dtype), shape=ir.Shape(tensor.shape),
+                             const_value=tensor)
+            like.name = self.namer.fresh(f"{hint}.float")
+            value.metadata_props.update(metadata)
+        else:
+            value = ir.Value(name=self.namer.fresh(hint), type=ir.TensorType(tensor.dtype), shape=ir.Shape(tensor.shape),
+                             const_value=tensor)
+        self.graph.register_initializer(value)
+        return value
+
+    def _first(self, nodes: list[ir.Node]) -> ir.Node:
+        """The first node of the graph that reads a value of ``nodes``' weight (a Transpose before them)."""
+        wanted = set(nodes)
+        for node in self.graph:
+            if node in wanted or any(u in wanted for out in node.outputs for u, _ in out.uses()):
+                return node
+        raise TrainingError("a LoRA target's reads are not in the graph (a bug, please report)")
+
+
+def _drop_unused(graph: ir.Graph, weight: ir.Value) -> None:
+    """Removes the Transposes left reading nothing but dead ends from the replaced float weight."""
+    for user, _ in list(weight.uses()):
+        if user.op_type == "Transpose" and not user.outputs[0].uses():
+            graph.remove(user, safe=True)
+
+
+def _packed(values: np.ndarray, bits: int, pad: bool = False) -> np.ndarray:
+    """Unsigned ``bits``-bit integers [..., m] as uint8 bytes, low bits first ([..., m · bits / 8];
+    ``pad``: an odd last axis is padded to whole bytes)."""
+    values = values.astype(np.uint8)
+    if bits == 8:
+        return values
+    if values.shape[-1] % 2:
+        if not pad:
+            raise TrainingError("a 4-bit block must hold an even number of values (a bug, please report)")
+        values = np.concatenate([values, np.zeros((*values.shape[:-1], 1), np.uint8)], axis=-1)
+    return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
+
+
+def stored_weight(model: ir.Model, stored: str, base: str) -> np.ndarray:
+    """The float64 matrix a frozen base ``stored`` holds: in its stored layout for a
+    DequantizeLinear or Cast base, W [K, N] for a MatMulNBits one."""
+    value = model.graph.initializers[stored]
+    node = next(user for user, _ in value.uses())
+    if base == "Cast":
+        return value.const_value.numpy().astype(np.float64)
+    if base == "DequantizeLinear":
+        q = value.const_value.numpy().astype(np.int64)
+        scale = node.inputs[1].const_value.numpy().astype(np.float64)
+        zero = (node.inputs[2].const_value.numpy().astype(np.int64)
+                if len(node.inputs) > 2 and node.inputs[2] is not None else 0)
+        axis, block = shapes.attr(node, "axis", 1) % q.ndim, shapes.attr(node, "block_size", 0)
+        if block:
+            scale = np.repeat(scale, block, axis=axis).take(range(q.shape[axis]), axis=axis)
+            zero = zero if np.isscalar(zero) else np.repeat(zero, block, axis=axis).take(range(q.shape[axis]), axis=axis)
+        elif scale.ndim == 1:
+            shape = [1] * q.ndim
+            shape[axis] = -1
+            scale = scale.reshape(shape)
+            zero = zero if np.isscalar(zero) else zero.reshape(shape)
+        return (q - zero) * scale
+    K, N = shapes.attr(node, "K", None), shapes.attr(node, "N", None)
+    bits, block = shapes.attr(node, "bits", 4), shapes.attr(node, "block_size", None)
+    blocks = -(-K // block)
+    q = _unpacked(value.const_value.numpy().reshape(N, -1), bits)[:, : blocks * block]  # [N, K']
+    scale = node.inputs[2].const_value.numpy().astype(np.float64).reshape(N, blocks)
+    zero_points = node.inputs[3] if len(node.inputs) > 3 else None
+    if zero_points is None:
+        zero = np.full((N, blocks), 2 ** (bits - 1))
+    elif zero_points.dtype == node.inputs[2].dtype:
+        zero = zero_points.const_value.numpy().astype(np.float64).reshape(N, blocks)
+    else:
+        zero = _unpacked(zero_points.const_value.numpy().reshape(N, -1), bits)[:, :blocks]
+    w = (q.reshape(N, blocks, block) - zero[..., None]) * scale[..., None]
+    return w.reshape(N, blocks * block)[:, :K].T
+
+
+def requantized(model: ir.Model, stored: str, base: str, w: np.ndarray) -> dict[str, np.ndarray]:
+    """The tensors of the frozen base ``stored`` (its data, scales and zero points, by name) that
+    store ``w`` (laid out as :func:`stored_weight` gives it) in the same scheme: the same types,
+    axis, block size, and symmetric when the base has no zero point."""
+    value = model.graph.initializers[stored]
+    node = next(user for user, _ in value.uses())
+    if base == "Cast":
+        return {stored: w.astype(value.dtype.numpy())}
+    if base == "DequantizeLinear":
+        axis, block = shapes.attr(node, "axis", 1) % 2, shapes.attr(node, "block_size", 0)
+        kind = value.dtype
+        bits = 4 if kind in (ir.DataType.INT4, ir.DataType.UINT4) else 8
+        has_zero = len(node.inputs) > 2 and node.inputs[2] is not None
+        signed = kind in (ir.DataType.INT4, ir.DataType.INT8)
+        if not has_zero and not signed:
+            raise TrainingError(f"re-quantizing '{stored}': an unsigned base without zero points is not supported; "
+                                "export(merge=False) keeps the adapters apart")
+        # quantized() groups down the rows: a per-axis scale runs along axis, a block across it
+        columns = w if (axis == 0) == bool(block) else w.T
+        q, scale, zero = quantized(columns, bits, block or columns.shape[0], not has_zero, signed)
+        back = (lambda a: a) if (axis == 0) == bool(block) else (lambda a: a.T)
+        scale_value = node.inputs[1]
+        if not block:
+            scale, zero = scale[0], None if zero is None else zero[0]
+        parts = {stored: back(q).astype(kind.numpy()),
+                 scale_value.name: back(scale).astype(scale_value.dtype.numpy()).reshape(scale_value.const_value.shape)}
+        if has_zero:
+            zero_value = node.inputs[2]
+            zero = np.zeros_like(scale) if zero is None else zero
+            parts[zero_value.name] = back(zero).astype(zero_value.dtype.numpy()).reshape(zero_value.const_value.shape)
+        return parts
+    K, N = shapes.attr(node, "K", None), shapes.attr(node, "N", None)
+    bits, block = shapes.attr(node, "bits", 4), shapes.attr(node, "block_size", None)
+    zero_points = node.inputs[3] if len(node.inputs) > 3 else None
+    if zero_points is not None and zero_points.dtype != ir.DataType.UINT8:
+        raise TrainingError(f"re-quantizing '{stored}': float zero points are not supported; export(merge=False) "
+                            "keeps the adapters apart")
+    q, scale, zero = quantized(w, bits, block, zero_points is None)
+    offset = 2 ** (bits - 1) if zero is None else 0
+    blocks = scale.shape[0]
+    padded = np.full((blocks * block, N), offset, np.int64)
+    padded[:K] = q + offset
+    if zero is not None:
+        padded[K:] = np.repeat(zero, block, axis=0)[K:]
+    scales = node.inputs[2]
+    parts = {stored: _packed(padded.T.reshape(N, blocks, block), bits).reshape(value.const_value.shape),
+             scales.name: scale.T.reshape(scales.const_value.shape).astype(scales.dtype.numpy())}
+    if zero is not None:
+        parts[zero_points.name] = _packed(zero.T.astype(np.int64), bits, pad=True).reshape(zero_points.const_value.shape)
+    return parts
+
+
+def _unpacked(packed: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 bytes [..., m] -> their unsigned ``bits``-bit values [..., m · 8 / bits], low bits first."""
+    packed = packed.astype(np.int64)
+    if bits == 8:
+        return packed
+    return np.stack([packed & 15, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)

@@ -1,0 +1,103 @@
+"""QLoRA: frozen base weights quantized at build time, read back and quantized again after merging."""
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+
+from onnx_autodiff.passes.lora import LoraConfig, LoraPass
+from onnx_autodiff.passes.quantize import dequantized, quantized, requantized, stored_weight
+from tests.rules.test_quantized import FORMS, shipped_base
+
+K, N, M = 40, 24, 12  # K not a multiple of the blocks: the last block is short
+
+
+def _session(proto):
+    return ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("bits,block,symmetric", [(4, 16, True), (4, 16, False), (4, 32, True), (8, K, True), (8, K, False)])
+def test_each_weight_is_within_half_a_step(bits, block, symmetric):
+    w = np.random.default_rng(bits + block).standard_normal((K, N))
+    q, scale, zero = quantized(w, bits, block, symmetric)
+    low, high = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if symmetric else (0, 2 ** bits - 1)
+    assert q.min() >= low and q.max() <= high
+    rows = np.arange(K) // block
+    assert np.all(np.abs(dequantized(q, scale, zero, block) - w) <= scale[rows] / 2 + 1e-12)
+
+
+@pytest.mark.parametrize("form", [f for f in FORMS if f != "float16"])
+def test_stored_weights_read_back_and_quantized_again(form):
+    """stored_weight reads each shipped form as its own test builder dequantizes it; a weight
+    quantized again in the same scheme reads back within half a step of the new scale."""
+    rng = np.random.default_rng(FORMS.index(form))
+    proto, weight = shipped_base(form, rng)
+    model = ir.from_proto(proto)
+    base = "MatMulNBits" if form.startswith("nbits") else "DequantizeLinear"
+    stored = "B" if base == "MatMulNBits" else "Wq"
+    np.testing.assert_allclose(stored_weight(model, stored, base), weight, rtol=1e-6, atol=1e-7)
+    changed = weight + 0.02 * rng.standard_normal(weight.shape)
+    parts = requantized(model, stored, base, changed)
+    for name, array in parts.items():
+        value = model.graph.initializers[name]
+        assert array.shape == tuple(value.const_value.shape) and ir.DataType.from_numpy(array.dtype) == value.dtype, name
+        value.const_value = ir.Tensor(array, name=name)
+    again = stored_weight(model, stored, base)
+    step = {"nbits4": 0.1, "nbits4zp": 0.1, "nbits8": 0.01, "int8_axis": 0.01, "int4_blocked": 0.1}[form]
+    assert np.abs(again - changed).max() < step * np.abs(changed).max()
+
+
+def two_products():
+    """y = (x @ W1) @ W2ᵀ, W2 [M, N] stored as torch's nn.Linear weight (read through a Transpose)."""
+    rng = np.random.default_rng(7)
+    w1 = (rng.standard_normal((K, N)) / 6).astype(np.float32)
+    w2 = (rng.standard_normal((M, N)) / 5).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"]), helper.make_node("Transpose", ["W2"], ["W2T"], perm=[1, 0]),
+             helper.make_node("MatMul", ["h", "W2T"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", 1, [3, K])],
+                              [helper.make_tensor_value_info("y", 1, [3, M])],
+                              [numpy_helper.from_array(w1, "W1"), numpy_helper.from_array(w2, "W2")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), w1.astype(np.float64), w2.astype(np.float64)
+
+
+CONFIGS = [("int8", "dequantizelinear", True), ("int8", "dequantizelinear", False), ("int4", "dequantizelinear", True),
+           ("int4", "dequantizelinear", False), ("float16", "dequantizelinear", True), ("int4", "matmulnbits", True),
+           ("int4", "matmulnbits", False), ("int8", "matmulnbits", True)]
+
+
+@pytest.mark.parametrize("kind,fmt,symmetric", CONFIGS)
+def test_qlora_from_a_float_model(kind, fmt, symmetric):
+    from onnx_autodiff.training import Trainer, generate_artifacts
+
+    proto, w1, w2 = two_products()
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    labels = rng.standard_normal((3, M)).astype(np.float32)
+    config = LoraConfig(rank=4, quantize_base=kind, quantize_format=fmt, quantize_symmetric=symmetric, quantize_block=16)
+    artifacts = generate_artifacts(proto, loss="mse", optimizer="adamw", optimizer_options={"lr": 1e-2}, lora=config)
+    want_base = {"float16": "Cast", "dequantizelinear": "DequantizeLinear", "matmulnbits": "MatMulNBits"}
+    assert [a["base"] for a in artifacts.layout["lora"]["adapters"]] == [want_base["float16" if kind == "float16" else fmt]] * 2
+    assert artifacts.params == ["W1.lora_A", "W1.lora_B", "W2.lora_A", "W2.lora_B"]
+    stored = {t.name: t for t in artifacts.inference_model.graph.initializer}
+    assert {"W1", "W2"} <= set(stored) and stored["W1"].data_type != onnx.TensorProto.FLOAT
+    if kind != "float16":
+        assert {"W1", "W2"} <= set(artifacts.left_out)
+    for model in (artifacts.train_model, artifacts.inference_model):
+        onnx.checker.check_model(model, full_check=True)
+    # the quantized base is the float model up to its rounding: about 1/2^bits of the weights' range
+    base = _session(artifacts.inference_model).run(None, {"x": x})[0]
+    exact = x.astype(np.float64) @ w1 @ w2.T
+    relative = {"int4": 0.25, "int8": 0.02, "float16": 2e-3}[kind]
+    assert np.abs(base - exact).max() < relative * np.abs(exact).max()
+    trainer = Trainer(artifacts)
+    losses = [trainer.step({"x": x, "labels": labels}) for _ in range(10)]
+    assert losses[-1] < 0.8 * losses[0]
+    kept = _session(trainer.export(merge=False)).run(None, {"x": x})[0]
+    merged_proto = trainer.export()
+    onnx.checker.check_model(merged_proto, full_check=True)
+    assert [t.data_type for t in merged_proto.graph.initializer] == [t.data_type for t in artifacts.inference_model.graph.initializer]
+    merged = _session(merged_proto).run(None, {"x": x})[0]
+    # quantizing the merged weights again costs about what quantizing the base did
+    assert np.abs(merged - kept).max() < relative * np.abs(kept).max()
