@@ -26,6 +26,7 @@ import onnx
 import onnx_ir as ir
 
 from onnx_autodiff.errors import TrainingError, UnknownValueError, UnsupportedModelError, names_summary
+from onnx_autodiff.modelfile import from_proto
 from onnx_autodiff.passes.opsets import default_opset
 from onnx_autodiff.passes.metadata import module_names
 from onnx_autodiff.passes.quantize import INT4_OPSET, Quantization, QuantizedBase, requantized, stored_weight
@@ -394,12 +395,14 @@ def merged_weights(adapters: Sequence[Adapter | Mapping], scale: float, weights:
     return merged
 
 
-def adapted(proto: onnx.ModelProto, config: LoraConfig, trained: Sequence[str] = ()) -> tuple[onnx.ModelProto, LoraPass]:
+def adapted(proto: onnx.ModelProto, config: LoraConfig, trained: Sequence[str] = (),
+            base_dir: str | None = None) -> tuple[onnx.ModelProto, LoraPass]:
     """A copy of ``proto`` with the adapters of ``config``, and the pass (its adapters and extras);
-    ``trained``: other initializers to be trained, which a ``quantize_base`` leaves as they are."""
+    ``trained``: other initializers to be trained, which a ``quantize_base`` leaves as they are;
+    ``base_dir``: where ``proto``'s external tensors are."""
     if not isinstance(config, LoraConfig):
         raise TrainingError(f"lora must be an onnx_autodiff.passes.lora.LoraConfig, not a {type(config).__name__}")
-    model = ir.from_proto(proto)
+    model = from_proto(proto, base_dir)
     lora = LoraPass(config, trained)
     lora(model)
     return ir.to_proto(model), lora

@@ -11,6 +11,8 @@ OUTDIR holds the whole run, so that ``--resume`` rebuilds the identical trainer 
   metrics of the epochs done); written after every epoch and on Ctrl-C;
 - ``metrics.csv``: one row per epoch, ``epoch,loss[,val_loss][,val_accuracy]``;
 - ``model.onnx``: the trained inference model (``Trainer.export``), when the run ends;
+- with ``--save-onnx-adapter PATH``, ``adapter_inputs.onnx``: the model whose inputs the adapters
+  are (``Trainer.export_adapter_model``), beside the adapter file at PATH;
 - ``loss.png``: the losses per epoch, when matplotlib is installed.
 
 The schedule is deterministic: epoch ``e`` (from 0) visits the N examples in the order
@@ -41,7 +43,7 @@ from onnx_autodiff.commands import CommandError, UsageError, count, note_left_ou
 from onnx_autodiff.errors import TrainingError, names_summary
 from onnx_autodiff.passes import progress
 from onnx_autodiff.training import distributed
-from onnx_autodiff.training.artifacts import TrainingArtifacts
+from onnx_autodiff.training.artifacts import TrainingArtifacts, quantized_weight_names
 from onnx_autodiff.training.cli import add_generation_arguments, artifacts_from_args
 from onnx_autodiff.training.trainer import Trainer
 from onnx_autodiff.training.values import (
@@ -56,6 +58,7 @@ RUN_FORMAT = 1
 IGNORE_INDEX = -100  # cross_entropy's label for "no class": neither checked nor counted in the accuracy
 DATA_SUFFIXES = (".npz", ".safetensors")
 INTERRUPTED = 130  # the shell's code for a command stopped by Ctrl-C
+ADAPTER_INPUTS_MODEL = "adapter_inputs.onnx"  # --save-onnx-adapter: the model whose inputs the adapters are
 
 
 def add_arguments(parser) -> None:
@@ -75,6 +78,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--val-data", metavar="FILE", help="validation arrays, as --data: loss (and accuracy) per epoch")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in OUTDIR from its checkpoint (same options; --epochs may grow)")
+    parser.add_argument("--save-peft-adapter", metavar="DIR",
+                        help="with LoRA, also write the adapters as a peft adapter directory (adapter_model.safetensors, "
+                             "adapter_config.json) for PeftModel.from_pretrained; needs a model exported from PyTorch")
+    parser.add_argument("--peft-strip", metavar="PREFIX",
+                        help="the prefix of the exported module's names that the model peft wraps lacks (default: the "
+                             "wrapper's attribute when every parameter lies under one, e.g. 'lm.'; '' for none)")
+    parser.add_argument("--save-onnx-adapter", metavar="PATH",
+                        help="with LoRA, also write the adapters as an onnxruntime .onnx_adapter file, and "
+                             f"OUTDIR/{ADAPTER_INPUTS_MODEL}, the model that takes them as inputs "
+                             "(RunOptions.add_active_adapter)")
     parser.set_defaults(run=run, generation_options=generation)
 
 
@@ -127,6 +140,7 @@ def _run(args, comm) -> int:
         if comm is not None:
             comm.Barrier()
         trainer = Trainer(directory, lr=args.lr, comm=comm)  # as a resumed run will: the same models, read back
+        _check_adapter_options(args, trainer.layout)
         if not leader and not args.resume:
             run_state, state = RunState(_settings(args)), None
             data = _checked_data(args.data, "--data", trainer.artifacts, args.batch_size)
@@ -142,7 +156,7 @@ def _run(args, comm) -> int:
         print(f"onnx-autodiff: interrupted after {run_state.batch} of {batches} batches of epoch {run_state.epoch + 1}: "
               f"the run is saved in {checkpoint}; continue it with --resume", file=sys.stderr)
         return INTERRUPTED
-    written = _finish(trainer, run_state, out)
+    written = _finish(trainer, run_state, out) + _save_adapters(trainer, args)
     history = run_state.history
     on = f" on {distributed.size(comm)} ranks" if comm is not None else ""
     print(f"wrote {', '.join(written)}: {count(args.epochs, 'epoch')}, {count(trainer.step_count, 'step')}{on} "
@@ -201,7 +215,7 @@ def _started(args, gradient_accumulation: bool = False) -> tuple[TrainingArtifac
         artifacts = _load_artifacts(args.model)
     else:
         artifacts = artifacts_from_args(args, gradient_accumulation)
-        note_left_out(artifacts.left_out, "--requires-grad", "train")
+        note_left_out(artifacts.left_out, "--requires-grad", "train", quantized_weight_names(artifacts.inference_model))
     return artifacts, RunState(_settings(args)), None
 
 
@@ -434,6 +448,43 @@ def _finish(trainer: Trainer, run_state: RunState, out: str) -> list[str]:
     if plot is not None:
         written.append(os.path.join(out, "loss.png"))
         write_file(written[-1], plot)
+    return written
+
+
+def _check_adapter_options(args, layout: dict) -> None:
+    """Before training: --save-peft-adapter and --save-onnx-adapter need LoRA adapters (and peft
+    their module names), so that a long run does not fail at its end."""
+    from onnx_autodiff.training.adapters import checked_for_peft
+
+    given = [(flag, path) for flag, path in (("--save-peft-adapter", args.save_peft_adapter),
+                                             ("--save-onnx-adapter", args.save_onnx_adapter)) if path is not None]
+    if args.peft_strip is not None and args.save_peft_adapter is None:
+        raise UsageError("--peft-strip needs --save-peft-adapter DIR")
+    if given and not layout.get("lora"):
+        raise UsageError(f"{given[0][0]} writes LoRA adapters: add --lora RANK (the artifacts have none)")
+    if args.save_peft_adapter is not None:
+        if os.path.exists(args.save_peft_adapter) and not os.path.isdir(args.save_peft_adapter):
+            raise UsageError(f"--save-peft-adapter {args.save_peft_adapter} is a file: name a directory")
+        checked_for_peft(layout, args.peft_strip)
+    if args.save_onnx_adapter is not None and os.path.isdir(args.save_onnx_adapter):
+        raise UsageError(f"--save-onnx-adapter {args.save_onnx_adapter} is a directory: name the file")
+
+
+def _save_adapters(trainer: Trainer, args) -> list[str]:
+    """Writes the adapters that --save-peft-adapter and --save-onnx-adapter ask for; returns the paths."""
+    written = []
+    try:
+        if args.save_peft_adapter is not None:
+            trainer.save_peft_adapter(args.save_peft_adapter, strip=args.peft_strip)
+            written.append(args.save_peft_adapter)
+        if args.save_onnx_adapter is not None:
+            trainer.save_onnx_adapter(args.save_onnx_adapter)
+            model = os.path.join(args.output, ADAPTER_INPUTS_MODEL)
+            trainer.export_adapter_model(model)
+            written += [args.save_onnx_adapter, model]
+    except OSError as error:
+        raise CommandError(f"cannot write the adapters: {error.strerror or error}"
+                           + (f" ({error.filename})" if error.filename else "")) from error
     return written
 
 

@@ -625,6 +625,10 @@ class Trainer:
         elif lora:
             trained.update(self._merged_bases({a["weight"] for a in lora["adapters"]}))
         trained.update(self._copies(trained))
+        return self._written(proto, trained, path, external_data)
+
+    def _written(self, proto: onnx.ModelProto, trained: dict, path, external_data) -> onnx.ModelProto:
+        """``proto`` with the ``trained`` values as its initializers, written to ``path`` when given."""
         if external_data or uses_external_data(proto) or over_limit(sum(a.nbytes for a in trained.values())):
             return self._export_large(proto, trained, path, external_data)
         for i, tensor in enumerate(proto.graph.initializer):
@@ -687,6 +691,68 @@ class Trainer:
         for key, array in arrays.items():
             self._set(key, array, owned=True)
 
+    # LoRA adapters in peft's and onnxruntime's formats (onnx_autodiff.training.adapters)
+
+    def _adapter_values(self, what: str) -> dict[str, np.ndarray]:
+        """The current A and B of every LoRA adapter, by name."""
+        from onnx_autodiff.training.adapters import lora_layout
+
+        lora = lora_layout(self.layout, what)
+        return {key: self._host(key) for a in lora["adapters"] for key in (a["A"], a["B"])}
+
+    def save_peft_adapter(self, directory: str | os.PathLike, strip: str | None = None,
+                          prefix: str = "base_model.model.", config: Mapping | None = None) -> dict:
+        """Writes the LoRA adapters as a peft adapter directory (``adapter_model.safetensors``,
+        ``adapter_config.json``), for ``peft.PeftModel.from_pretrained(base_model, directory)``;
+        returns the config written. The keys are ``<prefix><module>.lora_A.weight`` [r, in] and
+        ``...lora_B.weight`` [out, r], ``<module>`` the module name recovered from the export less
+        ``.weight`` and less ``strip``: the prefix of the exported module's names that the model
+        peft wraps lacks (None: the wrapper's attribute when every parameter lies under one, e.g.
+        ``lm.`` of a module that calls ``self.lm``, a transformers model; "": the names as they are).
+        ``config``: more or other ``adapter_config.json`` entries (task_type, base_model_name_or_path).
+        Needs module names (a model exported from PyTorch) and adapters alone (no trained extras)."""
+        from onnx_autodiff.training.adapters import peft_adapter, write_peft_adapter
+
+        entries, arrays = peft_adapter(self.layout, self._adapter_values("a peft adapter"), strip, prefix, config)
+        write_peft_adapter(directory, entries, arrays)
+        return entries
+
+    def load_peft_adapter(self, directory: str | os.PathLike, strip: str | None = None,
+                          prefix: str = "base_model.model.") -> None:
+        """Sets the LoRA adapters from a peft adapter directory (one peft saved, or
+        :meth:`save_peft_adapter`), names mapped as there; the rank, the scale (lora_alpha / r),
+        every key and shape are checked before anything changes. The optimiser state and the step
+        count stay as they are."""
+        from onnx_autodiff.training.adapters import peft_values
+
+        for key, array in peft_values(self.layout, self.artifacts.checkpoint, directory, strip, prefix).items():
+            self._set(key, array, owned=True)
+
+    def save_onnx_adapter(self, path: str | os.PathLike, adapter_version: int = 1, model_version: int = 1) -> None:
+        """Writes the LoRA adapters in onnxruntime's ``.onnx_adapter`` format (``onnxruntime.AdapterFormat``)
+        for the model :meth:`export_adapter_model` writes: A, and B multiplied by alpha / r, under
+        the model's input names (``<W>.lora_A``, ``<W>.lora_B``). Never half-written."""
+        from onnx_autodiff.training.adapters import onnx_adapter_arrays, onnx_adapter_bytes
+
+        arrays = onnx_adapter_arrays(self.layout, self._adapter_values("an .onnx_adapter file"))
+        write_atomically(os.fspath(path), onnx_adapter_bytes(arrays, adapter_version, model_version))
+
+    def export_adapter_model(self, path: str | os.PathLike | None = None, external_data: bool | None = None) -> onnx.ModelProto:
+        """The inference model with the LoRA adapters as graph inputs ``<W>.lora_A`` [in, lora_rank]
+        and ``<W>.lora_B`` [lora_rank, out] for onnxruntime's multi-LoRA: one session runs the
+        adapter that ``RunOptions.add_active_adapter`` names (files of :meth:`save_onnx_adapter`,
+        of any rank and alpha: B carries the scale) or, with none active, the base model (the
+        inputs' defaults are empty, rank 0). The other trained parameters are initializers as in
+        :meth:`export`; ``path`` and ``external_data`` as there."""
+        from onnx_autodiff.training.adapters import adapter_input_model
+
+        proto = adapter_input_model(self.artifacts.inference_model, self.layout)
+        adapters = {key for a in self.layout["lora"]["adapters"] for key in (a["A"], a["B"])}
+        trained = {key: self._value(key).numpy() for key in [*self.layout["params"], *self.layout["buffers"]]
+                   if key not in adapters}
+        trained.update(self._copies(trained))
+        return self._written(proto, trained, path, external_data)
+
     def _trained_or_stored(self, names) -> dict[str, np.ndarray]:
         """``names``' current values: trained ones from the trainer, LoRA bases merged with their
         adapters, the others as the model stores them."""
@@ -698,14 +764,16 @@ class Trainer:
 
     def _merged_bases(self, names: set[str]) -> dict[str, np.ndarray]:
         """The LoRA base weights among ``names`` with their adapters' current values merged in."""
-        from onnx_autodiff.passes.lora import merged_weights
+        from onnx_autodiff.passes.lora import QUANTIZED_BASES, merged_weights
 
         lora = self.layout.get("lora")
         adapters = [a for a in lora["adapters"] if a["weight"] in names] if lora else []
         if not adapters:
             return {}
         values = {key: self._value(key).numpy() for a in adapters for key in (a["A"], a["B"])}
-        return merged_weights(adapters, lora["scale"], self._stored({a["weight"] for a in adapters}), values)
+        quantized = any(a.get("base") in QUANTIZED_BASES for a in adapters)
+        model = from_proto(self.artifacts.inference_model, self.artifacts.base_dir) if quantized else None
+        return merged_weights(adapters, lora["scale"], self._stored({a["weight"] for a in adapters}), values, model)
 
     def _stored(self, names: set[str]) -> dict[str, np.ndarray]:
         """Initializers of the inference model as it stores them (external ones mapped from their file)."""
