@@ -187,8 +187,10 @@ def cmd_params(args) -> int:
     for line in table:
         print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)) + "  " + line[5])
     parameters = [row for row in rows if row.name is not None]
+    quantized = sum(row.name is None and row.why.startswith("quantized weight") for row in rows)
+    frozen = f", {count(quantized, 'quantized weight')}" if quantized else ""
     print(f"{count(len(parameters), 'module parameter')} ({sum(r.trained for r in parameters)} trained by default), "
-          f"{count(len(rows) - len(parameters), 'float constant')}")
+          f"{count(len(rows) - len(parameters) - quantized, 'float constant')}{frozen}")
     return EXIT_OK
 
 

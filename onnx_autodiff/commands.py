@@ -135,7 +135,7 @@ def note_left_out(left_out: Sequence[str], option: str = "--wrt", verb: str = "d
     quantized = [n for n in left_out if n in quantized_names]
     left_out = [n for n in left_out if n not in quantized_names]
     if quantized:
-        print(f"onnx-autodiff: note: {count(len(quantized), 'quantized weight')} stay frozen "
+        print(f"onnx-autodiff: note: {count(len(quantized), 'quantized weight')} {'stays' if len(quantized) == 1 else 'stay'} frozen "
               f"({names_summary(quantized, 3)}); LoRA (--lora RANK) trains adapters on them", file=sys.stderr)
     if left_out:
         are = "is a constant and was" if len(left_out) == 1 else "are constants and were"

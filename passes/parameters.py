@@ -193,6 +193,6 @@ def parameter_rows(model: ir.Model, registry: GradRegistry | None = None) -> lis
         why = "" if home in trained else default.left_out.get(home, "not chosen")
         rows.append(ParameterRow(p.name, stored, transform, p.shape, home in trained,
                                  "; ".join([why, *notes]) if why else "; ".join(notes), p.found_by))
-    for name, reason in recovery.constants.items():
+    for name, reason in [*recovery.constants.items(), *quantized_weights(model.graph).items()]:
         rows.append(ParameterRow(None, name, "", stored_shape(model.graph.initializers[name]), False, reason))
     return rows

@@ -152,3 +152,29 @@ def test_qlora_on_an_exported_llama_is_peft_on_the_dequantized_module(kind, fmt,
     for step in range(3):
         loss = trainer.step(feeds_for(proto, step))
         np.testing.assert_allclose(loss, _run_torch(peft_model, batch(step), optimizer), rtol=tolerance)
+
+
+def test_the_command_line_quantizes_the_base_and_notes_the_frozen_weights(tmp_path, capsys):
+    from onnx_autodiff.cli import main
+    from onnx_autodiff.training import TrainingArtifacts
+
+    proto, _, _ = two_products()
+    path = tmp_path / "m.onnx"
+    onnx.save(proto, path)
+    out = tmp_path / "artifacts"
+    assert main(["artifacts", str(path), "-o", str(out), "--loss", "mse", "--lora", "2", "--quantize-base", "int4",
+                 "--quantize-format", "matmulnbits", "--quantize-block", "16", "--quantize-asymmetric"]) == 0
+    artifacts = TrainingArtifacts.load(out)
+    kernels = [n for n in artifacts.inference_model.graph.node if n.op_type == "MatMulNBits"]
+    assert len(kernels) == 2 and all(len(n.input) == 4 for n in kernels)  # with zero points
+    assert {a.i for n in kernels for a in n.attribute if a.name == "block_size"} == {16}
+    assert "2 quantized weights stay frozen (W1, W2)" in capsys.readouterr().err
+    assert main(["params", str(path)]) == 0 and "quantized" not in capsys.readouterr().out
+    quantized_model = tmp_path / "q.onnx"
+    onnx.save(artifacts.inference_model, quantized_model)
+    assert main(["params", str(quantized_model)]) == 0
+    assert "W1 " in capsys.readouterr().out.split("quantized weight (4-bit MatMulNBits)")[0]
+    assert main(["artifacts", str(path), "-o", str(tmp_path / "x"), "--lora", "2", "--quantize-format", "matmulnbits"]) == 2
+    assert "need --quantize-base" in capsys.readouterr().err
+    assert main(["artifacts", str(path), "-o", str(tmp_path / "y"), "--quantize-base", "int8"]) == 2
+    assert "needs --lora RANK" in capsys.readouterr().err
