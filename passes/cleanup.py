@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import onnx
 import onnx_ir as ir
 from onnx_autodiff.passes import progress, rewrites
-from onnx_autodiff.passes.metadata import DIFFERENTIATED_KEY, differentiated  # noqa: F401 - DIFFERENTIATED_KEY: public here too
+from onnx_autodiff.passes.metadata import DIFFERENTIATED_KEY, differentiated, kept  # noqa: F401 - DIFFERENTIATED_KEY: public here too
 from onnx_autodiff.passes.outline import OutlinePass
 from onnx_autodiff.passes.progress import collector_paused
 from onnx_autodiff.passes.rewrite_rules import RuleIndex, analysis, cleanup_rules, lowering_rules
@@ -80,9 +80,10 @@ class CleanupPass(ir.passes.InPlacePass):
         self.rounds = 0  # how many rounds the last call took (a fixed point is reached before max_rounds)
 
     def protected(self, model: ir.Model) -> list[ir.Value]:
-        """The initializers treated as graph inputs: differentiated, kept, or with a gradient output."""
+        """The initializers treated as graph inputs: differentiated, kept (``keep`` or the model's
+        :data:`~onnx_autodiff.passes.metadata.KEPT_KEY`), or with a gradient output."""
         graph = model.graph
-        names = set(self.keep) | set(differentiated(model)) | _with_gradient_output(graph)
+        names = set(self.keep) | set(differentiated(model)) | set(kept(model)) | _with_gradient_output(graph)
         return [v for name, v in graph.initializers.items() if name in names]
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:

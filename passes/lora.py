@@ -28,7 +28,7 @@ import onnx_ir as ir
 from onnx_autodiff.errors import TrainingError, UnknownValueError, UnsupportedModelError, names_summary
 from onnx_autodiff.modelfile import from_proto
 from onnx_autodiff.passes.opsets import default_opset
-from onnx_autodiff.passes.metadata import module_names
+from onnx_autodiff.passes.metadata import module_names, record_kept
 from onnx_autodiff.passes.quantize import INT4_OPSET, Quantization, QuantizedBase, requantized, stored_weight
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, shapes
 
@@ -166,6 +166,10 @@ class LoraPass(ir.passes.InPlacePass):
                              rng.uniform(-bound, bound, (config.rank, rows)).T.astype(dtype))
             b = _initializer(graph, namer, f"{stem}.lora_B", np.zeros((config.rank, cols), dtype))
             self.adapters.append(Adapter(weight.name, a.name, b.name, transposed, site.base))
+            if site.base != "float":  # a merge replaces the stored form's tensors: they stay tensors
+                first = site.nodes[0] if site.base == "MatMulNBits" else weight.uses()[0][0]
+                parts = first.inputs[1:4] if site.base == "MatMulNBits" else first.inputs
+                record_kept(model, [v.name for v in parts if v is not None and v.is_initializer()])
             for node in nodes:
                 self._adapt(graph, op, namer, node, a, b, dtype)
         return ir.passes.PassResult(model, modified=bool(self.adapters))

@@ -21,6 +21,11 @@ MODULE_NAMES = "onnx_autodiff.module_names"
 MODULE_TRANSPOSED = "onnx_autodiff.module_transposed"
 
 
+# Model metadata: a JSON list of initializers that the cleanup never folds although nothing
+# differentiates them: the stored forms of LoRA's frozen bases, which a merge replaces in place.
+KEPT_KEY = "onnx_autodiff.kept"
+
+
 def module_names(value: ir.Value) -> list[str]:
     """The module names :data:`MODULE_NAMES` records on ``value`` (none: [])."""
     return _names(value.metadata_props.get(MODULE_NAMES))
@@ -41,6 +46,18 @@ def record_differentiated(model: ir.Model, names: Iterable[str]) -> None:
 def differentiated(model: ir.Model) -> list[str]:
     """The names recorded under :data:`DIFFERENTIATED_KEY` (empty when there are none)."""
     return _names(model.metadata_props.get(DIFFERENTIATED_KEY))
+
+
+def record_kept(model: ir.Model, names: Iterable[str]) -> None:
+    """Add ``names`` to the model's list of initializers kept unfolded (read by the cleanup)."""
+    recorded = kept(model)
+    recorded += [n for n in names if n not in recorded]
+    model.metadata_props[KEPT_KEY] = json.dumps(recorded)
+
+
+def kept(model: ir.Model) -> list[str]:
+    """The names recorded under :data:`KEPT_KEY` (empty when there are none)."""
+    return _names(model.metadata_props.get(KEPT_KEY))
 
 
 def _names(text: str | None) -> list[str]:

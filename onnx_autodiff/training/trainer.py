@@ -16,7 +16,7 @@ from onnx_autodiff.errors import BatchError, TrainingError
 from onnx_autodiff.modelfile import from_proto, over_limit, save_model, tensor_array, to_inline_proto, uses_external_data
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, proto_graphs
 from onnx_autodiff.training import distributed
-from onnx_autodiff.training.artifacts import TrainingArtifacts
+from onnx_autodiff.training.artifacts import FROZEN_IN_PLACE, TrainingArtifacts
 from onnx_autodiff.files import write_atomically
 from onnx_autodiff.training.values import arrays_writer, load_arrays, owned_copy, shape_text
 
@@ -147,6 +147,43 @@ def _reads(node: onnx.NodeProto) -> set[str]:
                     names.update(inner.input)
     names.discard("")
     return names
+
+
+_SHAREABLE = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE)
+
+
+def _shared_frozen(artifacts: TrainingArtifacts, options) -> dict[str, tuple]:
+    """The large frozen weights of the models (floating-point initializers of at least
+    ``FROZEN_IN_PLACE`` bytes stored in a file: a LoRA base), each mapped from its file once and
+    given to every session through ``options`` (``add_initializer``), with pre-packing off: each
+    kernel that pre-packs a constant keeps a packed copy of it (the forward's and the backward's
+    products one each), and each session would map the file itself. The pages are read when a step
+    first uses them, and only those (an embedding's rows). Returns {name: (array, OrtValue)}, which
+    must outlive the sessions; nothing where a model runs MatMulNBits, whose kernels need their
+    packed weights."""
+    from onnxruntime import OrtValue
+
+    models = [m for m in (artifacts.train_model, artifacts.eval_model, artifacts.accumulate_model) if m is not None]
+    if any(node.op_type == "MatMulNBits" for m in models for g in proto_graphs(m.graph) for node in g.node):
+        return {}
+    state, found = set(artifacts.checkpoint), {}
+    for model in models:
+        for tensor in model.graph.initializer:
+            if (tensor.data_location == TensorProto.EXTERNAL and tensor.data_type in _SHAREABLE
+                    and tensor.name not in state and tensor.name not in found
+                    and int(np.prod(tensor.dims, dtype=np.int64)) * helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+                    >= FROZEN_IN_PLACE):
+                found[tensor.name] = tensor
+    if not found:
+        return {}
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    shared = {}
+    for name, tensor in found.items():
+        array = tensor_array(tensor, artifacts.base_dir)  # mapped, read-only; onnxruntime only reads it
+        value = OrtValue.ortvalue_from_numpy(array, "cpu", 0)
+        options.add_initializer(name, value)
+        shared[name] = (array, value)
+    return shared
 
 
 def default_providers() -> list[str]:
@@ -314,6 +351,11 @@ class Trainer:
     non-finite micro-batch then makes ``apply()`` skip the whole step. A checkpoint holding NaN or
     Inf is refused.
 
+    Frozen weights stored in a file (a LoRA base read with external data) are held once: with the
+    default ``session_options`` on the CPU, each weight of at least ``FROZEN_IN_PLACE`` bytes is
+    mapped from its file, read when a step first needs it, and shared by the train, eval and
+    accumulate sessions, which pre-pack no constant (a packed copy per kernel reading it).
+
     ``comm``: an MPI communicator (mpi4py) of several ranks trains data-parallel: each rank steps on
     its slice of the global batch, the gradients are summed over the ranks before the one update
     they all apply (see :mod:`onnx_autodiff.training.distributed`); the artifacts need
@@ -338,6 +380,7 @@ class Trainer:
         self.optimizer = artifacts.optimizer
         self.lr = float(self.optimizer.lr if lr is None else lr)
         self.providers = list(providers) if providers is not None else default_providers()
+        own_options = session_options is None
         if session_options is None:
             session_options = ort.SessionOptions()
             session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -361,6 +404,8 @@ class Trainer:
         first = first[0] if isinstance(first, tuple) else first
         self.device = "cuda" if first == "CUDAExecutionProvider" else "cpu"
         self.comm = comm if distributed.size(comm) > 1 else None
+        # the frozen weights (a LoRA base) mapped once from their file, for every session
+        self._frozen = _shared_frozen(artifacts, session_options) if own_options and self.device == "cpu" else {}
         if self.comm is None:
             self._runner("train")
         elif artifacts.accumulate_model is None:
@@ -562,6 +607,33 @@ class Trainer:
         results = dict(zip(names, binding.copy_outputs_to_cpu()))
         results["loss"] = results.pop(runner.loss)
         return results
+
+    def merge_cost(self, batch) -> dict[str, float]:
+        """The eval loss of ``batch`` with the LoRA adapters as trained ("adapted") and with them
+        merged into their bases as ``export()`` writes them ("merged"): what merging costs, the
+        rounding of a float16 base or the quantizing again of a quantized one (a float base's is
+        float rounding). The merged loss runs the eval model with the merged initializers and B = 0."""
+        import onnxruntime as ort
+
+        lora = self.layout.get("lora")
+        if not lora:
+            raise TrainingError("merge_cost needs LoRA adapters (the artifacts have none)")
+        adapted = float(self.evaluate(batch)["loss"])
+        merged = self._merged_bases({a["weight"] for a in lora["adapters"]})
+        proto = onnx.ModelProto()
+        proto.CopyFrom(self.artifacts.eval_model)
+        for i, tensor in enumerate(proto.graph.initializer):
+            if tensor.name in merged:
+                proto.graph.initializer[i].CopyFrom(numpy_helper.from_array(merged[tensor.name], tensor.name))
+        session = ort.InferenceSession(proto.SerializeToString(), sess_options=self.session_options, providers=self.providers)
+        runner = self._runner("eval")
+        zeros = {a["B"] for a in lora["adapters"]}
+        feeds = dict(runner.feeds(batch))
+        for key, name in runner.reads:
+            value = self._host(key)
+            feeds[name] = np.zeros_like(value) if key in zeros else value
+        loss = session.run([runner.loss], feeds)[0]
+        return {"adapted": adapted, "merged": float(loss)}
 
     # state
 

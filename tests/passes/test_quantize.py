@@ -178,3 +178,25 @@ def test_the_command_line_quantizes_the_base_and_notes_the_frozen_weights(tmp_pa
     assert "need --quantize-base" in capsys.readouterr().err
     assert main(["artifacts", str(path), "-o", str(tmp_path / "y"), "--quantize-base", "int8"]) == 2
     assert "needs --lora RANK" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["int4", "float16"])
+def test_merge_cost_is_the_loss_of_the_merged_export(kind):
+    """merge_cost's merged loss is the loss of export()'s model, computed here from its output."""
+    from onnx_autodiff.training import Trainer, generate_artifacts
+
+    proto, _, _ = two_products()
+    rng = np.random.default_rng(3)
+    batch = {"x": rng.standard_normal((3, K)).astype(np.float32), "labels": rng.standard_normal((3, M)).astype(np.float32)}
+    artifacts = generate_artifacts(proto, loss="mse", optimizer="adamw", optimizer_options={"lr": 3e-2},
+                                   lora=LoraConfig(rank=4, quantize_base=kind))
+    trainer = Trainer(artifacts)
+    for _ in range(10):
+        trainer.step(batch)
+    cost = trainer.merge_cost(batch)
+    merged = _session(trainer.export()).run(None, {"x": batch["x"]})[0]
+    kept = _session(trainer.export(merge=False)).run(None, {"x": batch["x"]})[0]
+    mse = lambda y: float(np.mean((y.astype(np.float64) - batch["labels"]) ** 2))  # noqa: E731
+    np.testing.assert_allclose(cost["merged"], mse(merged), rtol=1e-5)
+    np.testing.assert_allclose(cost["adapted"], mse(kept), rtol=1e-5)
+    assert cost["merged"] != cost["adapted"]  # rounding the merged weights costs something
