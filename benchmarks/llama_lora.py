@@ -1,11 +1,15 @@
 """LoRA fine-tuning of a Llama-shaped decoder over 2 GB on plain onnxruntime, against PyTorch + peft.
 
-    python benchmarks/llama_lora.py [--layers 2] [--steps 4] [--dir /tmp] [--keep] [--no-torch]
+    python benchmarks/llama_lora.py [--size {2.5g,155m,tiny}] [--layers N] [--steps 4] [--batch 2]
+        [--seq N] [--dir /tmp] [--keep] [--no-torch]
 
-Builds ``transformers.LlamaForCausalLM`` from a config with random weights (seed 0, no download):
-vocabulary 128,256, hidden 2048, MLP 5632, 16 heads, 4 KV heads, untied embeddings, float32;
-two layers are 2.46 GB, most of it the two 128,256 x 2048 matrices. Then, each phase in its own
-process so that its peak RSS is its own (``--tiny``: a toy size, seconds):
+Builds ``transformers.LlamaForCausalLM`` from a config with random weights (seed 0, no download),
+untied embeddings, float32. ``--size 2.5g`` (the default): vocabulary 128,256, hidden 2048, MLP
+5632, 16 heads, 4 KV heads, two layers, 2.46 GB, most of it the two 128,256 x 2048 matrices,
+sequences of 32 tokens; ``--size 155m``: vocabulary 32,000, hidden 768, MLP 3072, 12 heads, 4 KV
+heads, 12 layers, 153 M parameters (0.61 GB), sequences of 128 tokens, a minute or two;
+``--size tiny`` (also ``--tiny``): vocabulary 512, hidden 64, seconds. Then, each phase in its own
+process so that its peak RSS is its own:
 
 - export: the next-token cross-entropy (in float32, as the model) of ``(ids, labels)``, by
   ``torch.onnx.export(dynamo=True, optimize=False)``, saved with external data. optimize=False
@@ -13,15 +17,18 @@ process so that its peak RSS is its own (``--tiny``: a toy size, seconds):
   or fuse them into new constants), so LoRA targets are matched by name and each adapted weight
   maps one to one onto peft's;
 - ``onnx-autodiff artifacts --loss none --optimizer adamw --lora 8 --lora-targets '*q_proj*'
-  '*v_proj*'``;
+  '*v_proj*'`` (its options are built in :func:`artifacts_argv` alone);
 - Trainer: ``--steps`` AdamW steps on fixed batches, then ``export()`` merged, with external data;
 - the merged model once on onnxruntime: its loss against the Trainer's eval loss;
 - PyTorch + peft eager (unless ``--no-torch``): the same weights (same seed), the same LoRA config
   and initial A, the same batches and AdamW steps; its losses against ours.
 
-Prints one table: wall time, peak RSS and disk per phase, and the step times. Files are removed
-afterwards unless ``--keep``. At two layers it needs 12.3 GB of disk (the artifacts write three
-2.46 GB data files) and 12 GB of memory in its largest phase (artifacts; see the table).
+Prints one table: wall time, peak RSS and disk per phase and, for the two phases that train (the
+Trainer, PyTorch + peft), the RSS after the imports, after loading the model (Trainer constructed;
+peft model, A and optimiser made) and what loading took over the weight file
+(``model.onnx.data``); then the step times. Files are removed afterwards unless ``--keep``. At
+two layers it needs 5 GB of disk (the model's data file, which the artifacts read where it is,
+and the merged export) and 3 GB of memory in its largest phases (export, PyTorch + peft).
 """
 
 from __future__ import annotations
@@ -41,14 +48,35 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from large_model import run_measured
 
-FULL = {"vocab": 128256, "hidden": 2048, "intermediate": 5632, "heads": 16, "kv_heads": 4}
-TINY = {"vocab": 512, "hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2}
+# the presets of --size: the model's shape, with the layers and the sequence length --layers and
+# --seq default to
+SIZES = {
+    "2.5g": {"vocab": 128256, "hidden": 2048, "intermediate": 5632, "heads": 16, "kv_heads": 4, "layers": 2, "seq": 32},
+    "155m": {"vocab": 32000, "hidden": 768, "intermediate": 3072, "heads": 12, "kv_heads": 4, "layers": 12, "seq": 128},
+    "tiny": {"vocab": 512, "hidden": 64, "intermediate": 128, "heads": 4, "kv_heads": 2, "layers": 2, "seq": 32},
+}
+FULL, TINY = SIZES["2.5g"], SIZES["tiny"]
 TARGETS = ("q_proj", "v_proj")
 RANK, LR = 8, 1e-3
 
 
 def sizes(args) -> dict:
-    return dict(TINY if args.tiny else FULL, layers=args.layers)
+    size = {k: v for k, v in SIZES[args.size].items() if k != "seq"}
+    return dict(size, layers=args.layers)
+
+
+def rss_mb() -> float:
+    """This process's resident set now (MB)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+
+
+def artifacts_argv(args, folder: str) -> list[str]:
+    """The ``onnx-autodiff artifacts`` command of the artifacts phase: its options are built here
+    alone (a base-quantizing option, for instance, goes here)."""
+    return [sys.executable, "-m", "onnx_autodiff", "artifacts", os.path.join(folder, "model.onnx"), "-o",
+            os.path.join(folder, "artifacts"), "--loss", "none", "--optimizer", "adamw", "--lr", str(LR),
+            "--weight-decay", "0.01", "--lora", str(RANK), "--lora-targets", *(f"*{t}*" for t in TARGETS)]
 
 
 def batches(args, vocab: int) -> list[dict[str, np.ndarray]]:
@@ -114,25 +142,32 @@ def phase_export(folder: str, args) -> dict:
 
 
 def phase_train(folder: str, args) -> dict:
+    import onnxruntime  # noqa: F401 - imported before "after imports", as the Trainer would
+
     from onnx_autodiff.training import Trainer
 
     data = batches(args, sizes(args)["vocab"])
+    imported = rss_mb()
     start = time.perf_counter()
     trainer = Trainer(os.path.join(folder, "artifacts"), lr=LR, providers=["CPUExecutionProvider"])
     session = time.perf_counter() - start
+    loaded = rss_mb()
     losses, times = [], []
     for batch in data:
         start = time.perf_counter()
         losses.append(trainer.step(batch))
         times.append(time.perf_counter() - start)
+    stepped = peak_mb()
     start = time.perf_counter()
     evaluated = float(trainer.evaluate(data[0])["loss"])
     evaluating = time.perf_counter() - start
+    evaluated_peak = peak_mb()
     start = time.perf_counter()
     trainer.export(os.path.join(folder, "merged.onnx"), external_data=True)
     exporting = time.perf_counter() - start
     return {"session_s": session, "losses": losses, "step_s": times, "eval_loss": evaluated, "eval_s": evaluating,
-            "export_s": exporting}
+            "export_s": exporting, "imports_mb": imported, "loaded_mb": loaded, "steps_peak_mb": stepped,
+            "eval_peak_mb": evaluated_peak}
 
 
 def phase_merged(folder: str, args) -> dict:
@@ -148,10 +183,12 @@ def phase_merged(folder: str, args) -> dict:
 def phase_torch(folder: str, args) -> dict:
     import peft
     import torch
+    import transformers  # noqa: F401 - imported before "after imports"
 
     from onnx_autodiff.training import TrainingArtifacts
 
     data = batches(args, sizes(args)["vocab"])
+    imported = rss_mb()
     start = time.perf_counter()
     model = peft.get_peft_model(build_module(sizes(args)),
                                 peft.LoraConfig(r=RANK, lora_alpha=RANK, target_modules=list(TARGETS), lora_dropout=0.0))
@@ -164,6 +201,7 @@ def phase_torch(folder: str, args) -> dict:
             copied += 1
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=1e-2)
     built = time.perf_counter() - start
+    loaded = rss_mb()
     losses, times = [], []
     for batch in data:
         start = time.perf_counter()
@@ -173,7 +211,8 @@ def phase_torch(folder: str, args) -> dict:
         optimizer.step()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
-    return {"build_s": built, "adapters": copied, "losses": losses, "step_s": times}
+    return {"build_s": built, "adapters": copied, "losses": losses, "step_s": times, "imports_mb": imported,
+            "loaded_mb": loaded, "steps_peak_mb": peak_mb()}
 
 
 PHASES = {"export": phase_export, "train": phase_train, "merged": phase_merged, "torch": phase_torch}
@@ -195,17 +234,23 @@ def _steps(times: list[float]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2: 2.46 GB in float32)")
+    parser.add_argument("--size", choices=list(SIZES), default="2.5g",
+                        help="2.5g (default): vocabulary 128,256, hidden 2048, 2 layers, 2.46 GB in float32; "
+                             "155m: vocabulary 32,000, hidden 768, 12 layers, 0.62 GB (a minute or two); "
+                             "tiny: vocabulary 512, hidden 64 (seconds)")
+    parser.add_argument("--tiny", action="store_const", dest="size", const="tiny", help="--size tiny")
+    parser.add_argument("--layers", type=int, help="decoder layers (default: the size's, 2 or 12)")
     parser.add_argument("--steps", type=int, default=4, help="training steps (default 4)")
     parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--tiny", action="store_true", help="a toy model (vocabulary 512, hidden 64): seconds")
+    parser.add_argument("--seq", type=int, help="tokens per sequence (default: 128 for 155m, 32 otherwise)")
     parser.add_argument("--no-torch", action="store_true", help="skip PyTorch + peft")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where to write the files")
     parser.add_argument("--keep", action="store_true", help="keep the files")
     parser.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.layers = SIZES[args.size]["layers"] if args.layers is None else args.layers
+    args.seq = SIZES[args.size]["seq"] if args.seq is None else args.seq
     if args.phase:
         result = PHASES[args.phase](args.folder, args)
         with open(os.path.join(args.folder, f"{args.phase}.json"), "w") as stream:
@@ -213,7 +258,7 @@ def main(argv=None) -> int:
         return 0
     folder = tempfile.mkdtemp(prefix="onnx-autodiff-llama-", dir=args.dir)
     common = [f"--layers={args.layers}", f"--steps={args.steps}", f"--batch={args.batch}", f"--seq={args.seq}",
-              *(["--tiny"] if args.tiny else []), f"--folder={folder}"]
+              f"--size={args.size}", f"--folder={folder}"]
     rows, results = [], {}
 
     def phase(label: str, argv: list[str], name: str | None = None, disk: str | None = None) -> bool:
@@ -221,15 +266,14 @@ def main(argv=None) -> int:
         if name and not code:
             with open(os.path.join(folder, f"{name}.json")) as stream:
                 results[name] = json.load(stream)
-        rows.append((label, f"{seconds:.1f}", f"{peak:.0f}", "" if disk is None else f"{disk_mb(folder, disk):.0f}"))
+        rows.append([label, f"{seconds:.1f}", f"{peak:.0f}", "" if disk is None else f"{disk_mb(folder, disk):.0f}",
+                     name if name in ("train", "torch") and not code else None])
         if code or not name:  # the phases' own output is warnings (torch's registry, onnxruntime's folding)
             print(f"{label}: exit {code}\n  " + text.replace("\n", "\n  "))
         return not code
 
     me = [sys.executable, os.path.abspath(__file__)]
-    cli = [sys.executable, "-m", "onnx_autodiff", "artifacts", os.path.join(folder, "model.onnx"), "-o",
-           os.path.join(folder, "artifacts"), "--loss", "none", "--optimizer", "adamw", "--lr", str(LR),
-           "--weight-decay", "0.01", "--lora", str(RANK), "--lora-targets", *(f"*{t}*" for t in TARGETS)]
+    cli = artifacts_argv(args, folder)
     try:
         ok = (phase("build + torch.onnx.export + save", [*me, *common, "--phase=export"], "export", "model.onnx")
               and phase("onnx-autodiff artifacts --lora", cli, None, "artifacts")
@@ -245,9 +289,19 @@ def main(argv=None) -> int:
             for f in sorted(os.listdir(folder)):
                 if f.startswith("model.onnx"):
                     print(f"  {f}: {os.path.getsize(os.path.join(folder, f)) / 1e6:.1f} MB")
-        print("\n| phase | wall s | peak RSS MB | disk MB |\n|---|---|---|---|")
-        for row in rows:
-            print("| " + " | ".join(row) + " |")
+        data = os.path.join(folder, "model.onnx.data")
+        weights = os.path.getsize(data) / 2**20 if os.path.isfile(data) else None
+        print("\n| phase | wall s | peak RSS MB | disk MB | RSS after imports MB | RSS after load MB | "
+              "(load - imports) / weights |\n|---|---|---|---|---|---|---|")
+        for *cells, name in rows:
+            memory = ["", "", ""]
+            if name:  # the phases that load the model: what loading it took, against its weight file
+                r = results[name]
+                ratio = f"{(r['loaded_mb'] - r['imports_mb']) / weights:.2f}" if weights else ""
+                memory = [f"{r['imports_mb']:.0f}", f"{r['loaded_mb']:.0f}", ratio]
+            print("| " + " | ".join([*cells, *memory]) + " |")
+        if weights:
+            print(f"weights: model.onnx.data {weights:.0f} MB")
         code = 0 if ok else 1
         if "train" in results:
             t = results["train"]

@@ -42,6 +42,27 @@ def uses_external_data(proto: onnx.ModelProto) -> bool:
     return any(t.data_location == onnx.TensorProto.EXTERNAL for t in _tensor_protos(proto.graph))
 
 
+def external_files(proto: onnx.ModelProto) -> list[str]:
+    """The data files (``location``, relative to the model's folder) that tensors of ``proto`` are stored in."""
+    files = (next((e.value for e in t.external_data if e.key == "location"), "") for t in _tensor_protos(proto.graph)
+             if t.data_location == onnx.TensorProto.EXTERNAL)
+    return list(dict.fromkeys(files))
+
+
+def with_small_tensors_inline(proto: onnx.ModelProto, base_dir: str | None) -> onnx.ModelProto:
+    """A copy of ``proto`` (small: external data stays where it is) with its external tensors under
+    1 KB (shapes, axes) read from ``base_dir`` into it, as a model file written with external data
+    holds them: onnxruntime's shape inference reads them when it creates a session."""
+    proto_copy = onnx.ModelProto()
+    proto_copy.CopyFrom(proto)
+    for tensor in _tensor_protos(proto_copy.graph):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL and _nbytes(tensor) < THRESHOLD:
+            onnx.external_data_helper.load_external_data_for_tensor(tensor, base_dir or "")
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            del tensor.external_data[:]
+    return proto_copy
+
+
 def from_proto(proto: onnx.ModelProto, base_dir: str | None = None) -> ir.Model:
     """``proto`` as onnx-ir, its external tensors read (lazily) from ``base_dir``, the folder of the
     model file they were stored beside (None: the working directory, as onnx does)."""

@@ -32,6 +32,7 @@ statistics folded into a Conv's weights), and buffers (rotary caches, masks).
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import json
 import re
@@ -414,14 +415,24 @@ def _oriented(value: ir.Value, transposed: bool) -> np.ndarray | None:
 
 
 def _sampled(value: ir.Value, transposed: bool) -> tuple | None:
+    tensor = value.const_value
+    # a weight stored beside the model, mapped here: its mapping is let go once sampled (the pages
+    # read around each sample would otherwise stay resident, the whole of a small tensor)
+    mapped_here = isinstance(tensor, ir.ExternalTensor) and tensor.raw is None
     array = _oriented(value, transposed)
-    if array is None:
-        return None
-    positions = np.unique(np.linspace(0, array.size - 1, min(_SAMPLES, array.size)).astype(np.int64))
-    sample = array[np.unravel_index(positions, array.shape)]
-    if (sample == sample[0]).all() and (array == sample[0]).all():
-        return None
-    return array.dtype.str, array.shape, sample.tobytes()
+    try:
+        if array is None:
+            return None
+        positions = np.unique(np.linspace(0, array.size - 1, min(_SAMPLES, array.size)).astype(np.int64))
+        sample = array[np.unravel_index(positions, array.shape)]
+        if (sample == sample[0]).all() and (array == sample[0]).all():
+            return None
+        return array.dtype.str, array.shape, sample.tobytes()
+    finally:
+        array = None
+        if mapped_here:
+            with contextlib.suppress(BufferError):  # a view of it still held elsewhere: it stays mapped
+                tensor.release()
 
 
 def _equal(a: ir.Value, a_transposed: bool, b: ir.Value, b_transposed: bool) -> bool:

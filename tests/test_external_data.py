@@ -1,7 +1,9 @@
 """Models whose tensors are stored beside them (external data): every command reads them lazily
 and writes its outputs with external data, with the numbers of the same model stored inline."""
 
+import json
 import os
+import shutil
 import stat
 
 import numpy as np
@@ -13,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import AutodiffPass, cleanup_passes, modelfile
 from onnx_autodiff.cli import load_model, main
-from onnx_autodiff.training import Trainer, TrainingArtifacts
+from onnx_autodiff.training import Trainer, TrainingArtifacts, TrainingError
 from onnx_autodiff.training.values import load_npz, owned_copy
 
 SIZES = (6, 32, 32, 3)  # the 32x32 weight (4 KB) is over the 1 KB external-data threshold
@@ -143,13 +145,30 @@ def test_artifacts_trainer_and_export_with_external_data(models, tmp_path, umask
     common = ["--loss", "none", "--optimizer", "adamw", "--lr", "0.01"]
     assert main(["artifacts", external, "-o", str(directory), *common]) == 0
     assert main(["artifacts", inline, "-o", str(reference), *common]) == 0
-    assert os.path.getsize(directory / "inference_model.onnx.data") >= 32 * 32 * 4
+    # the models read the tensors from the input's data file, where it is: no copy beside them
+    folder = os.path.dirname(external)
+    assert not [f for f in os.listdir(directory) if f.endswith(".data")]
+    with open(directory / "artifacts.json") as stream:
+        record = json.load(stream)["external_data"]
+    assert record["files"] == {"weights.bin": os.path.getsize(os.path.join(folder, "weights.bin"))}
+    assert os.path.samefile(directory / record["folder"], folder) and os.path.samefile(record["path"], folder)
     assert not os.path.exists(reference / "inference_model.onnx.data")
-    assert_valid_file(str(directory / "inference_model.onnx"), umask)
+    loaded = TrainingArtifacts.load(directory)
+    assert os.path.samefile(loaded.base_dir, folder) and loaded.directory == str(directory)
+    assert modelfile.external_files(loaded.inference_model) == ["weights.bin"]
+    modelfile.check_model(loaded.inference_model, loaded.base_dir)  # each data file there
+    # self-contained on request: each model with its tensors in a data file beside it
+    copied = tmp_path / "copied"
+    assert main(["artifacts", external, "-o", str(copied), *common, "--external-data"]) == 0
+    assert os.path.getsize(copied / "inference_model.onnx.data") >= 32 * 32 * 4
+    assert_valid_file(str(copied / "inference_model.onnx"), umask)
+    with open(copied / "artifacts.json") as stream:
+        assert "external_data" not in json.load(stream)
+    assert TrainingArtifacts.load(copied).base_dir == str(copied)
     assert main(["artifacts", inline, "-o", str(tmp_path / "requested"), *common, "--external-data"]) == 0
     assert os.path.isfile(tmp_path / "requested" / "inference_model.onnx.data")
-    loaded = TrainingArtifacts.load(directory)
-    assert loaded.base_dir == str(directory)
+    batch = {"X": np.random.default_rng(2).standard_normal((4, SIZES[0])).astype(np.float32)}
+    assert Trainer(str(copied)).step(batch) == Trainer(str(directory)).step(batch)
     trainers = Trainer(str(directory)), Trainer(str(reference))
     batch = {"X": np.random.default_rng(2).standard_normal((4, SIZES[0])).astype(np.float32)}
     losses = []
@@ -173,6 +192,38 @@ def test_artifacts_trainer_and_export_with_external_data(models, tmp_path, umask
     trainers[1].export(requested, external_data=True)
     assert os.path.isfile(requested + ".data")
     np.testing.assert_array_equal(run(requested, batch)[0], run(expected, batch)[0])
+
+
+def test_artifacts_find_the_data_file_they_read_or_say_where_it_was(models, tmp_path):
+    """Saved artifacts name the folder of the data file they read relative to themselves and as it
+    was: moved alone they still find it; a file gone or changed in size is one clear error; saved
+    again elsewhere they read it from where it is, or copy it with external_data=True."""
+    _, external = models
+    directory = tmp_path / "artifacts"
+    assert main(["artifacts", external, "-o", str(directory), "--loss", "none", "--optimizer", "sgd"]) == 0
+    batch = {"X": np.random.default_rng(2).standard_normal((4, SIZES[0])).astype(np.float32)}
+    want = Trainer(str(directory)).step(batch)
+    moved = tmp_path / "elsewhere" / "moved"
+    shutil.move(str(directory), str(moved))
+    assert Trainer(str(moved)).step(batch) == want  # by the absolute path
+    again = tmp_path / "again"
+    TrainingArtifacts.load(moved).save(again)
+    assert not [f for f in os.listdir(again) if f.endswith(".data")]
+    assert Trainer(str(again)).step(batch) == want
+    data = os.path.join(os.path.dirname(external), "weights.bin")
+    os.rename(data, data + ".away")
+    with pytest.raises(TrainingError, match=r"reads? their tensors from weights\.bin in .*, but weights\.bin is not there: put it back"):
+        TrainingArtifacts.load(again)
+    with open(data, "wb") as stream:  # another file in its place
+        stream.write(b"\0" * 16)
+    with pytest.raises(TrainingError, match="weights.bin changed size since then"):
+        Trainer(str(again))
+    os.replace(data + ".away", data)
+    copy = tmp_path / "copy"
+    TrainingArtifacts.load(again).save(copy, external_data=True)  # self-contained
+    os.rename(data, data + ".away")
+    assert Trainer(str(copy)).step(batch) == want
+    os.replace(data + ".away", data)
 
 
 def test_nothing_half_written_when_the_check_fails(models, tmp_path):

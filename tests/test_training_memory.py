@@ -1,15 +1,20 @@
 """The Trainer writes new parameters, optimiser state and buffers over the old ones when that is
-safe, with results bit-equal to spare buffers, and a failed step still changes nothing."""
+safe, with results bit-equal to spare buffers, and a failed step still changes nothing; large
+frozen weights are read where they are stored and held once."""
 
 from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_ir as ir
+import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 from test_training import batches, bn_dropout_model, mlp
 
+from onnx_autodiff.passes.lora import LoraConfig
 from onnx_autodiff.training import Trainer, TrainingError, generate_artifacts
+from onnx_autodiff.training import artifacts as artifacts_module
 from onnx_autodiff.training import trainer as trainer_module
 from onnx_autodiff.training.trainer import in_place_keys
 
@@ -161,3 +166,103 @@ def test_update_is_one_if_on_the_kept_flag():
         assert [node.op_type for node in readers] == ["If"], kind
         assert {out for _, _, out in layout["carry"]} == set(readers[0].output), kind
         assert graph.node[-1] is readers[0], kind
+
+
+# large frozen weights: read where they are stored, held once
+
+WIDTHS = (64, 256, 384, 4)  # the 384x256 weight (384 KiB) is over FROZEN_IN_PLACE, the others under it
+
+
+def linear_model(lead) -> onnx.ModelProto:
+    """X[*lead, 64] -> three layers MatMul(x, Transpose(W)) as torch exports nn.Linear (W [out, in]),
+    Relu between them -> logits[*lead, 4]."""
+    rng = np.random.default_rng(0)
+    nodes, inits, x = [], [], "X"
+    for i, (fan_in, fan_out) in enumerate(zip(WIDTHS[:-1], WIDTHS[1:])):
+        weight = (rng.standard_normal((fan_out, fan_in)) * fan_in**-0.5).astype(np.float32)
+        inits.append(numpy_helper.from_array(weight, f"W{i}"))
+        last = i == len(WIDTHS) - 2
+        nodes += [helper.make_node("Transpose", [f"W{i}"], [f"W{i}.T"], perm=[1, 0]),
+                  helper.make_node("MatMul", [x, f"W{i}.T"], ["logits" if last else f"h{i}"])]
+        if not last:
+            nodes.append(helper.make_node("Relu", [f"h{i}"], [f"a{i}"]))
+            x = f"a{i}"
+    graph = helper.make_graph(nodes, "linear", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [*lead, WIDTHS[0]])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [*lead, WIDTHS[-1]])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def linear_batch(lead, seed=2):
+    rng = np.random.default_rng(seed)
+    shape = [d if isinstance(d, int) else 3 for d in lead]
+    return {"X": rng.standard_normal((*shape, WIDTHS[0])).astype(np.float32),
+            "labels": rng.standard_normal((*shape, WIDTHS[-1])).astype(np.float32)}
+
+
+def readers(model: onnx.ModelProto, name: str) -> list[str]:
+    return sorted(node.op_type for node in model.graph.node if name in node.input)
+
+
+@pytest.mark.parametrize("lead", [["N", "S"], [2, 3]], ids=["symbolic", "static"])
+def test_large_frozen_weights_are_read_in_place_and_held_once(lead, tmp_path, monkeypatch):
+    """A frozen weight over FROZEN_IN_PLACE is never a Transpose's input (onnxruntime would fold it
+    into a transposed copy): a Gemm reads it transposed, x flattened to rows and back; the trainer
+    maps it once for its sessions, none of which pre-packs it; the steps are the same."""
+    path = str(tmp_path / "linear.onnx")
+    onnx.save_model(linear_model(lead), path, save_as_external_data=True, location="weights.bin", size_threshold=1024)
+    options = {"loss": "mse", "optimizer": "adamw", "optimizer_options": {"lr": 0.01}, "lora": LoraConfig(rank=2)}
+    artifacts = generate_artifacts(path, **options)
+    # the forward's Gemm, and the backward's MatMul(dY, W1) for the adapters of W0 before it
+    assert readers(artifacts.train_model, "W1") == ["Gemm", "MatMul"]
+    assert readers(artifacts.eval_model, "W1") == ["Gemm"]
+    gemm = next(n for n in artifacts.eval_model.graph.node if n.op_type == "Gemm" and "W1" in n.input)
+    assert helper.get_attribute_value(next(a for a in gemm.attribute if a.name == "transB")) == 1
+    for small in ("W0", "W2"):  # under the threshold: as torch wrote them
+        assert readers(artifacts.eval_model, small) == ["Transpose"]
+    with monkeypatch.context() as patch:
+        patch.setattr(artifacts_module, "FROZEN_IN_PLACE", 1 << 40)
+        transposed = generate_artifacts(path, **options)
+    assert readers(transposed.eval_model, "W1") == ["Transpose"]
+    trainer, reference = Trainer(artifacts), Trainer(transposed)
+    assert sorted(trainer._frozen) == ["W1"]  # mapped from weights.bin, shared by the sessions
+    assert trainer.session_options.get_session_config_entry("session.disable_prepacking") == "1"
+    batch = linear_batch(lead)
+    losses = [(trainer.step(batch), reference.step(batch)) for _ in range(4)]
+    np.testing.assert_allclose(*zip(*losses), rtol=1e-6)
+    assert losses[-1][0] < losses[0][0]
+    np.testing.assert_allclose(trainer.evaluate(batch)["logits"], reference.evaluate(batch)["logits"], rtol=1e-5, atol=1e-6)
+    # with session options of one's own, the sessions read the weights as onnxruntime does
+    own = Trainer(artifacts, session_options=ort.SessionOptions())
+    assert own._frozen == {}
+    assert own.step(batch) == pytest.approx(losses[0][0], rel=1e-6)
+
+
+def test_fill_reads_a_tensor_whole_only_when_its_first_elements_agree():
+    from onnx_autodiff.passes.rewrite_rules.analysis import fill
+
+    def constant(array):
+        return ir.Value(name="c", const_value=ir.Tensor(array))
+
+    assert fill(constant(np.full(1000, 2.0, np.float32))) == 2.0
+    assert fill(constant(np.arange(1000, dtype=np.float32))) is None
+    late = np.ones(1000, np.float32)
+    late[-1] = 0
+    assert fill(constant(late)) is None
+
+
+def test_recovery_lets_go_of_the_weights_it_samples(tmp_path):
+    """A weight stored beside the model is unmapped once its sample is taken (the pages read around
+    the samples would otherwise stay resident, the whole of a small weight)."""
+    from onnx_autodiff.passes.recovery import _sampled
+
+    array = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+    array.tofile(tmp_path / "w.bin")
+    tensor = ir.ExternalTensor("w.bin", 0, array.nbytes, ir.DataType.FLOAT, shape=ir.Shape(array.shape), name="w",
+                               base_dir=str(tmp_path))
+    value = ir.Value(name="w", const_value=tensor)
+    for transposed in (False, True):
+        assert _sampled(value, transposed) is not None
+        assert tensor.raw is None
+    held = tensor.numpy()  # mapped by someone else: left mapped
+    assert _sampled(value, False) is not None and tensor.raw is not None
+    np.testing.assert_array_equal(held, array)

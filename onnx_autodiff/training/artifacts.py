@@ -25,10 +25,13 @@ from onnx_autodiff.errors import (
 from onnx_autodiff.modelfile import (
     base_dir_of,
     check_model,
+    external_files,
     from_proto,
+    over_limit,
     save_model,
     tensor_array,
     uses_external_data,
+    with_small_tensors_inline,
 )
 from onnx_autodiff.toolkit.inference import onnx_inferred
 from onnx_autodiff.passes.lora import LoraConfig, adapted, quantize_bases
@@ -73,6 +76,7 @@ class TrainingArtifacts:
     apply_model: onnx.ModelProto | None = None
     left_out: list[str] = dataclasses.field(default_factory=list)  # constants the default did not train
     base_dir: str | None = None  # where the models' external tensors are read from (None: none)
+    directory: str | None = None  # where load() read the artifacts from (None: made in memory)
 
     FILES = {
         "train_model": "training_model.onnx",
@@ -97,9 +101,16 @@ class TrainingArtifacts:
              checkpoint_format: str = "npz") -> dict[str, str]:
         """Writes the models, the checkpoint and ``artifacts.json`` (each file atomically).
 
-        A model whose tensors are stored externally (read from a model with external data, or
-        over protobuf's 2 GB) gets them in a data file beside it (``training_model.onnx.data``,
-        copied a tensor at a time); ``external_data=True`` does that for every model.
+        Models read from a model with external data keep reading those tensors (the frozen
+        weights, the initial values) from its data file, where it is: no copy is written (tensors
+        under 1 KB are read into the models), the models name the file as that model does and
+        ``artifacts.json`` its folder
+        (``"external_data"``: relative to the directory and absolute, with each file's size),
+        where :meth:`load` and the trainer find it; the file must stay there, unchanged, while
+        the artifacts are used. ``external_data=True`` makes the directory self-contained instead:
+        each model gets its tensors in a data file beside it (``training_model.onnx.data``, copied
+        a tensor at a time), as a model over protobuf's 2 GB does; ``external_data=False`` puts
+        every tensor into the model files.
         ``checkpoint_format``: "npz" (``checkpoint.npz``) or "safetensors"
         (``checkpoint.safetensors``, which the JavaScript trainer reads); ``load`` reads either."""
         if checkpoint_format not in CHECKPOINT_FILES:
@@ -107,15 +118,23 @@ class TrainingArtifacts:
         directory = os.fspath(directory)
         os.makedirs(directory, exist_ok=True)
         written = {}
+        models = {attribute: getattr(self, attribute) for attribute in self.FILES}
+        models, referenced = self._referencing(directory, models, external_data)
         for attribute, filename in self.FILES.items():
-            proto = getattr(self, attribute)
+            proto = models[attribute]
             if proto is not None:
                 path = os.path.join(directory, filename)
-                if external_data or uses_external_data(proto):
+                if referenced is None and (external_data or uses_external_data(proto)):
                     save_model(from_proto(proto, self.base_dir), path, external_data)
                 else:
                     write_atomically(path, proto.SerializeToString(deterministic=True))
                 written[attribute] = path
+            if referenced is not None:  # a data file an earlier save wrote beside it would be stale
+                stale = os.path.join(directory, filename + ".data")
+                if os.path.isfile(stale) and not any(os.path.isfile(os.path.join(referenced["path"], f))
+                                                     and os.path.samefile(stale, os.path.join(referenced["path"], f))
+                                                     for f in referenced["files"]):
+                    os.remove(stale)
         path = os.path.join(directory, CHECKPOINT_FILES[checkpoint_format])
         write_atomically(path, arrays_writer(path, self.checkpoint))
         written["checkpoint"] = path
@@ -123,9 +142,39 @@ class TrainingArtifacts:
             if other != CHECKPOINT_FILES[checkpoint_format] and os.path.exists(os.path.join(directory, other)):
                 os.remove(os.path.join(directory, other))
         path = os.path.join(directory, "artifacts.json")
-        write_atomically(path, json.dumps(self.layout, indent=1, sort_keys=True).encode())
+        layout = {key: value for key, value in self.layout.items() if key != "external_data"}
+        if referenced is not None:
+            layout["external_data"] = referenced
+        write_atomically(path, json.dumps(layout, indent=1, sort_keys=True).encode())
         written["layout"] = path
         return written
+
+    def _referencing(self, directory: str, models: dict, external_data: bool | None) -> tuple[dict, dict | None]:
+        """The models to write and what ``artifacts.json`` records of the data files they read from
+        where they are (see :meth:`save`; their tensors under 1 KB read into them), or the models
+        as they are and None where they are written with their tensors."""
+        protos = [p for p in models.values() if p is not None]
+        if external_data is not None or not self.base_dir or not any(uses_external_data(p) for p in protos):
+            return models, None
+        if any(over_limit(p.ByteSize()) for p in protos):  # the tensors held in the models need a data file too
+            return models, None
+        folder = os.path.abspath(self.base_dir)
+        files = list(dict.fromkeys(f for p in protos for f in external_files(p)))
+        ours = {os.path.join(os.path.abspath(directory), f)
+                for f in (*self.FILES.values(), *CHECKPOINT_FILES.values(), "artifacts.json")}
+        if any(os.path.normpath(os.path.join(folder, f)) in ours for f in files):  # named like a file written here
+            return models, None
+        models = {a: with_small_tensors_inline(p, folder) if p is not None and uses_external_data(p) else p
+                  for a, p in models.items()}
+        files = list(dict.fromkeys(f for p in models.values() if p is not None for f in external_files(p)))
+        if not files:
+            return models, None
+        try:
+            relative = os.path.relpath(folder, os.path.abspath(directory))
+        except ValueError:  # another drive
+            relative = None
+        return models, {"folder": relative, "path": folder,
+                        "files": {f: os.path.getsize(os.path.join(folder, f)) for f in files}}
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> TrainingArtifacts:
@@ -150,21 +199,42 @@ class TrainingArtifacts:
         if not files:
             raise TrainingError(f"{directory} holds no checkpoint ({' or '.join(CHECKPOINT_FILES.values())})")
         checkpoint = load_arrays(files[0])  # mapped, read when used
-        artifacts = cls(checkpoint=checkpoint, layout=layout, base_dir=directory, **models)
+        base_dir = _data_folder(directory, layout["external_data"], path) if layout.get("external_data") else directory
+        artifacts = cls(checkpoint=checkpoint, layout=layout, base_dir=base_dir, directory=directory, **models)
         for attribute in cls.LAZY:
             del artifacts.__dict__[attribute]  # __getattr__ reads it when first used
         return artifacts
 
     def __getattr__(self, name: str):
         # only called for a model that load() left in its file
-        if name not in type(self).LAZY or "base_dir" not in self.__dict__:
+        directory = self.__dict__.get("directory") or self.__dict__.get("base_dir")
+        if name not in type(self).LAZY or directory is None:
             raise AttributeError(name)
-        file = os.path.join(self.base_dir, self.FILES[name])
+        file = os.path.join(directory, self.FILES[name])
         model = onnx.load(file, load_external_data=False) if os.path.isfile(file) else None
         setattr(self, name, model)
         return model
 
 
+
+
+def _data_folder(directory: str, record: dict, path: str) -> str:
+    """The folder of the data files ``artifacts.json`` (at ``path``) records: relative to the
+    artifacts' directory, else where it was; each file must be there with its recorded size."""
+    files = record.get("files", {})
+    candidates = [os.path.join(directory, record["folder"])] if record.get("folder") is not None else []
+    candidates += [record["path"]] if record.get("path") else []
+    for folder in candidates:
+        if all(os.path.isfile(os.path.join(folder, f)) and os.path.getsize(os.path.join(folder, f)) == size
+               for f, size in files.items()):
+            return folder
+    where = candidates[0] if candidates else directory
+    missing = [f for f in files if not os.path.isfile(os.path.join(where, f))]
+    problem = (f"{names_summary(missing)} {'is' if len(missing) == 1 else 'are'} not there" if missing else
+               f"{names_summary(list(files))} changed size since then")
+    raise TrainingError(f"{path}: the models read their tensors from {names_summary(list(files))} in {where} (the data "
+                        f"file of the model the artifacts were generated from), but {problem}: put it back, or generate "
+                        "the artifacts again (--external-data writes a copy of the tensors beside them)")
 
 
 def _as_proto(model) -> onnx.ModelProto:
@@ -367,6 +437,7 @@ def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], wh
     graph.outputs.extend(outputs)
     passes = [RemoveUnusedNodesPass()] if cleaned else cleanup_passes()
     model = ir.passes.PassManager(passes)(model).model
+    _frozen_read_in_place(model)
     if any(v.shape is None or v.type is None for v in graph.outputs):
         ShapeInferencePass(strict_mode=False)(model)
     untyped = [v.name for v in graph.outputs if v.shape is None or v.type is None]
@@ -379,6 +450,62 @@ def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], wh
         first = str(error).strip().splitlines()[0]
         raise TrainingError(f"the generated {what} fails the ONNX checker (a bug, please report): {first}") from error
     return proto
+
+
+FROZEN_IN_PLACE = 1 << 18  # bytes: a frozen weight this large is read where it is stored, never copied transposed
+_GEMM_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE})
+
+
+def _frozen_read_in_place(model: ir.Model) -> None:
+    """``MatMul(x, Transpose(W))`` of a large frozen weight ``W`` (an initializer of at least
+    :data:`FROZEN_IN_PLACE` bytes; torch exports ``nn.Linear`` so) as a Gemm that reads W
+    transposed in place, x of rank > 2 flattened to a matrix and back (the same products):
+    onnxruntime would fold the Transpose of the constant into a second, transposed copy of W when
+    it creates the session, and keep both where the backward reads W too."""
+    graph = model.graph
+    if default_opset(model) < 11:  # Gemm's C input is optional from opset 11
+        return
+    namer = None
+    for node in list(graph):
+        weight = node.inputs[0] if node.op_type == "Transpose" and node.domain in ("", "ai.onnx") else None
+        tensor = weight.const_value if weight is not None and weight.is_initializer() else None
+        if (tensor is None or weight.is_graph_input() or tensor.dtype not in _GEMM_TYPES or len(tensor.shape) != 2
+                or tensor.nbytes < FROZEN_IN_PLACE or list(node.attributes.get_ints("perm", [1, 0])) != [1, 0]):
+            continue
+        transposed = node.outputs[0]
+        for user, index in list(transposed.uses()):
+            x = user.inputs[0]
+            if (user.op_type != "MatMul" or user.domain not in ("", "ai.onnx") or index != 1 or x is None
+                    or x.shape is None or len(x.shape) < 2 or user.outputs[0].is_graph_output()):
+                continue
+            namer = namer or Namer.for_graph(graph, prefix="frozen")
+            out, (n, k), lead = user.outputs[0], tensor.shape.dims, list(x.shape.dims[:-1])
+            nodes, rows = [], x
+            if len(x.shape) > 2:
+                nodes.append(ir.node("Reshape", [x, _constant(graph, namer, np.array([-1, k], np.int64), "rows")]))
+                rows = nodes[-1].outputs[0]
+                rows.name, rows.dtype, rows.shape = namer.fresh(f"{x.name}.rows"), x.dtype, ir.Shape([None, k])
+            nodes.append(ir.node("Gemm", [rows, weight], attributes={"transB": 1}))
+            product = nodes[-1].outputs[0]
+            product.name, product.dtype = namer.fresh(f"{out.name}.rows"), out.dtype
+            if len(x.shape) > 2:
+                if all(isinstance(d, int) for d in lead):
+                    shape = _constant(graph, namer, np.array([*lead, n], np.int64), "shape")
+                else:  # the leading dims of x, then N
+                    start, end = (_constant(graph, namer, np.array([i], np.int64), "axis") for i in (0, -1))
+                    nodes.append(ir.node("Shape", [x]))
+                    nodes.append(ir.node("Slice", [nodes[-1].outputs[0], start, end]))
+                    last = _constant(graph, namer, np.array([n], np.int64), "columns")
+                    nodes.append(ir.node("Concat", [nodes[-1].outputs[0], last], attributes={"axis": 0}))
+                    shape = nodes[-1].outputs[0]
+                    for value in (nodes[-3].outputs[0], nodes[-2].outputs[0], shape):
+                        value.name = namer.fresh(f"{out.name}.shape")
+                nodes.append(ir.node("Reshape", [product, shape]))
+            result = nodes[-1].outputs[0]
+            result.type, result.shape = out.type, out.shape
+            ir.convenience.replace_nodes_and_values(graph, user, [user], nodes, [out], [result])
+        if not transposed.uses() and not transposed.is_graph_output():
+            graph.remove(node, safe=True)
 
 
 def generate_artifacts(
@@ -443,7 +570,7 @@ def generate_artifacts(
     if lora is not None:
         extra = [requires_grad] if isinstance(requires_grad, str) else list(requires_grad or [])
         proto, forward = _with_opset_for(lora, proto, forward, upgrade_opset)
-        proto, injected = adapted(proto, lora, trained=extra)
+        proto, injected = adapted(proto, lora, trained=extra, base_dir=base_dir)
         if injected.quantized:  # the inference model stores the base as the train model does
             forward = _quantized(forward, lora, injected.quantized, base_dir)
         frozen = {frozen_params} if isinstance(frozen_params, str) else set(frozen_params or [])

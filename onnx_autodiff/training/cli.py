@@ -27,8 +27,9 @@ def add_arguments(parser) -> None:
     add_generation_arguments(parser)
     parser.add_argument("--gradient-accumulation", action="store_true", help="also write the accumulate and apply models")
     parser.add_argument("--external-data", action="store_true",
-                        help="write each model's tensors to a data file beside it (done anyway for models over "
-                             "protobuf's 2 GB limit and for models read with external data)")
+                        help="write each model's tensors to a data file beside it, a self-contained copy (done "
+                             "anyway for models over protobuf's 2 GB limit; without it, the artifacts of a model "
+                             "read with external data read its data file where it is, no copy written)")
     parser.add_argument("--checkpoint-format", choices=["npz", "safetensors"], default="npz",
                         help="checkpoint.npz (default) or checkpoint.safetensors (what the JavaScript trainer reads)")
 

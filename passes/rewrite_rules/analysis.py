@@ -15,6 +15,7 @@ from onnx_autodiff.toolkit.builder import CONSTANT_TYPES_BEFORE_9, FLOAT_TYPES
 # Dims of a value: per axis an int (static), a str (named symbolic) or None (unknown).
 Dims = tuple
 SMALL = 16  # a zero tensor at most this large becomes a Constant, a larger one a ConstantOfShape
+_FILL_HEAD = 64  # elements fill() compares before the whole tensor
 dims, rank, literal = shapes.dims, shapes.rank, shapes.literal  # the cleanup's rules read them from here with the rest
 
 _CASTABLE = {*FLOAT_TYPES, ir.DataType.BOOL,
@@ -73,7 +74,12 @@ def fill(value: ir.Value | None) -> float | None:
         array = literal(value)
         if array is None or array.size == 0 or array.dtype.kind not in "biuf":
             return None
-        first = array.flat[0]
+        flat = array.reshape(-1)
+        first = flat[0]
+        # its first elements first: a weight is no fill, and a frozen one stored beside the model
+        # is then not read whole (every page of it mapped) to say so
+        if array.size > 1 and not bool(np.all(flat[:_FILL_HEAD] == first)):
+            return None
         return float(first) if array.size == 1 or bool(np.all(array == first)) else None
     if node is None or node.domain != "":
         return None
