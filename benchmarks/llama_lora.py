@@ -71,12 +71,21 @@ def rss_mb() -> float:
         return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
 
 
-def artifacts_argv(args, folder: str) -> list[str]:
-    """The ``onnx-autodiff artifacts`` command of the artifacts phase: its options are built here
-    alone (a base-quantizing option, for instance, goes here)."""
-    return [sys.executable, "-m", "onnx_autodiff", "artifacts", os.path.join(folder, "model.onnx"), "-o",
-            os.path.join(folder, "artifacts"), "--loss", "none", "--optimizer", "adamw", "--lr", str(LR),
+def artifacts_argv(args, folder: str, quantized: bool = False) -> list[str]:
+    """The ``onnx-autodiff artifacts`` command of the artifacts phase (``quantized``: of the
+    quantized base, with ``--quantize-base``): its options are built here alone."""
+    argv = [sys.executable, "-m", "onnx_autodiff", "artifacts", os.path.join(folder, "model.onnx"), "-o",
+            os.path.join(folder, base_files(quantized)[0]), "--loss", "none", "--optimizer", "adamw", "--lr", str(LR),
             "--weight-decay", "0.01", "--lora", str(RANK), "--lora-targets", *(f"*{t}*" for t in TARGETS)]
+    if quantized:
+        argv += ["--quantize-base", args.quantize_base, "--quantize-format", args.quantize_format]
+    return argv
+
+
+def base_files(quantized: bool) -> tuple[str, str, str]:
+    """The artifacts directory, the merged export and the phases' result suffix of the float base
+    or of the quantized one."""
+    return ("artifacts-quantized", "merged-quantized.onnx", "-quantized") if quantized else ("artifacts", "merged.onnx", "")
 
 
 def batches(args, vocab: int) -> list[dict[str, np.ndarray]]:
@@ -149,7 +158,8 @@ def phase_train(folder: str, args) -> dict:
     data = batches(args, sizes(args)["vocab"])
     imported = rss_mb()
     start = time.perf_counter()
-    trainer = Trainer(os.path.join(folder, "artifacts"), lr=LR, providers=["CPUExecutionProvider"])
+    directory, merged, _ = base_files(args.quantized)
+    trainer = Trainer(os.path.join(folder, directory), lr=LR, providers=["CPUExecutionProvider"])
     session = time.perf_counter() - start
     loaded = rss_mb()
     losses, times = [], []
@@ -163,9 +173,10 @@ def phase_train(folder: str, args) -> dict:
     evaluating = time.perf_counter() - start
     evaluated_peak = peak_mb()
     start = time.perf_counter()
-    trainer.export(os.path.join(folder, "merged.onnx"), external_data=True)
+    trainer.export(os.path.join(folder, merged), external_data=True)
     exporting = time.perf_counter() - start
-    return {"session_s": session, "losses": losses, "step_s": times, "eval_loss": evaluated, "eval_s": evaluating,
+    cost = trainer.merge_cost(data[0]) if args.quantized else None  # after the peaks: its own sessions
+    return {"merge_cost": cost, "session_s": session, "losses": losses, "step_s": times, "eval_loss": evaluated, "eval_s": evaluating,
             "export_s": exporting, "imports_mb": imported, "loaded_mb": loaded, "steps_peak_mb": stepped,
             "eval_peak_mb": evaluated_peak}
 
@@ -175,7 +186,7 @@ def phase_merged(folder: str, args) -> dict:
 
     batch = batches(args, sizes(args)["vocab"])[0]
     start = time.perf_counter()
-    session = ort.InferenceSession(os.path.join(folder, "merged.onnx"), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(os.path.join(folder, base_files(args.quantized)[1]), providers=["CPUExecutionProvider"])
     (loss,) = session.run(None, batch)
     return {"loss": float(loss), "run_s": time.perf_counter() - start}
 
@@ -246,6 +257,11 @@ def main(argv=None) -> int:
     parser.add_argument("--no-torch", action="store_true", help="skip PyTorch + peft")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where to write the files")
     parser.add_argument("--keep", action="store_true", help="keep the files")
+    parser.add_argument("--quantize-base", choices=["int4", "int8", "float16"],
+                        help="also train LoRA on the base quantized at build time (QLoRA), side by side")
+    parser.add_argument("--quantize-format", choices=["dequantizelinear", "matmulnbits"], default="matmulnbits",
+                        help="how the quantized base is read (default: onnxruntime's MatMulNBits kernel)")
+    parser.add_argument("--quantized", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -253,7 +269,7 @@ def main(argv=None) -> int:
     args.seq = SIZES[args.size]["seq"] if args.seq is None else args.seq
     if args.phase:
         result = PHASES[args.phase](args.folder, args)
-        with open(os.path.join(args.folder, f"{args.phase}.json"), "w") as stream:
+        with open(os.path.join(args.folder, f"{args.phase}{base_files(args.quantized)[2]}.json"), "w") as stream:
             json.dump(dict(result, vmhwm_mb=peak_mb()), stream)
         return 0
     folder = tempfile.mkdtemp(prefix="onnx-autodiff-llama-", dir=args.dir)
@@ -267,7 +283,7 @@ def main(argv=None) -> int:
             with open(os.path.join(folder, f"{name}.json")) as stream:
                 results[name] = json.load(stream)
         rows.append([label, f"{seconds:.1f}", f"{peak:.0f}", "" if disk is None else f"{disk_mb(folder, disk):.0f}",
-                     name if name in ("train", "torch") and not code else None])
+                     name if name in ("train", "torch", "train-quantized") and not code else None])
         if code or not name:  # the phases' own output is warnings (torch's registry, onnxruntime's folding)
             print(f"{label}: exit {code}\n  " + text.replace("\n", "\n  "))
         return not code
@@ -281,6 +297,14 @@ def main(argv=None) -> int:
                         "train", "merged.onnx")
               and phase("merged model on onnxruntime", [*me, *common, "--phase=merged"], "merged")
               and (args.no_torch or phase(f"PyTorch + peft: {args.steps} steps", [*me, *common, "--phase=torch"], "torch")))
+        if ok and args.quantize_base:
+            base = f"{args.quantize_base} {args.quantize_format}"
+            quantized = [*common, "--quantized"]
+            ok = (phase(f"onnx-autodiff artifacts --lora --quantize-base {base}", artifacts_argv(args, folder, True), None,
+                        "artifacts-quantized")
+                  and phase(f"Trainer, {base} base: {args.steps} steps, evaluate, export merged",
+                            [*me, *quantized, "--phase=train"], "train-quantized", "merged-quantized")
+                  and phase(f"merged {base} model on onnxruntime", [*me, *quantized, "--phase=merged"], "merged-quantized"))
         size = sizes(args)
         if "export" in results:
             e = results["export"]
@@ -313,6 +337,22 @@ def main(argv=None) -> int:
             print(f"merged model: loss {results['merged']['loss']:.5f}, Trainer.evaluate {results['train']['eval_loss']:.5f} "
                   f"(relative difference {error:.1e}); session + run {results['merged']['run_s']:.1f} s")
             code |= error > 1e-4
+        if "train-quantized" in results:
+            q = results["train-quantized"]
+            print(f"\nours, {args.quantize_base} {args.quantize_format} base: sessions {q['session_s']:.1f} s; step "
+                  f"{_steps(q['step_s'])}; export merged {q['export_s']:.1f} s")
+            print("  losses " + " ".join(f"{x:.5f}" for x in q["losses"]) + "  (float base: "
+                  + " ".join(f"{x:.5f}" for x in results["train"]["losses"]) + ")")
+            cost = q["merge_cost"]
+            print(f"  merging into the {args.quantize_base} base (quantized again): loss {cost['adapted']:.5f} -> "
+                  f"{cost['merged']:.5f}")
+            if "merged-quantized" in results:
+                error = abs(results["merged-quantized"]["loss"] - cost["merged"]) / abs(cost["merged"])
+                print(f"  merged model: loss {results['merged-quantized']['loss']:.5f} (against merge_cost: {error:.1e})")
+                code |= error > 1e-4
+            if "train" in results:
+                peaks = {r[4]: float(r[2]) for r in rows if r[4]}
+                print(f"  peak RSS of the Trainer phase: {peaks['train-quantized'] / peaks['train']:.2f}x the float base's")
         if "torch" in results:
             p = results["torch"]
             print(f"PyTorch + peft eager: {p['adapters']} adapters, build {p['build_s']:.1f} s; step {_steps(p['step_s'])}")

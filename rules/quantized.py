@@ -19,6 +19,7 @@ from onnx_autodiff.rules.registry import rule
 from onnx_autodiff.toolkit import shapes
 
 _NBITS_INPUTS = ("A", "B", "scales", "zero_points", "g_idx", "bias")
+CHUNK = 1 << 22  # weights dequantized at once in the backward (16 MB of float32)
 
 
 @rule("MatMulNBits", domain="com.microsoft", differentiable=("A", "bias"), inputs=_NBITS_INPUTS, broadcast=("bias",))
@@ -35,8 +36,9 @@ def _times_weight(op, node, dY):
     constant-folds a DequantizeLinear, so the weight is unpacked each time the backward reads it
     and only the packed bytes stay in memory (BitShift on the constant bytes would be folded at
     load into a copy twice their size). A 4-bit weight is multiplied as its two halves, the
-    columns of the low and of the high nibbles, and the two products interleaved: no whole float
-    copy of the weight is made."""
+    columns of the low and of the high nibbles, and the two products interleaved; a large weight
+    is dequantized :data:`CHUNK` weights at a time (a slice of its output columns, the products
+    summed): no whole float copy of it is made."""
     inputs = list(node.inputs) + [None] * (len(_NBITS_INPUTS) - len(node.inputs))
     _, packed, scales, zero_points, g_idx, _ = inputs
     K, N = shapes.attr(node, "K", None), shapes.attr(node, "N", None)
@@ -59,9 +61,19 @@ def _times_weight(op, node, dY):
         zero = halves[0] if bits == 8 else op.reshape(
             op.Concat(*[op.reshape(half, [N, per_row, 1]) for half in halves], axis=-1), [N, per_row * 2])
         zero = op.reshape(op.slice(zero, [0], [blocks], axes=[1]), [N, blocks, 1])
-    values = _floats(op, op.reshape(packed, [N, blocks, per_block]), dtype)
-    parts = [op.reshape(op.Mul(op.Sub(half, zero), scale), [N, blocks * per_block]) for half in _halves(op, values, bits)]
-    products = [op.MatMul(dY, part) for part in parts]
+    packed = op.reshape(packed, [N, blocks, per_block])
+    products = None
+    rows = max(1, CHUNK // K)
+    for start in range(0, N, rows):  # a slice of Wᵀ's rows at a time: one slice's floats live at once
+        end = min(N, start + rows)
+        part = (lambda v: v) if (start, end) == (0, N) else (lambda v: op.slice(v, [start], [end], axes=[0]))
+        halves = _halves(op, _floats(op, part(packed), dtype), bits)
+        offset = zero if zero_points is None else part(zero)  # a number, or one per row and block
+        weights = [op.reshape(op.Mul(op.Sub(half, offset), part(scale)), [end - start, blocks * per_block])
+                   for half in halves]
+        rows_of_dY = dY if (start, end) == (0, N) else op.slice(dY, [start], [end], axes=[-1])
+        partial = [op.MatMul(rows_of_dY, w) for w in weights]
+        products = partial if products is None else [op.Add(a, b) for a, b in zip(products, partial)]
     if bits == 4:  # columns 2j and 2j + 1 of Wᵀ: interleave the products along the last axis
         pairs = op.Concat(*[op.Unsqueeze(p, op.const([-1])) for p in products], axis=-1)
         rank = node.inputs[0].shape.rank() if node.inputs[0].shape is not None else None

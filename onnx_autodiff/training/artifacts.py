@@ -43,6 +43,7 @@ from onnx_autodiff.passes.recovery import RecoverParametersPass, is_torch_export
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder
 from onnx_autodiff.training.losses import LossSpec, attach_loss
 from onnx_autodiff.training.optimizers import (
+    coefficient_formulas,
     emit_update,
     make_optimizer,
     optimizer_from_json,
@@ -57,7 +58,10 @@ from onnx_autodiff.training.values import (
     load_arrays,
 )
 
-FORMAT_VERSION = 1
+# 2: Adam's and AdamW's per-step coefficients are scalar inputs that the runner computes (the
+# models' layouts' "coefficients"), no longer float64 nodes of the graph; 1 still loads and runs.
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 CHECKPOINT_FILES = {"npz": "checkpoint.npz", "safetensors": "checkpoint.safetensors"}
 
 
@@ -158,6 +162,11 @@ class TrainingArtifacts:
             return models, None
         if any(over_limit(p.ByteSize()) for p in protos):  # the tensors held in the models need a data file too
             return models, None
+        if any(t.data_location != onnx.TensorProto.EXTERNAL and len(t.raw_data) >= FROZEN_IN_PLACE
+               for p in protos for t in p.graph.initializer):
+            # large tensors the build made (a base quantized anew): in data files of their own, which
+            # the runtimes map, rather than held in every model's proto (one folder for all of them)
+            return models, None
         folder = os.path.abspath(self.base_dir)
         files = list(dict.fromkeys(f for p in protos for f in external_files(p)))
         ours = {os.path.join(os.path.abspath(directory), f)
@@ -184,8 +193,10 @@ class TrainingArtifacts:
             raise TrainingError(f"{directory} holds no training artifacts (no artifacts.json)")
         with open(path, encoding="utf-8") as stream:
             layout = json.load(stream)
-        if layout.get("format") != FORMAT_VERSION:
-            raise TrainingError(f"{path}: unsupported artifacts format {layout.get('format')!r}")
+        if layout.get("format") not in READABLE_FORMATS:
+            raise TrainingError(f"{path}: unsupported artifacts format {layout.get('format')!r} (this version of "
+                                f"onnx-autodiff reads formats {', '.join(map(str, READABLE_FORMATS))}): generate the "
+                                "artifacts again, or use the onnx-autodiff that wrote them")
         models = {}
         for attribute, filename in cls.FILES.items():
             file = os.path.join(directory, filename)
@@ -727,12 +738,12 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     carry, state_layout = [], {}
     extra_inputs: list[ir.Value] = []
     outputs = [loss_out]
-    scalars = {}
+    scalars, coefficients = {}, {}
     if kind == "train":
         lr = fresh_value(namer, "lr", ir.DataType.FLOAT, [])
         step = fresh_value(namer, "step", ir.DataType.INT64, [])
         states, new_params, new_states, kept = emit_update(op, spec, params, grads, lr, step, namer, max_grad_norm,
-                                                           loss=loss)
+                                                           loss=loss, coefficients=coefficients)
         for p, new_p in zip(params, new_params):
             outputs.append(_publish(op, namer, new_p, f"{p.name}.new", taken, like=p))
             carry.append([p.name, p.name, outputs[-1].name])
@@ -742,8 +753,8 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
                 outputs.append(_publish(op, namer, new_s, f"{s.name}.new", taken, like=s))
                 carry.append([s.name, s.name, outputs[-1].name])
                 extra_inputs.append(s)
-        scalars = {"lr": lr.name, "step": step.name}
-        tail = [lr, step]
+        scalars = {"lr": lr.name, "step": step.name, **{key: value.name for key, value in coefficients.items()}}
+        tail = [lr, step, *coefficients.values()]
     else:  # accumulate: acc + grad
         tail = []
         kept, _ = step_kept(op, grads, loss)
@@ -780,6 +791,8 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
         "loss": loss_out.name,
         "kept": outputs[-1].name,
     }
+    if coefficients:  # how the runner computes the scalar inputs other than lr and step
+        layout["coefficients"] = {key: coefficient_formulas(spec)[key] for key in coefficients}
     return {"model": proto_out, "layout": layout, "labels": [v.name for v in labels], "state": state_layout}
 
 
@@ -829,8 +842,10 @@ def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumul
     step = fresh_value(namer, "step", ir.DataType.INT64, [])
     scale = fresh_value(namer, "grad_scale", ir.DataType.FLOAT, [])
     grads = [op.Mul(a, op.CastLike(scale, a)) for a in accs]
+    coefficients: dict = {}
     states, new_params, new_states, kept = emit_update(op, spec, params, grads, lr, step, namer, max_grad_norm,
-                                                        [state.get(p, []) for p in roles.params])
+                                                        [state.get(p, []) for p in roles.params],
+                                                        coefficients=coefficients)
     taken: set = set()
     outputs, carry = [], []
     for p, new_p in zip(params, new_params):
@@ -842,7 +857,7 @@ def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumul
             carry.append([s.name, s.name, outputs[-1].name])
     outputs.append(_publish(op, namer, kept, "kept", taken))
     state_inputs = [s for inputs in states for s in inputs]
-    graph = ir.Graph([*params, *accs, *state_inputs, lr, step, scale], outputs, nodes=op.nodes,
+    graph = ir.Graph([*params, *accs, *state_inputs, lr, step, scale, *coefficients.values()], outputs, nodes=op.nodes,
                      opset_imports={"": opset}, name="apply")
     model = ir.Model(graph, ir_version=max(proto.ir_version, 8), producer_name="onnx-autodiff")
     proto_out = _finish(model, list(graph.inputs), outputs, "apply model")
@@ -850,8 +865,11 @@ def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumul
         "batch": [],
         "carry": carry,
         "reads": [[a.name, a.name] for a in accs],
-        "scalars": {"lr": lr.name, "step": step.name, "grad_scale": scale.name},
+        "scalars": {"lr": lr.name, "step": step.name, "grad_scale": scale.name,
+                    **{key: value.name for key, value in coefficients.items()}},
         "loss": None,
         "kept": outputs[-1].name,
     }
+    if coefficients:
+        layout["coefficients"] = {key: coefficient_formulas(spec)[key] for key in coefficients}
     return proto_out, layout

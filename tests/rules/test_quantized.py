@@ -218,3 +218,12 @@ def test_lora_artifacts_on_a_frozen_base_train_and_export(form):
         step = np.repeat(scales.reshape(N, -1), BLOCK, axis=1)[:, :K].T / 2
     bound = h @ step + 1e-4
     assert np.all(np.abs(_session(merged).run(None, {"x": x})[0] - want) <= bound)
+
+
+@pytest.mark.parametrize("bits,zero_points", [(4, False), (4, True), (8, True)])
+def test_a_large_weight_is_dequantized_a_slice_at_a_time(bits, zero_points, monkeypatch):
+    """With room for one column of W at a time the backward sums N partial products: the same gradients."""
+    from onnx_autodiff.rules import quantized as rule
+
+    monkeypatch.setattr(rule, "CHUNK", K)
+    test_gradients_through_the_frozen_base(bits, zero_points, True)
