@@ -316,13 +316,13 @@ def main(argv=None) -> int:
         data = os.path.join(folder, "model.onnx.data")
         weights = os.path.getsize(data) / 2**20 if os.path.isfile(data) else None
         print("\n| phase | wall s | peak RSS MB | disk MB | RSS after imports MB | RSS after load MB | "
-              "(load - imports) / weights |\n|---|---|---|---|---|---|---|")
+              "(load - imports) / weights | peak RSS of the steps MB |\n|---|---|---|---|---|---|---|---|")
         for *cells, name in rows:
-            memory = ["", "", ""]
+            memory = ["", "", "", ""]
             if name:  # the phases that load the model: what loading it took, against its weight file
                 r = results[name]
                 ratio = f"{(r['loaded_mb'] - r['imports_mb']) / weights:.2f}" if weights else ""
-                memory = [f"{r['imports_mb']:.0f}", f"{r['loaded_mb']:.0f}", ratio]
+                memory = [f"{r['imports_mb']:.0f}", f"{r['loaded_mb']:.0f}", ratio, f"{r['steps_peak_mb']:.0f}"]
             print("| " + " | ".join([*cells, *memory]) + " |")
         if weights:
             print(f"weights: model.onnx.data {weights:.0f} MB")
@@ -351,8 +351,8 @@ def main(argv=None) -> int:
                 print(f"  merged model: loss {results['merged-quantized']['loss']:.5f} (against merge_cost: {error:.1e})")
                 code |= error > 1e-4
             if "train" in results:
-                peaks = {r[4]: float(r[2]) for r in rows if r[4]}
-                print(f"  peak RSS of the Trainer phase: {peaks['train-quantized'] / peaks['train']:.2f}x the float base's")
+                steps = q["steps_peak_mb"] / results["train"]["steps_peak_mb"]
+                print(f"  peak RSS of the steps: {steps:.2f}x the float base's")
         if "torch" in results:
             p = results["torch"]
             print(f"PyTorch + peft eager: {p['adapters']} adapters, build {p['build_s']:.1f} s; step {_steps(p['step_s'])}")

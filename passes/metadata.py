@@ -38,9 +38,7 @@ def grad_of_tag(node: ir.Node) -> str:
 
 def record_differentiated(model: ir.Model, names: Iterable[str]) -> None:
     """Add ``names`` to the model's list of differentiated values (read by the cleanup)."""
-    recorded = differentiated(model)
-    recorded += [n for n in names if n not in recorded]
-    model.metadata_props[DIFFERENTIATED_KEY] = json.dumps(recorded)
+    _add_names(model, DIFFERENTIATED_KEY, names)
 
 
 def differentiated(model: ir.Model) -> list[str]:
@@ -50,14 +48,18 @@ def differentiated(model: ir.Model) -> list[str]:
 
 def record_kept(model: ir.Model, names: Iterable[str]) -> None:
     """Add ``names`` to the model's list of initializers kept unfolded (read by the cleanup)."""
-    recorded = kept(model)
-    recorded += [n for n in names if n not in recorded]
-    model.metadata_props[KEPT_KEY] = json.dumps(recorded)
+    _add_names(model, KEPT_KEY, names)
 
 
 def kept(model: ir.Model) -> list[str]:
     """The names recorded under :data:`KEPT_KEY` (empty when there are none)."""
     return _names(model.metadata_props.get(KEPT_KEY))
+
+
+def _add_names(model: ir.Model, key: str, names: Iterable[str]) -> None:
+    recorded = _names(model.metadata_props.get(key))
+    recorded += [n for n in names if n not in recorded]
+    model.metadata_props[key] = json.dumps(recorded)
 
 
 def _names(text: str | None) -> list[str]:
