@@ -1,13 +1,17 @@
 // Runs onnx-autodiff training artifacts on onnxruntime-js: the same module in Node (onnxruntime-node)
 // and in the browser (onnxruntime-web), which pass their `ort` in. The train-step model takes
-// [batch, parameters, optimiser state, buffers, lr, step] and returns [loss, new parameters, new
-// state, new buffers]; artifacts.json names them ("train": batch, carry [key, input, output],
-// reads, scalars, loss). Parameters and state stay onnxruntime tensors from step to step: the
-// outputs of step k are the inputs of step k + 1.
+// [batch, parameters, optimiser state, buffers, lr, step, coefficients] and returns [loss, new
+// parameters, new state, new buffers]; artifacts.json names them ("train": batch, carry [key,
+// input, output], reads, scalars, coefficients, loss). Parameters and state stay onnxruntime
+// tensors from step to step: the outputs of step k are the inputs of step k + 1. The coefficients
+// (Adam's bias corrections, AdamW's decay) are scalars computed here in float64 from lr and the
+// step, as artifacts.json's expressions say, and fed in the input's type (float32 for a float32
+// model): the models hold no float64, which onnxruntime-web's builds cannot run.
 
 import { parse, serialize } from "./safetensors.mjs";
 
-export const FORMAT_VERSION = 1;
+export const FORMAT_VERSION = 2;
+export const READABLE_FORMATS = [1, 2]; // 1: the coefficients computed in the graph, in float64
 export const STEP_KEY = "__step__"; // the int64 scalar a checkpoint stores the number of steps taken in
 
 export class TrainingError extends Error {}
@@ -28,6 +32,34 @@ export function allFinite(tensor) {
   const { type, data } = tensor;
   if (type === "float16") return data.every((bits) => (bits & 0x7c00) !== 0x7c00);
   return !FLOATS.has(type) || data.every(Number.isFinite);
+}
+
+// The operators of the layout's coefficient expressions, in float64 (as Python's float and C's pow).
+const OPERATORS = {
+  "+": (a, b) => a + b, "-": (a, b) => a - b, "*": (a, b) => a * b, "/": (a, b) => a / b,
+  pow: Math.pow, sqrt: Math.sqrt, float32: Math.fround,
+};
+
+/** The value of a coefficient expression of artifacts.json: a number, a name of `values` ("lr",
+ * "step") or [operator, ...operands]. */
+export function evaluateCoefficient(expression, values) {
+  if (typeof expression === "number") return expression;
+  if (typeof expression === "string") {
+    if (!(expression in values)) throw new TrainingError(`a coefficient reads '${expression}', which the trainer does not give`);
+    return Number(values[expression]);
+  }
+  if (!Array.isArray(expression) || !(expression[0] in OPERATORS)) {
+    throw new TrainingError(`unknown coefficient expression ${JSON.stringify(expression)}: the artifacts need a newer trainer`);
+  }
+  const [operator, ...operands] = expression;
+  return OPERATORS[operator](...operands.map((x) => evaluateCoefficient(x, values)));
+}
+
+/** A scalar tensor of `type` holding `value` (rounded to the type: float32 to nearest). */
+function scalarTensor(ort, type, value, name) {
+  if (type === "int64") return new ort.Tensor("int64", BigInt64Array.of(BigInt(value)), []);
+  if (type === "float32" || type === "float64") return new ort.Tensor(type, ARRAYS[type].of(value), []);
+  throw new TrainingError(`the train model's scalar input '${name}' is ${type}: this trainer feeds float32, float64 and int64 scalars`);
 }
 
 /** Rows [start, end) of each tensor of {name: tensor} along the first axis (views, no copy). */
@@ -139,8 +171,9 @@ export class Trainer {
     const text = await read("artifacts.json");
     if (!text) throw new TrainingError("the directory holds no training artifacts (no artifacts.json)");
     const layout = JSON.parse(new TextDecoder().decode(text));
-    if (layout.format !== FORMAT_VERSION) {
-      throw new TrainingError(`artifacts.json: unsupported artifacts format ${JSON.stringify(layout.format)}`);
+    if (!READABLE_FORMATS.includes(layout.format)) {
+      throw new TrainingError(`artifacts.json: unsupported artifacts format ${JSON.stringify(layout.format)} (this trainer reads `
+        + `formats ${READABLE_FORMATS.join(", ")}): generate the artifacts again, or use the trainer that goes with them`);
     }
     let checkpoint = options.checkpoint;
     if (!checkpoint) {
@@ -191,8 +224,15 @@ export class Trainer {
     const feeds = runner.feeds(ort, batch);
     for (const [key, input] of train.carry) feeds[input] = this.state.get(key);
     for (const [key, input] of train.reads) feeds[input] = this.state.get(key);
-    feeds[train.scalars.lr] = new ort.Tensor("float32", Float32Array.of(lr), []);
-    feeds[train.scalars.step] = new ort.Tensor("int64", BigInt64Array.of(BigInt(number)), []);
+    // lr and step, and the coefficients computed from them (float64, then the input's type)
+    const given = { lr, step: number };
+    const coefficients = train.coefficients ?? {};
+    for (const [key, input] of Object.entries(train.scalars)) {
+      const value = key in coefficients ? evaluateCoefficient(coefficients[key], given) : given[key];
+      if (value === undefined) throw new TrainingError(`the train model takes a scalar '${key}' that this trainer does not know`);
+      const type = runner.meta[input]?.type ?? (key === "step" ? "int64" : "float32");
+      feeds[input] = scalarTensor(ort, type, value, input);
+    }
     const results = await runner.run(feeds);
     const loss = Number(results[train.loss].data[0]);
     // artifacts with a "kept" output decide in the graph; older ones by the new parameters and

@@ -135,6 +135,7 @@ def test_nonfinite_step_raises_or_skips_and_keeps_nothing(artifacts_dir, batch, 
     ("no safetensors checkpoint", 1, "checkpoint_format=\"safetensors\""),
     ("damaged data", 2, "not a safetensors file"),
     ("zero steps", 2, "--steps must be a whole number >= 1"),
+    ("unknown format", 1, "unsupported artifacts format 99 (this trainer reads formats 1, 2)"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(case, status, message, batch, tmp_path):
     directory = tmp_path / "artifacts"
@@ -154,6 +155,9 @@ def test_bad_input_is_one_line_and_writes_nothing(case, status, message, batch, 
         Path(data).write_bytes(Path(data).read_bytes()[:50])
     elif case == "zero steps":
         args[4] = 0
+    elif case == "unknown format":
+        layout = json.loads((directory / "artifacts.json").read_text())
+        (directory / "artifacts.json").write_text(json.dumps({**layout, "format": 99}))
     result = node(*args, check=False)
     assert result.returncode == status, result.stderr
     assert result.stderr.startswith("train.mjs: error: ") and result.stderr.count("\n") == 1, result.stderr

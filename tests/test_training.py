@@ -365,9 +365,14 @@ def test_artifacts_models_pass_checker_and_have_documented_interface():
     train = artifacts.train_model.graph
     assert [v.name for v in train.input] == [
         "X", "labels", "W1", "b1", "W2", "b2", "W1.exp_avg", "W1.exp_avg_sq", "b1.exp_avg", "b1.exp_avg_sq",
-        "W2.exp_avg", "W2.exp_avg_sq", "b2.exp_avg", "b2.exp_avg_sq", "lr", "step"]
+        "W2.exp_avg", "W2.exp_avg_sq", "b2.exp_avg", "b2.exp_avg_sq", "lr", "step", "step_size", "eps_scaled", "decay"]
     assert [v.name for v in train.output][:3] == ["loss", "W1.new", "b1.new"]
-    assert set(artifacts.checkpoint) == {v.name for v in train.input[2:-2]}
+    assert set(artifacts.checkpoint) == {v.name for v in train.input[2:-5]}
+    # the scalars the runner feeds: lr, step and the coefficients it computes from them (float32 here)
+    layout = artifacts.layout["train"]
+    assert layout["scalars"] == {k: k for k in ("lr", "step", "step_size", "eps_scaled", "decay")}
+    assert sorted(layout["coefficients"]) == ["decay", "eps_scaled", "step_size"]
+    assert all(v.type.tensor_type.elem_type == TensorProto.FLOAT for v in train.input[-5:] if v.name != "step")
 
 
 def test_cli_run_writes_artifacts(tmp_path, capsys):

@@ -1,4 +1,5 @@
-"""The browser demo (examples/web) trains the digits classifier in headless Chromium to >= 90 %.
+"""The browser demo (examples/web) trains the digits classifier in headless Chromium to >= 90 %;
+Adam(W) artifacts step on onnxruntime-web's reduced-type WebAssembly build (no float64 kernels).
 
 Skipped without Chromium or js/node_modules (CI installs both: apt-get install chromium, npm ci).
 """
@@ -28,3 +29,111 @@ def test_browser_page_trains_to_90_percent(tmp_path):
     accuracy = re.search(r"^browser: test accuracy ([0-9.]+)%", result.stdout, re.MULTILINE)
     assert accuracy and float(accuracy.group(1)) >= 90, result.stdout
     assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# A page that opens each artifacts directory named in its query with js/trainer.mjs on the
+# WebAssembly build that onnxruntime-web's WebGPU bundle ships (reduced kernel type lists: no
+# float64 Cast) and takes two steps; window.trainingResult holds each directory's losses or error.
+STEP_PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>one step per artifacts directory</title></head>
+<body data-state="loading"><script type="module">
+const query = new URLSearchParams(location.search);
+try {
+  const ort = await import(`./js/node_modules/onnxruntime-web/dist/${query.get("bundle")}`);
+  const { Trainer } = await import("./js/trainer.mjs");
+  ort.env.wasm.numThreads = 1;
+  const results = {};
+  for (const dir of query.get("dirs").split(",")) {
+    const read = async (name) => {
+      const response = await fetch(`${dir}/${name}`);
+      return response.ok ? new Uint8Array(await response.arrayBuffer()) : null;
+    };
+    try {
+      const batch = JSON.parse(new TextDecoder().decode(await read("batch.json")));
+      const feeds = { X: { type: "float32", dims: batch.dims, data: Float32Array.from(batch.X) },
+                      labels: { type: "int64", dims: [batch.dims[0]], data: BigInt64Array.from(batch.labels, BigInt) } };
+      const trainer = await Trainer.open(ort, read, { sessionOptions: { executionProviders: ["wasm"] } });
+      const losses = [await trainer.step(feeds), await trainer.step(feeds)];
+      results[dir] = { losses, steps: trainer.stepCount };
+    } catch (error) {
+      results[dir] = { error: String(error.message ?? error).split("\\n")[0] };
+    }
+  }
+  window.trainingResult = results;
+  document.body.dataset.state = "done";
+} catch (error) {
+  window.trainingError = String(error.message ?? error);
+  document.body.dataset.state = "error";
+}
+</script></body></html>
+"""
+
+
+def test_adam_artifacts_step_on_the_reduced_type_wasm_build(tmp_path):
+    """Adam and AdamW artifacts (clipping, LoRA, BatchNormalization in training mode) create a
+    session and step on onnxruntime-web's reduced-type WebAssembly build, whose missing float64
+    Cast failed every Adam(W) train model while the graph computed the bias corrections in float64
+    ("Could not find an implementation for Cast(13)"); the losses are the Python Trainer's."""
+    executable = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    if not executable:
+        pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
+    bundle = "ort.webgpu.min.mjs"
+    if not (ROOT / "js" / "node_modules" / "onnxruntime-web" / "dist" / bundle).is_file():
+        pytest.skip("js/node_modules is missing: run npm ci --ignore-scripts --prefix js")
+    import functools
+    import importlib.util
+    import json
+    import tempfile
+    import threading
+
+    import numpy as np
+    from test_training import batches, bn_dropout_model, mlp
+
+    from onnx_autodiff.passes.lora import LoraConfig
+    from onnx_autodiff.training import Trainer, generate_artifacts
+
+    spec = importlib.util.spec_from_file_location("web_check", ROOT / "examples" / "web" / "check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+
+    def bn_model():  # BatchNormalization in training mode; Dropout as Identity, so that steps repeat
+        model = bn_dropout_model()
+        dropout = next(n for n in model.graph.node if n.op_type == "Dropout")
+        dropout.op_type, dropout.input[:] = "Identity", dropout.input[:1]
+        return model
+
+    configs = {
+        "adamw": (mlp, {"optimizer": "adamw", "optimizer_options": {"lr": 0.01, "weight_decay": 0.1}}),
+        "adam-amsgrad-clip": (mlp, {"optimizer": "adam", "max_grad_norm": 0.5,
+                                    "optimizer_options": {"lr": 0.01, "amsgrad": True, "weight_decay": 0.05}}),
+        "adamw-lora": (mlp, {"optimizer": "adamw", "lora": LoraConfig(rank=2), "optimizer_options": {"lr": 0.05}}),
+        "adamw-batchnorm": (bn_model, {"optimizer": "adamw", "optimizer_options": {"lr": 0.01}}),
+    }
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "js").symlink_to(ROOT / "js", target_is_directory=True)
+    (site / "step.html").write_text(STEP_PAGE, encoding="utf-8")
+    X, y = next(batches(1))
+    expected = {}
+    for name, (make, options) in configs.items():
+        artifacts = generate_artifacts(make(), **options)
+        artifacts.save(site / name, checkpoint_format="safetensors")
+        (site / name / "batch.json").write_text(json.dumps({"dims": list(X.shape), "X": X.ravel().tolist(), "labels": y.tolist()}))
+        trainer = Trainer(artifacts)
+        expected[name] = [trainer.step((X, y)), trainer.step((X, y))]
+    server = check.http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(check.Handler, directory=str(site)))
+    with tempfile.TemporaryDirectory(prefix="onnx-autodiff-chromium-") as profile:
+        browser = check.Chromium(executable, profile)  # before the server's thread (a pre-exec hook)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}/step.html?bundle={bundle}&dirs={','.join(configs)}"
+        try:
+            results = check.train_in_browser(browser, url, str(tmp_path / "page.png"), 120)
+        finally:
+            browser.close()
+            server.shutdown()
+            server.server_close()
+    for name, want in expected.items():
+        got = results[name]
+        assert "error" not in got, f"{name}: {got['error']}"
+        assert got["steps"] == 2, name
+        np.testing.assert_allclose(got["losses"], want, rtol=1e-5, err_msg=name)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
+import math
+from collections.abc import Mapping
 
+import numpy as np
 import onnx_ir as ir
 
 from onnx_autodiff.errors import TrainingError
@@ -97,6 +99,71 @@ def optimizer_from_json(data: dict):
     return make_optimizer(data.pop("name"), **data)
 
 
+# Per-step coefficients (Adam's bias corrections, AdamW's decay): the runner computes them in
+# float64 from lr, the step number and the hyper-parameters, as torch.optim does in Python floats,
+# and feeds each as a scalar input of the parameters' precision (float32; float64 where a parameter
+# is float64); the graphs then hold no float64 that the model does not (onnxruntime-web's WebGPU
+# and reduced-type WebAssembly builds have no float64 Cast). The layout records each as an expression:
+# a number, "lr" or "step" (the values the runner feeds the inputs of those names), or
+# [operator, operand, ...] with the operators of COEFFICIENT_OPERATORS; ["float32", "lr"] is lr
+# rounded to float32, as the lr input holds it.
+COEFFICIENT_OPERATORS = {
+    "+": lambda a, b: a + b,
+    "-": lambda a, b: a - b,
+    "*": lambda a, b: a * b,
+    "/": lambda a, b: a / b,
+    "pow": math.pow,  # C's pow, as onnxruntime's Pow of doubles
+    "sqrt": math.sqrt,
+    "float32": lambda a: float(np.float32(a)),
+}
+
+
+def coefficient_formulas(spec) -> dict[str, list]:
+    """The per-step coefficients ``spec``'s update reads, by key, as layout expressions (see
+    :func:`evaluate_coefficient`); none for SGD, which reads lr and step themselves."""
+    if isinstance(spec, SGD):
+        return {}
+    b1, b2 = spec.betas
+    lr = ["float32", "lr"]
+    bc2_sqrt = ["sqrt", ["-", 1.0, ["pow", float(b2), "step"]]]  # √(1 − β2^t)
+    formulas = {
+        # lr/bc1 · m / (√v/√bc2 + eps) = (lr·√bc2/bc1) · m / (√v + eps·√bc2)
+        "step_size": ["/", ["*", lr, bc2_sqrt], ["-", 1.0, ["pow", float(b1), "step"]]],
+        "eps_scaled": ["*", bc2_sqrt, float(spec.eps)],
+    }
+    if spec.weight_decay and spec.decoupled:
+        formulas["decay"] = ["-", 1.0, ["*", lr, float(spec.weight_decay)]]
+    return formulas
+
+
+def compile_coefficient(expression):
+    """A function of {"lr": ..., "step": ...} computing a coefficient expression
+    (:func:`coefficient_formulas`) in float64; checks the expression once, here."""
+    if isinstance(expression, str):
+        def read(values, name=expression):
+            if name not in values:
+                raise TrainingError(f"a coefficient reads '{name}', which the runner does not give ({sorted(values)})")
+            return float(values[name])
+        return read
+    if isinstance(expression, (int, float)) and not isinstance(expression, bool):
+        number = float(expression)
+        return lambda values: number
+    if not isinstance(expression, (list, tuple)) or not expression or expression[0] not in COEFFICIENT_OPERATORS:
+        raise TrainingError(f"unknown coefficient expression {expression!r}: the artifacts need a newer onnx-autodiff")
+    operator, operands = COEFFICIENT_OPERATORS[expression[0]], [compile_coefficient(x) for x in expression[1:]]
+    if len(operands) == 1:
+        (a,) = operands
+        return lambda values: operator(a(values))
+    a, b = operands
+    return lambda values: operator(a(values), b(values))
+
+
+def evaluate_coefficient(expression, values: Mapping[str, float]) -> float:
+    """The value of a coefficient expression (:func:`coefficient_formulas`) in float64, ``values``
+    giving "lr" and "step"."""
+    return compile_coefficient(expression)(values)
+
+
 def step_kept(op: OpBuilder, grads, loss: ir.Value | None = None) -> tuple[ir.Value, ir.Value]:
     """(kept, Σ‖g‖²): kept is True when the loss (when given) and the float32 sum of the squared
     gradients are finite, i.e. no gradient is NaN or ±Inf (nor so large that its square is)."""
@@ -129,8 +196,12 @@ def when_kept(op: OpBuilder, kept: ir.Value, build, olds: list[ir.Value]) -> lis
 
 
 def emit_update(op: OpBuilder, spec, params, grads, lr: ir.Value, step: ir.Value, namer: Namer, max_grad_norm,
-                 state_names=None, loss: ir.Value | None = None):
+                 state_names=None, loss: ir.Value | None = None, coefficients: dict | None = None):
     """Optimiser nodes: returns (state inputs per param, new params, new states per param, kept).
+
+    ``coefficients``: a dict that gets the scalar inputs the update reads besides lr and step, by
+    key of :func:`coefficient_formulas` (graph inputs the caller adds, fed as the layout's
+    expressions compute them); needed for Adam and AdamW.
 
     ``kept`` is a bool scalar, True when the step counts: the loss (when given) and the sum of
     the squared gradients are finite. The update runs only then (:func:`when_kept`); otherwise
@@ -138,6 +209,13 @@ def emit_update(op: OpBuilder, spec, params, grads, lr: ir.Value, step: ir.Value
     still keep nothing of a failed step. The update also waits for the whole backward pass.
     """
     kept, total = step_kept(op, grads, loss)
+    formulas = coefficient_formulas(spec)
+    if formulas and coefficients is None:
+        raise TrainingError(f"{type(spec).__name__}'s update reads per-step coefficients: give emit_update a coefficients dict")
+    # one input per coefficient, in float32, or float64 where a parameter is (cast per parameter dtype)
+    wide = ir.DataType.DOUBLE if any(p.dtype == ir.DataType.DOUBLE for p in params) else ir.DataType.FLOAT
+    for key in formulas:
+        coefficients[key] = fresh_value(namer, key, wide, [])
     states = []
     for i, p in enumerate(params):
         shape = [dim_value(x) for x in p.shape]
@@ -148,7 +226,7 @@ def emit_update(op: OpBuilder, spec, params, grads, lr: ir.Value, step: ir.Value
             namer.taken.update(state_names[i])
 
     def build(op):
-        new_params, new_states = _update(op, spec, params, grads, states, lr, step, total, max_grad_norm)
+        new_params, new_states = _update(op, spec, params, grads, states, lr, step, total, max_grad_norm, coefficients)
         return [*new_params, *(s for news in new_states for s in news)]
 
     news = when_kept(op, kept, build, [*params, *(s for inputs in states for s in inputs)])
@@ -158,40 +236,25 @@ def emit_update(op: OpBuilder, spec, params, grads, lr: ir.Value, step: ir.Value
 
 
 def _update(op: OpBuilder, spec, params, grads, states, lr: ir.Value, step: ir.Value, total: ir.Value,
-            max_grad_norm) -> tuple[list[ir.Value], list[list[ir.Value]]]:
+            max_grad_norm, coefficients: Mapping[str, ir.Value] | None = None) -> tuple[list[ir.Value], list[list[ir.Value]]]:
     """The new parameters and, per parameter, the new states of one step (torch.optim's formulas;
-    ``total``: the sum of the squared gradients)."""
-    float32, double = ir.DataType.FLOAT, ir.DataType.DOUBLE
+    ``total``: the sum of the squared gradients; ``coefficients``: the scalar inputs of
+    :func:`coefficient_formulas` by key)."""
+    float32 = ir.DataType.FLOAT
     if max_grad_norm is not None:
         # torch.nn.utils.clip_grad_norm_: g ·= min(max_norm / (‖g‖₂ + 1e-6), 1) over all gradients
         coef = op.Min(op.Div(op.const(float(max_grad_norm), dtype=float32), op.Add(op.Sqrt(total), 1e-6)), 1.0)
         grads = [op.Mul(g, cast_like(op, coef, g)) for g in grads]
-    # scalar coefficients in float64, like torch's Python-float arithmetic, then cast per dtype
-    coefficients: dict = {}
+    # scalar coefficients: computed by the runner in float64, like torch's Python-float arithmetic
+    # (coefficient_formulas), fed in float32 or float64, cast per parameter dtype
+    cast: dict = {}
 
-    def scalar(key, build, like):
-        """A coefficient in ``like``'s dtype (no cast where it has it), ``build()`` computing it
-        (in float64, or lr as given) or a number."""
-        if (key, like.dtype) not in coefficients:
-            value = op.const(build, like=like) if isinstance(build, float) else cast_like(op, build(), like)
-            coefficients[(key, like.dtype)] = value
-        return coefficients[(key, like.dtype)]
-
-    @functools.cache  # one node per number and per bias correction (no CSE runs in the If's branch)
-    def d(x):
-        return op.const(float(x), dtype=double)
-
-    @functools.cache
-    def lr_d():
-        return op.Cast(lr, to=double)
-
-    @functools.cache
-    def t():
-        return op.Cast(step, to=double)
-
-    @functools.cache
-    def bc2_sqrt():
-        return op.Sqrt(op.Sub(d(1), op.Pow(d(spec.betas[1]), t())))
+    def scalar(key, value, like):
+        """A coefficient in ``like``'s dtype (no cast where it has it): ``value`` a number, or an
+        input (lr, or one of ``coefficients``)."""
+        if (key, like.dtype) not in cast:
+            cast[(key, like.dtype)] = op.const(value, like=like) if isinstance(value, float) else cast_like(op, value, like)
+        return cast[(key, like.dtype)]
 
     new_params, new_states = [], []
     for p, g, inputs in zip(params, grads, states):
@@ -210,14 +273,14 @@ def _update(op: OpBuilder, spec, params, grads, states, lr: ir.Value, step: ir.V
                     buf = op.Add(op.Mul(buf, m), g)  # buf = 0 before step 1: exactly g
                 outs.append(buf)
                 g = op.Add(g, op.Mul(buf, op.const(spec.momentum, like=p))) if spec.nesterov else buf
-            new_p = op.Sub(p, op.Mul(g, scalar("lr", lambda: lr, p)))
+            new_p = op.Sub(p, op.Mul(g, scalar("lr", lr, p)))
         else:
             b1, b2 = spec.betas
             m, v = inputs[0], inputs[1]
             if spec.weight_decay and not spec.decoupled:
                 g = op.Add(g, op.Mul(p, op.const(spec.weight_decay, like=p)))
             if spec.weight_decay and spec.decoupled:
-                decay = scalar("decay", lambda: op.Sub(d(1), op.Mul(lr_d(), d(spec.weight_decay))), p)
+                decay = scalar("decay", coefficients["decay"], p)
                 p_decayed = op.Mul(p, decay)
             else:
                 p_decayed = p
@@ -229,8 +292,8 @@ def _update(op: OpBuilder, spec, params, grads, states, lr: ir.Value, step: ir.V
                 second = op.Max(inputs[2], v)
                 outs.append(second)
             # lr/bc1 · m / (√v/√bc2 + eps) = (lr·√bc2/bc1) · m / (√v + eps·√bc2): one pass fewer
-            eps = scalar("eps", lambda: op.Mul(bc2_sqrt(), d(spec.eps)), p)
-            step_size = scalar("step_size", lambda: op.Div(op.Mul(lr_d(), bc2_sqrt()), op.Sub(d(1), op.Pow(d(b1), t()))), p)
+            eps = scalar("eps_scaled", coefficients["eps_scaled"], p)
+            step_size = scalar("step_size", coefficients["step_size"], p)
             denom = op.Add(op.Sqrt(second), eps)
             new_p = op.Sub(p_decayed, op.Mul(op.Div(m, denom), step_size))
         new_params.append(new_p)

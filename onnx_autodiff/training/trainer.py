@@ -17,6 +17,7 @@ from onnx_autodiff.modelfile import from_proto, over_limit, save_model, tensor_a
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, proto_graphs
 from onnx_autodiff.training import distributed
 from onnx_autodiff.training.artifacts import FROZEN_IN_PLACE, TrainingArtifacts
+from onnx_autodiff.training.optimizers import compile_coefficient
 from onnx_autodiff.files import write_atomically
 from onnx_autodiff.training.values import arrays_writer, load_arrays, owned_copy, shape_text
 
@@ -220,6 +221,8 @@ class _Runner:
             key: (name, _ORT_TYPES[meta[name].type], self._scalar(_ORT_TYPES[meta[name].type]))
             for key, name in layout.get("scalars", {}).items()
         }
+        # scalar inputs computed from lr and step (Adam's bias corrections; artifacts format 2)
+        self.coefficients = {key: compile_coefficient(e) for key, e in layout.get("coefficients", {}).items()}
         self.loss = layout.get("loss")
         outputs = {o.name: o for o in self.session.get_outputs()}
         # the loss in the model's own float type (a float64 model's is float64)
@@ -308,7 +311,8 @@ class _Runner:
 
     def run(self, batch, scalars: Mapping[str, float]) -> tuple[float | None, bool]:
         """Runs the model; keeps its new values only when the loss and they are finite.
-        Returns the loss and whether they were."""
+        Returns the loss and whether they were. ``scalars``: lr and step (and grad_scale), from
+        which the layout's coefficients are computed."""
         from onnxruntime import OrtValue
 
         feeds = self.feeds(batch) if self.batch else []
@@ -319,7 +323,10 @@ class _Runner:
             value = OrtValue.ortvalue_from_numpy(array, device, 0)
             alive.append((array, value))
             binding.bind_ortvalue_input(name, value)
-        for key, number in scalars.items():
+        numbers = dict(scalars)
+        for key, compute in self.coefficients.items():  # in float64, then in the input's dtype
+            numbers[key] = compute(scalars)
+        for key, number in numbers.items():
             _, dtype, value = self.scalars[key]
             value.update_inplace(np.asarray(number, dtype))
         try:
