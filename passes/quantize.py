@@ -215,6 +215,24 @@ def _packed(values: np.ndarray, bits: int, pad: bool = False) -> np.ndarray:
     return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
 
 
+def frozen_bases(model: ir.Model) -> dict[str, str]:
+    """The initializers of ``model`` that hold a weight in a stored form, with the form:
+    "MatMulNBits" (its packed weight), "DequantizeLinear" or "Cast" (a float16/bfloat16 weight)."""
+    found = {}
+    for node in model.graph:
+        if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
+            stored, base = (node.inputs[1] if len(node.inputs) > 1 else None), "MatMulNBits"
+        elif node.op_type in ("DequantizeLinear", "Cast") and node.domain in ("", "ai.onnx") and node.inputs:
+            stored, base = node.inputs[0], node.op_type
+            if base == "Cast" and (stored is None or stored.dtype not in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)):
+                continue
+        else:
+            continue
+        if stored is not None and stored.is_initializer() and stored.const_value is not None:
+            found.setdefault(stored.name, base)
+    return found
+
+
 def stored_weight(model: ir.Model, stored: str, base: str) -> np.ndarray:
     """The float64 matrix a frozen base ``stored`` holds: in its stored layout for a
     DequantizeLinear or Cast base, W [K, N] for a MatMulNBits one."""

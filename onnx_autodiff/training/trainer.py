@@ -739,6 +739,7 @@ class Trainer:
         if not modules:
             return {}
         values = self._trained_or_stored({entry["initializer"] for entry in modules})
+        values.update(self._dequantized_bases({entry["initializer"]: entry for entry in modules}))
         state = {}
         for entry in modules:
             stored = values[entry["initializer"]]
@@ -746,6 +747,28 @@ class Trainer:
             for name in [entry["name"], *entry["aliases"]]:
                 state[name] = value
         return state
+
+    def _dequantized_bases(self, entries: Mapping[str, Mapping]) -> dict[str, np.ndarray]:
+        """The module parameters among ``entries`` (by initializer) that a quantized or float16
+        base stores, as float32 arrays in the stored layout (module_state_dict transposes by the
+        entry), their LoRA adapters merged in without quantizing again."""
+        from onnx_autodiff.passes.quantize import frozen_bases, stored_weight
+
+        lora = self.layout.get("lora") or {}
+        model = from_proto(self.artifacts.inference_model, self.artifacts.base_dir)
+        bases = {name: base for name, base in frozen_bases(model).items() if name in entries}
+        adapters = {a["weight"]: a for a in lora.get("adapters", ())}
+        values = {}
+        for name, base in bases.items():
+            w = stored_weight(model, name, base)
+            if name in adapters:
+                adapter = adapters[name]
+                delta = lora["scale"] * (self._host(adapter["A"]).astype(np.float64) @ self._host(adapter["B"]).astype(np.float64))
+                w = w + (delta.T if adapter["transposed"] else delta)
+            if base == "MatMulNBits" and not entries[name]["transposed"]:  # W [K, N] to the layout read as the module's
+                w = w.T
+            values[name] = np.ascontiguousarray(w.astype(np.float32))
+        return values
 
     def load_module_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
         """Sets the trained parameters from a module's ``state_dict()`` (arrays by module name, in

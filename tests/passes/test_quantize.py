@@ -200,3 +200,30 @@ def test_merge_cost_is_the_loss_of_the_merged_export(kind):
     np.testing.assert_allclose(cost["merged"], mse(merged), rtol=1e-5)
     np.testing.assert_allclose(cost["adapted"], mse(kept), rtol=1e-5)
     assert cost["merged"] != cost["adapted"]  # rounding the merged weights costs something
+
+
+@pytest.mark.parametrize("kind,fmt", [("int4", "matmulnbits"), ("int8", "dequantizelinear")])
+def test_module_state_dict_of_a_quantized_base_loads_into_the_module(kind, fmt):
+    """module_state_dict gives a quantized base's parameters dequantized, adapters merged, in the
+    module's layout: the module then computes the trainer's loss."""
+    torch = pytest.importorskip("torch")
+    from test_as_exported import exported, feeds_for
+    from test_exported_transformers import batch
+
+    from onnx_autodiff.training import Trainer, generate_artifacts
+
+    module, proto = exported("llama", "optimize")
+    config = LoraConfig(rank=4, targets=["*q_proj*"], quantize_base=kind, quantize_format=fmt)
+    artifacts = generate_artifacts(proto, loss=None, optimizer="adamw", optimizer_options={"lr": 1e-2}, lora=config)
+    trainer = Trainer(artifacts)
+    for step in range(2):
+        trainer.step(feeds_for(proto, step))
+    state = trainer.module_state_dict()
+    assert all(v.dtype == np.float32 for v in state.values())
+    module.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=False)
+    feeds = batch(5)
+    want = float(trainer.evaluate(feeds_for(proto, 5))["loss"])
+    with torch.no_grad():
+        loss = module(torch.from_numpy(feeds["ids"]), torch.from_numpy(feeds["labels"])).item()
+    # the module computes in float32 what MatMulNBits' kernel computes in its own order
+    np.testing.assert_allclose(loss, want, rtol=2e-4)
