@@ -142,8 +142,8 @@ class LoraPass(ir.passes.InPlacePass):
         chosen = _select(config.targets, sites, skipped)
         if config.quantization is not None:
             chosen_names = [w.name for w in chosen]
-            self.quantized = quantize_bases(model, config.quantization, [w for w, site in sites.items()
-                                                                         if site.base == "float" and w.name not in self.trained])
+            self.quantized = _quantized(model, config.quantization, [(w, site) for w, site in sites.items()
+                                                                     if site.base == "float" and w.name not in self.trained])
             sites, skipped = _targets(graph)
             chosen = [w for w in sites if w.name in chosen_names]
         opset = default_opset(model) or 1
@@ -301,20 +301,26 @@ def _frozen_base(node: ir.Node, graph: ir.Graph, inputs) -> tuple[ir.Value, _Sit
 def quantize_bases(model: ir.Model, spec: Quantization, weights: Sequence[ir.Value | str]) -> list[str]:
     """Stores each of ``weights`` (float LoRA targets of ``model``, or their names) in the form
     ``spec`` gives (QLoRA: a frozen quantized base), in place; returns their names."""
-    graph = model.graph
-    if spec.kind == "int4" and spec.format == "dequantizelinear" and (default_opset(model) or 1) < INT4_OPSET:
-        raise UnsupportedModelError(f"an int4 base read through DequantizeLinear needs opset {INT4_OPSET}; the model "
-                                    f"imports opset {default_opset(model)}: convert it (generate_artifacts does with "
-                                    "upgrade_opset) or use quantize_format 'matmulnbits'")
-    sites, _ = _targets(graph)
+    sites, _ = _targets(model.graph)
     by_name = {w.name: (w, site) for w, site in sites.items() if site.base == "float"}
     names = [w if isinstance(w, str) else w.name for w in weights]
     missing = [n for n in names if n not in by_name]
     if missing:
         raise TrainingError(f"cannot quantize {names_summary(missing)}: no float weight of a MatMul or Gemm")
+    return _quantized(model, spec, [by_name[name] for name in names])
+
+
+def _quantized(model: ir.Model, spec: Quantization, sites: Sequence[tuple[ir.Value, _Site]]) -> list[str]:
+    """Stores each (weight, site) as ``spec`` gives; returns the weights' names."""
+    if spec.kind == "int4" and spec.format == "dequantizelinear" and (default_opset(model) or 1) < INT4_OPSET:
+        raise UnsupportedModelError(f"an int4 base read through DequantizeLinear needs opset {INT4_OPSET}; the model "
+                                    f"imports opset {default_opset(model)}: convert it (generate_artifacts does with "
+                                    "upgrade_opset) or use quantize_format 'matmulnbits'")
+    graph = model.graph
     store = QuantizedBase(graph, Namer.for_graph(graph, prefix="quantized"), spec, model.opset_imports)
-    for name in names:
-        weight, site = by_name[name]
+    names = []
+    for weight, site in sites:
+        names.append(weight.name)  # before store() renames the float value
         store.store(weight, site.nodes, site.transposed)
     return names
 
@@ -377,22 +383,25 @@ def _extra_trainable(graph: ir.Graph, config: LoraConfig) -> list[str]:
 
 
 def merged_weights(adapters: Sequence[Adapter | Mapping], scale: float, weights: Mapping[str, np.ndarray],
-                   values: Mapping[str, np.ndarray], model: ir.Model | None = None) -> dict[str, np.ndarray]:
+                   values: Mapping[str, np.ndarray], model: ir.Model | None = None,
+                   quantize_again: bool = True) -> dict[str, np.ndarray]:
     """``W + scale · A @ B`` (transposed back for a transposed adapter) for every adapter, from
     the base ``weights`` and the adapter ``values`` by name; each in its weight's dtype (a float16
     base read through Cast stays float16). A quantized base is dequantized from ``model`` (the
     forward model), merged and quantized again in its own scheme: its data, scales and zero
-    points are all in the result."""
+    points are all in the result. ``quantize_again=False``: for every base in a stored form (a
+    float16 one too), the merged float64 weight alone, laid out as
+    :func:`~onnx_autodiff.passes.quantize.stored_weight` gives it."""
     merged = {}
     for adapter in adapters:
         adapter = adapter if isinstance(adapter, Adapter) else Adapter(**adapter)
         delta = scale * (values[adapter.A].astype(np.float64) @ values[adapter.B].astype(np.float64))
         delta = delta.T if adapter.transposed else delta
-        if adapter.base in QUANTIZED_BASES:
+        if adapter.base in QUANTIZED_BASES or (adapter.base != "float" and not quantize_again):
             if model is None:
                 raise TrainingError(f"merging into the {adapter.base} base of '{adapter.weight}' needs the model")
-            merged.update(requantized(model, adapter.weight, adapter.base,
-                                      stored_weight(model, adapter.weight, adapter.base) + delta))
+            w = stored_weight(model, adapter.weight, adapter.base) + delta
+            merged.update(requantized(model, adapter.weight, adapter.base, w) if quantize_again else {adapter.weight: w})
             continue
         w = np.asarray(weights[adapter.weight])
         merged[adapter.weight] = (w.astype(np.float64) + delta).astype(w.dtype)

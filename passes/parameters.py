@@ -27,9 +27,10 @@ import onnx_ir as ir
 
 from onnx_autodiff.errors import AutodiffError
 from onnx_autodiff.passes.metadata import MODULE_NAMES
+from onnx_autodiff.passes.quantize import frozen_bases
 from onnx_autodiff.passes.recovery import recover_parameters, stored_shape
 from onnx_autodiff.rules import GradRegistry, default_registry
-from onnx_autodiff.toolkit import FLOAT_TYPES, captured_values
+from onnx_autodiff.toolkit import FLOAT_TYPES, captured_values, shapes
 
 
 @dataclasses.dataclass
@@ -62,22 +63,14 @@ def quantized_weights(graph: ir.Graph) -> dict[str, str]:
     packed weight of com.microsoft.MatMulNBits), each with why it is frozen: a gradient cannot
     change an integer tensor; LoRA trains adapters beside it."""
     found = {}
-    for node in graph:
-        if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
-            stored, what = (node.inputs[1] if len(node.inputs) > 1 else None), f"{shapes_bits(node)}-bit MatMulNBits"
-        elif node.op_type == "DequantizeLinear" and node.domain in ("", "ai.onnx"):
-            stored = node.inputs[0]
-            what = f"{stored.dtype.name.lower() if stored is not None and stored.dtype else 'integer'} DequantizeLinear"
-        else:
+    for name, node in frozen_bases(graph).items():
+        stored = graph.initializers[name]
+        if stored.dtype in FLOAT_TYPES:  # a float16 base read through Cast: a float, not quantized
             continue
-        if stored is not None and stored.is_initializer() and stored.dtype not in FLOAT_TYPES:
-            found.setdefault(stored.name, f"quantized weight ({what}): frozen, LoRA trains adapters on it")
+        what = (f"{shapes.attr(node, 'bits', 4)}-bit MatMulNBits" if node.op_type == "MatMulNBits"
+                else f"{stored.dtype.name.lower()} DequantizeLinear")
+        found[name] = f"quantized weight ({what}): frozen, LoRA trains adapters on it"
     return found
-
-
-def shapes_bits(node: ir.Node) -> int:
-    attribute = node.attributes.get("bits")
-    return attribute.as_int() if attribute is not None else 4
 
 
 def _held_parameters(model: ir.Model) -> dict[str, str] | None:

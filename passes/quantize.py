@@ -215,21 +215,24 @@ def _packed(values: np.ndarray, bits: int, pad: bool = False) -> np.ndarray:
     return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
 
 
-def frozen_bases(model: ir.Model) -> dict[str, str]:
-    """The initializers of ``model`` that hold a weight in a stored form, with the form:
-    "MatMulNBits" (its packed weight), "DequantizeLinear" or "Cast" (a float16/bfloat16 weight)."""
+# (domain, op type) of the nodes that read a weight in a stored form -> the input holding it
+STORED_INPUT = {("com.microsoft", "MatMulNBits"): 1, ("", "DequantizeLinear"): 0, ("", "Cast"): 0}
+_HALF_TYPES = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
+def frozen_bases(graph: ir.Graph) -> dict[str, ir.Node]:
+    """The initializers of ``graph`` that hold a weight in a stored form, each with the first node
+    reading that form (its op type names the form): a MatMulNBits' packed weight, the data of a
+    DequantizeLinear, a float16/bfloat16 weight read through Cast."""
     found = {}
-    for node in model.graph:
-        if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
-            stored, base = (node.inputs[1] if len(node.inputs) > 1 else None), "MatMulNBits"
-        elif node.op_type in ("DequantizeLinear", "Cast") and node.domain in ("", "ai.onnx") and node.inputs:
-            stored, base = node.inputs[0], node.op_type
-            if base == "Cast" and (stored is None or stored.dtype not in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)):
-                continue
-        else:
+    for node in graph:
+        position = STORED_INPUT.get(("" if node.domain == "ai.onnx" else node.domain, node.op_type))
+        stored = node.inputs[position] if position is not None and len(node.inputs) > position else None
+        if stored is None or not stored.is_initializer() or stored.const_value is None:
             continue
-        if stored is not None and stored.is_initializer() and stored.const_value is not None:
-            found.setdefault(stored.name, base)
+        if node.op_type == "Cast" and stored.dtype not in _HALF_TYPES:
+            continue
+        found.setdefault(stored.name, node)
     return found
 
 

@@ -35,7 +35,7 @@ from onnx_autodiff.modelfile import (
 )
 from onnx_autodiff.toolkit.inference import onnx_inferred
 from onnx_autodiff.passes.lora import LoraConfig, adapted, quantize_bases
-from onnx_autodiff.passes.quantize import INT4_OPSET
+from onnx_autodiff.passes.quantize import INT4_OPSET, STORED_INPUT
 from onnx_autodiff.passes.autodiff import backward_trial
 from onnx_autodiff.passes.opsets import OpsetError, convert_proto, default_opset, upgraded_for
 from onnx_autodiff.passes.parameters import default_parameters
@@ -353,11 +353,12 @@ def _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=Non
 
 
 def quantized_weight_names(proto: onnx.ModelProto) -> list[str]:
-    """The integer initializers that hold a quantized weight (see passes.parameters.quantized_weights)."""
+    """The integer initializers that hold a quantized weight (passes.parameters.quantized_weights,
+    read off a proto)."""
     integers = {t.name for t in proto.graph.initializer if ir.DataType(t.data_type) not in FLOAT_TYPES}
     found = []
     for node in proto.graph.node:
-        position = {("com.microsoft", "MatMulNBits"): 1, ("", "DequantizeLinear"): 0}.get((node.domain, node.op_type))
+        position = STORED_INPUT.get(("" if node.domain == "ai.onnx" else node.domain, node.op_type))
         if position is not None and len(node.input) > position and node.input[position] in integers:
             found.append(node.input[position])
     return list(dict.fromkeys(found))

@@ -752,19 +752,18 @@ class Trainer:
         """The module parameters among ``entries`` (by initializer) that a quantized or float16
         base stores, as float32 arrays in the stored layout (module_state_dict transposes by the
         entry), their LoRA adapters merged in without quantizing again."""
+        from onnx_autodiff.passes.lora import merged_weights
         from onnx_autodiff.passes.quantize import frozen_bases, stored_weight
 
         lora = self.layout.get("lora") or {}
         model = from_proto(self.artifacts.inference_model, self.artifacts.base_dir)
-        bases = {name: base for name, base in frozen_bases(model).items() if name in entries}
-        adapters = {a["weight"]: a for a in lora.get("adapters", ())}
+        bases = {name: node.op_type for name, node in frozen_bases(model.graph).items() if name in entries}
+        adapters = [a for a in lora.get("adapters", ()) if a["weight"] in bases]
+        values = {key: self._value(key).numpy() for a in adapters for key in (a["A"], a["B"])}
+        merged = merged_weights(adapters, lora.get("scale", 1.0), {}, values, model, quantize_again=False)
         values = {}
         for name, base in bases.items():
-            w = stored_weight(model, name, base)
-            if name in adapters:
-                adapter = adapters[name]
-                delta = lora["scale"] * (self._host(adapter["A"]).astype(np.float64) @ self._host(adapter["B"]).astype(np.float64))
-                w = w + (delta.T if adapter["transposed"] else delta)
+            w = merged[name] if name in merged else stored_weight(model, name, base)
             if base == "MatMulNBits" and not entries[name]["transposed"]:  # W [K, N] to the layout read as the module's
                 w = w.T
             values[name] = np.ascontiguousarray(w.astype(np.float32))
