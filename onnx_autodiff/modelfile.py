@@ -63,6 +63,40 @@ def with_small_tensors_inline(proto: onnx.ModelProto, base_dir: str | None) -> o
     return proto_copy
 
 
+def reading_written(proto: onnx.ModelProto, written: onnx.ModelProto, base_dir: str | None,
+                    directory: str) -> onnx.ModelProto | None:
+    """A copy of ``proto`` whose initializers read the data file of ``written`` (a model saved
+    with external data in ``directory``) where ``written`` stores a tensor of that name with the
+    same type, shape and bytes, its other tensors in it: models built from one another (the
+    artifacts') then share one copy of their frozen weights on disk. None when no tensor is shared
+    or the rest would not fit in one file (``base_dir``: where ``proto``'s own external tensors are)."""
+    stored = {t.name: t for t in written.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    initializers = list(copy.graph.initializer)  # held: their ids stay theirs
+    shared, main = 0, {id(t) for t in initializers}
+    for tensor in _tensor_protos(copy.graph):
+        there = stored.get(tensor.name) if id(tensor) in main else None
+        if there is not None and _same_tensor(tensor, base_dir, there, directory):
+            tensor.ClearField("raw_data")
+            del tensor.external_data[:]
+            tensor.external_data.extend(there.external_data)
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            shared += 1
+        elif tensor.data_location == onnx.TensorProto.EXTERNAL:
+            onnx.external_data_helper.load_external_data_for_tensor(tensor, base_dir or "")
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            del tensor.external_data[:]
+    return copy if shared and not over_limit(copy.ByteSize()) else None
+
+
+def _same_tensor(tensor: onnx.TensorProto, base_dir: str | None, other: onnx.TensorProto, other_dir: str) -> bool:
+    if tensor.data_type != other.data_type or list(tensor.dims) != list(other.dims) or _nbytes(tensor) < THRESHOLD:
+        return False
+    ours, theirs = tensor_array(tensor, base_dir), tensor_array(other, other_dir)
+    return ours.dtype != object and np.array_equal(ours.view(np.uint8), theirs.view(np.uint8))
+
+
 def from_proto(proto: onnx.ModelProto, base_dir: str | None = None) -> ir.Model:
     """``proto`` as onnx-ir, its external tensors read (lazily) from ``base_dir``, the folder of the
     model file they were stored beside (None: the working directory, as onnx does)."""

@@ -19,6 +19,7 @@ the weight's float type.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -31,6 +32,7 @@ KINDS = ("int4", "int8", "float16")
 FORMATS = ("dequantizelinear", "matmulnbits")
 BLOCK_SIZES = (16, 32, 64, 128, 256)
 INT4_OPSET = 21  # DequantizeLinear of int4/uint4 with block_size
+COLUMNS_AT_ONCE = 1 << 22  # weights quantized at once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,27 +62,36 @@ class Quantization:
 def quantized(w: np.ndarray, bits: int, block: int, symmetric: bool, signed: bool = False):
     """W [K, N] as (q [K, N] integers, scale [blocks, N], zero [blocks, N] or None), blocks of
     ``block`` rows (the last one may be shorter); ``w ≈ (q - zero) · scale`` row-block-wise.
-    Symmetric: signed q, no zero point; else unsigned q (``signed``: signed) and a zero point."""
+    Symmetric: signed q, no zero point; else unsigned q (``signed``: signed) and a zero point.
+    q is int8, or uint8 when unsigned; the columns are quantized :data:`COLUMNS_AT_ONCE` weights at
+    a time in float64 (a weight's float64 copy would be twice its float32 size)."""
     K, N = w.shape
     blocks = -(-K // block)
-    padded = np.zeros((blocks * block, N), np.float64)
-    padded[:K] = w
-    tiles = padded.reshape(blocks, block, N)
-    if symmetric:
-        top = 2 ** (bits - 1) - 1
-        scale = np.abs(tiles).max(axis=1) / top
-        scale[scale == 0] = 1.0
-        q = np.clip(np.rint(tiles / scale[:, None]), -top - 1, top)
-        zero = None
-    else:
-        first = -(2 ** (bits - 1)) if signed else 0
-        last = first + 2 ** bits - 1
-        low, high = np.minimum(tiles.min(axis=1), 0), np.maximum(tiles.max(axis=1), 0)
-        scale = (high - low) / (last - first)
-        scale[scale == 0] = 1.0
-        zero = np.clip(np.rint(first - low / scale), first, last)
-        q = np.clip(np.rint(tiles / scale[:, None]) + zero[:, None], first, last)
-    return q.reshape(blocks * block, N)[:K].astype(np.int64), scale, zero
+    first = -(2 ** (bits - 1)) if symmetric or signed else 0
+    q = np.empty((K, N), np.int8 if first < 0 else np.uint8)
+    scale = np.empty((blocks, N), np.float64)
+    zero = None if symmetric else np.empty((blocks, N), np.float64)
+    step = max(1, COLUMNS_AT_ONCE // max(K, 1))
+    for start in range(0, N, step):
+        columns = slice(start, min(N, start + step))
+        padded = np.zeros((blocks * block, columns.stop - start), np.float64)
+        padded[:K] = w[:, columns]
+        tiles = padded.reshape(blocks, block, -1)
+        if symmetric:
+            top = 2 ** (bits - 1) - 1
+            part = np.abs(tiles).max(axis=1) / top
+            part[part == 0] = 1.0
+            values = np.clip(np.rint(tiles / part[:, None]), -top - 1, top)
+        else:
+            last = first + 2 ** bits - 1
+            low, high = np.minimum(tiles.min(axis=1), 0), np.maximum(tiles.max(axis=1), 0)
+            part = (high - low) / (last - first)
+            part[part == 0] = 1.0
+            zero[:, columns] = np.clip(np.rint(first - low / part), first, last)
+            values = np.clip(np.rint(tiles / part[:, None]) + zero[:, None, columns], first, last)
+        scale[:, columns] = part
+        q[:, columns] = values.reshape(blocks * block, -1)[:K]
+    return q, scale, zero
 
 
 def dequantized(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None, block: int) -> np.ndarray:
@@ -100,8 +111,16 @@ class QuantizedBase:
         """Replaces the float initializer ``weight``, which ``nodes`` multiply by (through its
         transpose when ``transposed``), with its quantized form; returns the stored initializer
         (named and marked as ``weight`` was)."""
-        spec, array = self.spec, weight.const_value.numpy()
-        w = (array.T if transposed else array).astype(np.float64)  # [K, N]
+        tensor = weight.const_value
+        stored = self._stored(weight, tensor.numpy(), nodes, transposed)
+        if isinstance(tensor, ir.ExternalTensor):  # a float weight read from its file: its pages leave
+            with contextlib.suppress(BufferError):  # this process once read (a whole model's would add
+                tensor.release()                    # up), unless a view of them is still held elsewhere
+        return stored
+
+    def _stored(self, weight: ir.Value, array: np.ndarray, nodes: list[ir.Node], transposed: bool) -> ir.Value:
+        spec = self.spec
+        w = array.T if transposed else array  # [K, N]
         if spec.format == "matmulnbits":
             return self._nbits(weight, w, nodes)
         name, dtype = weight.name, weight.dtype
@@ -141,18 +160,11 @@ class QuantizedBase:
                                 f"{', '.join(kinds)}: use quantize_format 'dequantizelinear'")
         K, N = w.shape
         bits, block = spec.bits, spec.block_size
-        q, scale, zero = quantized(w, bits, block, spec.symmetric)
-        offset = 2 ** (bits - 1) if zero is None else 0  # symmetric: the kernel's default zero point
-        blocks = scale.shape[0]
-        padded = np.full((blocks * block, N), offset if zero is None else 0, np.int64)
-        padded[:K] = q + offset
-        if zero is not None:  # the padding rows dequantize to 0
-            padded[K:] = np.repeat(zero, block, axis=0)[K:]
-        packed = _packed(padded.T.reshape(N, blocks, block), bits)  # [N, blocks, block · bits / 8]
+        packed, scale, zero = nbits_parts(w, bits, block, spec.symmetric)
         stored = self._initializer(name, packed, weight)
-        inputs = [None, stored, self._initializer(f"{name}.scales", scale.T.reshape(-1).astype(dtype.numpy()))]
+        inputs = [None, stored, self._initializer(f"{name}.scales", scale.astype(dtype.numpy()))]
         if zero is not None:
-            inputs.append(self._initializer(f"{name}.zero_points", _packed(zero.T.astype(np.int64), bits, pad=True)))
+            inputs.append(self._initializer(f"{name}.zero_points", zero))
         self.opsets.setdefault("com.microsoft", 1)
         for node in nodes:
             read = node
@@ -311,19 +323,30 @@ def requantized(model: ir.Model, stored: str, base: str, w: np.ndarray) -> dict[
     if zero_points is not None and zero_points.dtype != ir.DataType.UINT8:
         raise TrainingError(f"re-quantizing '{stored}': float zero points are not supported; export(merge=False) "
                             "keeps the adapters apart")
-    q, scale, zero = quantized(w, bits, block, zero_points is None)
-    offset = 2 ** (bits - 1) if zero is None else 0
-    blocks = scale.shape[0]
-    padded = np.full((blocks * block, N), offset, np.int64)
-    padded[:K] = q + offset
-    if zero is not None:
-        padded[K:] = np.repeat(zero, block, axis=0)[K:]
+    packed, scale, zero = nbits_parts(w, bits, block, zero_points is None)
     scales = node.inputs[2]
-    parts = {stored: _packed(padded.T.reshape(N, blocks, block), bits).reshape(value.const_value.shape),
-             scales.name: scale.T.reshape(scales.const_value.shape).astype(scales.dtype.numpy())}
+    parts = {stored: packed.reshape(value.const_value.shape),
+             scales.name: scale.reshape(scales.const_value.shape).astype(scales.dtype.numpy())}
     if zero is not None:
-        parts[zero_points.name] = _packed(zero.T.astype(np.int64), bits, pad=True).reshape(zero_points.const_value.shape)
+        parts[zero_points.name] = zero.reshape(zero_points.const_value.shape)
     return parts
+
+
+def nbits_parts(w: np.ndarray, bits: int, block: int, symmetric: bool):
+    """W [K, N] as MatMulNBits stores it: (packed B [N, blocks, block · bits / 8] uint8, scales
+    [N · blocks] float64, packed zero points or None when ``symmetric``)."""
+    K, N = w.shape
+    q, scale, zero = quantized(w, bits, block, symmetric)
+    offset = 2 ** (bits - 1) if zero is None else 0  # symmetric: the kernel's default zero point
+    blocks = scale.shape[0]
+    padded = np.full((blocks * block, N), offset, np.int16)
+    padded[:K] = q
+    padded[:K] += offset
+    if zero is not None:  # the padding rows dequantize to 0
+        padded[K:] = np.repeat(zero, block, axis=0)[K:]
+    packed = _packed(padded.T.reshape(N, blocks, block), bits)
+    zero_points = None if zero is None else _packed(zero.T.astype(np.int64), bits, pad=True)
+    return packed, scale.T.reshape(-1), zero_points
 
 
 def _unpacked(packed: np.ndarray, bits: int) -> np.ndarray:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import functools
@@ -27,6 +28,7 @@ from onnx_autodiff.modelfile import (
     check_model,
     external_files,
     from_proto,
+    reading_written,
     over_limit,
     save_model,
     tensor_array,
@@ -114,7 +116,9 @@ class TrainingArtifacts:
         the artifacts are used. ``external_data=True`` makes the directory self-contained instead:
         each model gets its tensors in a data file beside it (``training_model.onnx.data``, copied
         a tensor at a time), as a model over protobuf's 2 GB does; ``external_data=False`` puts
-        every tensor into the model files.
+        every tensor into the model files. Tensors the build made (a base quantized anew) go
+        into the train model's data file, which the other models read where they hold the same
+        tensors (one copy of the quantized base on disk).
         ``checkpoint_format``: "npz" (``checkpoint.npz``) or "safetensors"
         (``checkpoint.safetensors``, which the JavaScript trainer reads); ``load`` reads either."""
         if checkpoint_format not in CHECKPOINT_FILES:
@@ -124,12 +128,20 @@ class TrainingArtifacts:
         written = {}
         models = {attribute: getattr(self, attribute) for attribute in self.FILES}
         models, referenced = self._referencing(directory, models, external_data)
+        first = None  # the first model written here with a data file: the others read its tensors
         for attribute, filename in self.FILES.items():
             proto = models[attribute]
             if proto is not None:
                 path = os.path.join(directory, filename)
-                if referenced is None and (external_data or uses_external_data(proto)):
-                    save_model(from_proto(proto, self.base_dir), path, external_data)
+                sharing = first and external_data is None and reading_written(proto, first, self.base_dir, directory)
+                if sharing:
+                    write_atomically(path, sharing.SerializeToString(deterministic=True))
+                    with contextlib.suppress(FileNotFoundError):  # an earlier save's own data file
+                        os.remove(path + ".data")
+                elif referenced is None and (external_data or external_data is None and (
+                        uses_external_data(proto) or _holds_large_tensors(proto))):
+                    if save_model(from_proto(proto, self.base_dir), path, True) and first is None:
+                        first = onnx.load(path, load_external_data=False)
                 else:
                     write_atomically(path, proto.SerializeToString(deterministic=True))
                 written[attribute] = path
@@ -162,8 +174,7 @@ class TrainingArtifacts:
             return models, None
         if any(over_limit(p.ByteSize()) for p in protos):  # the tensors held in the models need a data file too
             return models, None
-        if any(t.data_location != onnx.TensorProto.EXTERNAL and len(t.raw_data) >= FROZEN_IN_PLACE
-               for p in protos for t in p.graph.initializer):
+        if any(_holds_large_tensors(p) for p in protos):
             # large tensors the build made (a base quantized anew): in data files of their own, which
             # the runtimes map, rather than held in every model's proto (one folder for all of them)
             return models, None
@@ -350,6 +361,19 @@ def _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=Non
     buffers = [] if freeze_batchnorm else [s for s in stats if s not in frozen]
     left_out += [n for n in quantized_weight_names(proto) if n not in left_out]
     return _Roles(params=params, buffers=buffers, opset=opset, left_out=left_out, base_dir=base_dir)
+
+
+def _holds_large_tensors(proto: onnx.ModelProto) -> bool:
+    """Whether ``proto`` holds a frozen base the build stored anew (quantized or half precision,
+    :data:`FROZEN_IN_PLACE` bytes or more) itself: such tensors go to a data file, which runtimes
+    map instead of parsing. Smaller constants the build made stay in the model file."""
+    stored = set()
+    for node in proto.graph.node:
+        position = STORED_INPUT.get(("" if node.domain == "ai.onnx" else node.domain, node.op_type))
+        if position is not None and len(node.input) > position:
+            stored.add(node.input[position])
+    return any(t.name in stored and t.data_location != onnx.TensorProto.EXTERNAL and len(t.raw_data) >= FROZEN_IN_PLACE
+               for t in proto.graph.initializer)
 
 
 def quantized_weight_names(proto: onnx.ModelProto) -> list[str]:

@@ -1,5 +1,7 @@
 """QLoRA: frozen base weights quantized at build time, read back and quantized again after merging."""
 
+import os
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -8,6 +10,8 @@ import pytest
 from onnx import helper, numpy_helper
 
 from onnx_autodiff.passes.lora import LoraConfig, LoraPass
+from onnx_autodiff import modelfile
+from onnx_autodiff.passes import quantize
 from onnx_autodiff.passes.quantize import dequantized, quantized, requantized, stored_weight
 from tests.rules.test_quantized import FORMS, shipped_base
 
@@ -26,6 +30,19 @@ def test_each_weight_is_within_half_a_step(bits, block, symmetric):
     assert q.min() >= low and q.max() <= high
     rows = np.arange(K) // block
     assert np.all(np.abs(dequantized(q, scale, zero, block) - w) <= scale[rows] / 2 + 1e-12)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_quantized_a_few_columns_at_a_time_as_all_at_once(monkeypatch, symmetric):
+    """Large weights are quantized in slices of columns (bounded float64 copies): the same result,
+    in the smallest integer type, from a float32 weight as from its float64 copy."""
+    w = np.random.default_rng(7).standard_normal((K, N)).astype(np.float32)
+    whole = quantized(w.astype(np.float64), 4, 16, symmetric)
+    monkeypatch.setattr(quantize, "COLUMNS_AT_ONCE", 3 * K)  # 8 slices of 3 columns
+    sliced = quantized(w, 4, 16, symmetric)
+    assert sliced[0].dtype == (np.int8 if symmetric else np.uint8)
+    for a, b in zip(whole, sliced):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("form", [f for f in FORMS if f != "float16"])
@@ -227,3 +244,41 @@ def test_module_state_dict_of_a_quantized_base_loads_into_the_module(kind, fmt):
         loss = module(torch.from_numpy(feeds["ids"]), torch.from_numpy(feeds["labels"])).item()
     # the module computes in float32 what MatMulNBits' kernel computes in its own order
     np.testing.assert_allclose(loss, want, rtol=2e-4)
+
+
+@pytest.mark.parametrize("kind,fmt", [("int4", "matmulnbits"), ("int8", "dequantizelinear"), ("float16", "dequantizelinear")])
+def test_saved_artifacts_hold_a_base_quantized_anew_once(tmp_path, kind, fmt):
+    """A base quantized at build time is written into the train model's data file only; the eval
+    and inference models read it there. Saved twice, the files are the same bytes; the trainer
+    steps from the directory and its merged export runs."""
+    from onnx_autodiff.training import Trainer, TrainingArtifacts, generate_artifacts
+
+    rng = np.random.default_rng(5)
+    width = 1024  # a 4 MB float weight: its stored form is over the size kept inside model files
+    w = (rng.standard_normal((width, width)) / width**0.5).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", 1, [2, width])],
+                              [helper.make_tensor_value_info("y", 1, [2, width])], [numpy_helper.from_array(w, "W")])
+    source = tmp_path / "model" / "m.onnx"
+    source.parent.mkdir()
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), source,
+                    save_as_external_data=True, location="m.onnx.data")
+    config = LoraConfig(rank=2, quantize_base=kind, quantize_format=fmt)
+    artifacts = generate_artifacts(str(source), loss="mse", optimizer="adamw", lora=config)
+    first, second = tmp_path / "a", tmp_path / "b"
+    artifacts.save(first)
+    artifacts.save(second)
+    data = sorted(f for f in os.listdir(first) if f.endswith(".data"))
+    assert data == ["training_model.onnx.data"]
+    for name in sorted(os.listdir(first)):
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    for name in ("training_model.onnx", "eval_model.onnx", "inference_model.onnx"):
+        onnx.checker.check_model(str(first / name), full_check=True)
+        assert "training_model.onnx.data" in modelfile.external_files(onnx.load(first / name, load_external_data=False))
+    batch = {"x": rng.standard_normal((2, width)).astype(np.float32), "labels": rng.standard_normal((2, width)).astype(np.float32)}
+    trainer = Trainer(TrainingArtifacts.load(first))
+    losses = [trainer.step(batch) for _ in range(3)]
+    assert losses[-1] < losses[0]
+    kept = _session(trainer.export(merge=False)).run(None, {"x": batch["x"]})[0]
+    np.testing.assert_allclose(np.mean((kept.astype(np.float64) - batch["labels"]) ** 2),
+                               trainer.evaluate(batch)["loss"], rtol=1e-5)
