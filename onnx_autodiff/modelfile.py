@@ -9,6 +9,7 @@ bytes from its file when something reads it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import stat
@@ -93,8 +94,31 @@ def reading_written(proto: onnx.ModelProto, written: onnx.ModelProto, base_dir: 
 def _same_tensor(tensor: onnx.TensorProto, base_dir: str | None, other: onnx.TensorProto, other_dir: str) -> bool:
     if tensor.data_type != other.data_type or list(tensor.dims) != list(other.dims) or _nbytes(tensor) < THRESHOLD:
         return False
-    ours, theirs = tensor_array(tensor, base_dir), tensor_array(other, other_dir)
-    return ours.dtype != object and np.array_equal(ours.view(np.uint8), theirs.view(np.uint8))
+    if onnx.TensorProto.STRING in (tensor.data_type, other.data_type):
+        return False
+    return all(a == b for a, b in itertools.zip_longest(_stored_bytes(tensor, base_dir), _stored_bytes(other, other_dir)))
+
+
+def _stored_bytes(tensor: onnx.TensorProto, base_dir: str | None, size: int = 1 << 24):
+    """The bytes of ``tensor`` as stored, ``size`` at a time: read from its file, never mapped (a
+    comparison of two large weights would make both resident)."""
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        data = memoryview(tensor.raw_data if tensor.HasField("raw_data") else
+                          onnx.numpy_helper.to_array(tensor).tobytes())
+        for start in range(0, len(data), size):
+            yield bytes(data[start:start + size])
+        return
+    info = {entry.key: entry.value for entry in tensor.external_data}
+    with open(os.path.join(base_dir or "", info["location"]), "rb") as stream:
+        stream.seek(int(info.get("offset", 0)))
+        left = int(info["length"]) if "length" in info else None
+        while left is None or left > 0:
+            block = stream.read(size if left is None else min(size, left))
+            if not block:
+                return
+            yield block
+            if left is not None:
+                left -= len(block)
 
 
 def from_proto(proto: onnx.ModelProto, base_dir: str | None = None) -> ir.Model:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import mmap
 
 import numpy as np
 import onnx_ir as ir
@@ -59,22 +60,27 @@ class Quantization:
         return {"int4": 4, "int8": 8}.get(self.kind, 16)
 
 
-def quantized(w: np.ndarray, bits: int, block: int, symmetric: bool, signed: bool = False):
+def column_slices(K: int, N: int):
+    """The slices of W [K, N]'s columns quantized at once: :data:`COLUMNS_AT_ONCE` weights each."""
+    step = max(1, COLUMNS_AT_ONCE // max(K, 1))
+    return [slice(start, min(N, start + step)) for start in range(0, N, step)]
+
+
+def quantized(w: np.ndarray, bits: int, block: int, symmetric: bool, signed: bool = False, after_slice=None):
     """W [K, N] as (q [K, N] integers, scale [blocks, N], zero [blocks, N] or None), blocks of
     ``block`` rows (the last one may be shorter); ``w ≈ (q - zero) · scale`` row-block-wise.
     Symmetric: signed q, no zero point; else unsigned q (``signed``: signed) and a zero point.
     q is int8, or uint8 when unsigned; the columns are quantized :data:`COLUMNS_AT_ONCE` weights at
-    a time in float64 (a weight's float64 copy would be twice its float32 size)."""
+    a time in float64 (a weight's float64 copy would be twice its float32 size), ``after_slice()``
+    called after each (a mapped weight's reader drops the pages read)."""
     K, N = w.shape
     blocks = -(-K // block)
     first = -(2 ** (bits - 1)) if symmetric or signed else 0
     q = np.empty((K, N), np.int8 if first < 0 else np.uint8)
     scale = np.empty((blocks, N), np.float64)
     zero = None if symmetric else np.empty((blocks, N), np.float64)
-    step = max(1, COLUMNS_AT_ONCE // max(K, 1))
-    for start in range(0, N, step):
-        columns = slice(start, min(N, start + step))
-        padded = np.zeros((blocks * block, columns.stop - start), np.float64)
+    for columns in column_slices(K, N):
+        padded = np.zeros((blocks * block, columns.stop - columns.start), np.float64)
         padded[:K] = w[:, columns]
         tiles = padded.reshape(blocks, block, -1)
         if symmetric:
@@ -91,6 +97,8 @@ def quantized(w: np.ndarray, bits: int, block: int, symmetric: bool, signed: boo
             values = np.clip(np.rint(tiles / part[:, None]) + zero[:, None, columns], first, last)
         scale[:, columns] = part
         q[:, columns] = values.reshape(blocks * block, -1)[:K]
+        if after_slice is not None:
+            after_slice()
     return q, scale, zero
 
 
@@ -112,24 +120,32 @@ class QuantizedBase:
         transpose when ``transposed``), with its quantized form; returns the stored initializer
         (named and marked as ``weight`` was)."""
         tensor = weight.const_value
-        stored = self._stored(weight, tensor.numpy(), nodes, transposed)
+        array = tensor.numpy()
+        mapped = tensor.raw if isinstance(tensor, ir.ExternalTensor) else None
+        drop = getattr(mmap, "MADV_DONTNEED", None)
+        # a mapped weight's pages read so far leave the process after each slice (unmodified file
+        # pages: read again from the page cache if needed), so no whole weight is resident at once
+        after_slice = (lambda: mapped.madvise(drop)) if isinstance(mapped, mmap.mmap) and drop is not None else None
+        stored = self._stored(weight, array, nodes, transposed, after_slice)
+        del array
         if isinstance(tensor, ir.ExternalTensor):  # a float weight read from its file: its pages leave
             with contextlib.suppress(BufferError):  # this process once read (a whole model's would add
                 tensor.release()                    # up), unless a view of them is still held elsewhere
         return stored
 
-    def _stored(self, weight: ir.Value, array: np.ndarray, nodes: list[ir.Node], transposed: bool) -> ir.Value:
+    def _stored(self, weight: ir.Value, array: np.ndarray, nodes: list[ir.Node], transposed: bool,
+                after_slice=None) -> ir.Value:
         spec = self.spec
         w = array.T if transposed else array  # [K, N]
         if spec.format == "matmulnbits":
-            return self._nbits(weight, w, nodes)
+            return self._nbits(weight, w, nodes, after_slice)
         name, dtype = weight.name, weight.dtype
         if spec.kind == "float16":
             stored = self._initializer(name, array.astype(np.float16), weight)
             read = ir.Node("", "Cast", [stored], attributes=[ir.AttrInt64("to", int(dtype))], name=f"{name}.cast")
         else:
             block = w.shape[0] if spec.kind == "int8" else spec.block_size
-            q, scale, zero = quantized(w, spec.bits, block, spec.symmetric)
+            q, scale, zero = quantized(w, spec.bits, block, spec.symmetric, after_slice=after_slice)
             kind = {(4, True): ir.DataType.INT4, (4, False): ir.DataType.UINT4,
                     (8, True): ir.DataType.INT8, (8, False): ir.DataType.UINT8}[spec.bits, spec.symmetric]
             stored_layout = (lambda a: a.T) if transposed else (lambda a: a)
@@ -152,7 +168,7 @@ class QuantizedBase:
         self.graph.insert_before(self._first(nodes), read)
         return stored
 
-    def _nbits(self, weight: ir.Value, w: np.ndarray, nodes: list[ir.Node]) -> ir.Value:
+    def _nbits(self, weight: ir.Value, w: np.ndarray, nodes: list[ir.Node], after_slice=None) -> ir.Value:
         spec, name, dtype = self.spec, weight.name, weight.dtype
         if any(node.op_type != "MatMul" for node in nodes):
             kinds = sorted({node.op_type for node in nodes} - {"MatMul"})
@@ -160,7 +176,7 @@ class QuantizedBase:
                                 f"{', '.join(kinds)}: use quantize_format 'dequantizelinear'")
         K, N = w.shape
         bits, block = spec.bits, spec.block_size
-        packed, scale, zero = nbits_parts(w, bits, block, spec.symmetric)
+        packed, scale, zero = nbits_parts(w, bits, block, spec.symmetric, after_slice)
         stored = self._initializer(name, packed, weight)
         inputs = [None, stored, self._initializer(f"{name}.scales", scale.astype(dtype.numpy()))]
         if zero is not None:
@@ -332,21 +348,29 @@ def requantized(model: ir.Model, stored: str, base: str, w: np.ndarray) -> dict[
     return parts
 
 
-def nbits_parts(w: np.ndarray, bits: int, block: int, symmetric: bool):
+def nbits_parts(w: np.ndarray, bits: int, block: int, symmetric: bool, after_slice=None):
     """W [K, N] as MatMulNBits stores it: (packed B [N, blocks, block · bits / 8] uint8, scales
-    [N · blocks] float64, packed zero points or None when ``symmetric``)."""
+    [N · blocks] float64, packed zero points or None when ``symmetric``); a slice of columns at a
+    time (B's rows), as :func:`quantized`."""
     K, N = w.shape
-    q, scale, zero = quantized(w, bits, block, symmetric)
-    offset = 2 ** (bits - 1) if zero is None else 0  # symmetric: the kernel's default zero point
-    blocks = scale.shape[0]
-    padded = np.full((blocks * block, N), offset, np.int16)
-    padded[:K] = q
-    padded[:K] += offset
-    if zero is not None:  # the padding rows dequantize to 0
-        padded[K:] = np.repeat(zero, block, axis=0)[K:]
-    packed = _packed(padded.T.reshape(N, blocks, block), bits)
-    zero_points = None if zero is None else _packed(zero.T.astype(np.int64), bits, pad=True)
-    return packed, scale.T.reshape(-1), zero_points
+    blocks = -(-K // block)
+    packed = np.empty((N, blocks, block * bits // 8), np.uint8)
+    scales = np.empty((N, blocks), np.float64)
+    zero_points = None if symmetric else np.empty((N, -(-blocks * bits // 8)), np.uint8)
+    for columns in column_slices(K, N):
+        q, scale, zero = quantized(w[:, columns], bits, block, symmetric)
+        offset = 2 ** (bits - 1) if zero is None else 0  # symmetric: the kernel's default zero point
+        padded = np.full((blocks * block, q.shape[1]), offset, np.int16)
+        padded[:K] = q
+        padded[:K] += offset
+        if zero is not None:  # the padding rows dequantize to 0
+            padded[K:] = np.repeat(zero, block, axis=0)[K:]
+            zero_points[columns] = _packed(zero.T.astype(np.int64), bits, pad=True)
+        packed[columns] = _packed(padded.T.reshape(-1, blocks, block), bits)
+        scales[columns] = scale.T
+        if after_slice is not None:
+            after_slice()
+    return packed, scales.reshape(-1), zero_points
 
 
 def _unpacked(packed: np.ndarray, bits: int) -> np.ndarray:
