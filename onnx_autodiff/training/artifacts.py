@@ -40,6 +40,7 @@ from onnx_autodiff.passes.autodiff import backward_trial
 from onnx_autodiff.passes.opsets import OpsetError, convert_proto, default_opset, upgraded_for
 from onnx_autodiff.passes.parameters import default_parameters
 from onnx_autodiff.passes.recovery import RecoverParametersPass, is_torch_export
+from onnx_autodiff.passes.rewrite_rules import lowering_rules
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder
 from onnx_autodiff.training.losses import LossSpec, attach_loss
 from onnx_autodiff.training.optimizers import (
@@ -437,17 +438,24 @@ def _publish(op: OpBuilder, namer: Namer, value: ir.Value, hint: str, taken: set
 
 
 def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], what: str,
-            cleaned: bool = False) -> onnx.ModelProto:
-    """The model with these inputs and outputs, cleaned up unless ``cleaned`` says its nodes
-    already are (then only unused ones are removed), checked, as a proto."""
+            cleaned: bool = False, target: str | None = "onnxruntime") -> onnx.ModelProto:
+    """The model with these inputs and outputs, cleaned up and lowered for ``target`` unless
+    ``cleaned`` says its nodes already are (then only unused ones are removed, and the nodes added
+    since the cleanup lowered where the target needs it), checked, as a proto."""
     from onnx_autodiff.passes import cleanup_passes
+    from onnx_autodiff.passes.cleanup import LoweringPass
 
     graph = model.graph
     graph.inputs.clear()
     graph.inputs.extend(inputs)
     graph.outputs.clear()
     graph.outputs.extend(outputs)
-    passes = [RemoveUnusedNodesPass()] if cleaned else cleanup_passes()
+    if not cleaned:
+        passes = cleanup_passes(target=target)
+    elif target in OPTIMIZER_LOWERED:
+        passes = [RemoveUnusedNodesPass(), LoweringPass(target)]
+    else:
+        passes = [RemoveUnusedNodesPass()]
     model = ir.passes.PassManager(passes)(model).model
     _frozen_read_in_place(model)
     if any(v.shape is None or v.type is None for v in graph.outputs):
@@ -464,6 +472,10 @@ def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], wh
     return proto
 
 
+# Targets whose lowering also applies to the optimiser's nodes, added after the backward graph's
+# cleanup: they are emitted in forms that onnxruntime runs as they are, but the WebGPU provider
+# lacks some (the Sum of the step's finite check).
+OPTIMIZER_LOWERED = frozenset({"webgpu"})
 FROZEN_IN_PLACE = 1 << 18  # bytes: a frozen weight this large is read where it is stored, never copied transposed
 _GEMM_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE})
 
@@ -536,6 +548,7 @@ def generate_artifacts(
     registry=None,
     upgrade_opset: bool = True,
     lora=None,
+    target: str | None = "onnxruntime",
 ) -> TrainingArtifacts:
     """The training artifacts of ``model`` (an onnx.ModelProto, onnx_ir.Model or path).
 
@@ -566,7 +579,13 @@ def generate_artifacts(
     MatMul and Gemm and trains them alone, with what the config adds (biases, norms) and the extra
     initializers ``requires_grad`` names (e.g. a classifier head); the base weights stay constants.
     ``Trainer.export()`` merges the adapters into them (``merge=False`` keeps them apart).
+    target: the runtime the train, eval, accumulate and apply models are lowered for (the
+    cleanup's ``target``): "onnxruntime" (default), "webgpu" (onnxruntime-web's WebGPU provider runs
+    every compute node, see :mod:`onnx_autodiff.passes.rewrite_rules.webgpu`) or None (canonical
+    standard forms). The inference model is the input model's, whatever the target.
     """
+    if target is not None:
+        lowering_rules(target)  # an unknown target fails here, naming the known ones, before the work
     spec = make_optimizer(optimizer, **dict(optimizer_options or {}))
     forward, base_dir = _as_proto(model), _source_dir(model)
     proto = onnx.ModelProto()
@@ -598,8 +617,8 @@ def generate_artifacts(
     loss_spec = LossSpec(loss, output, labels)
     batch_inputs = [v.name for v in proto.graph.input if v.name not in {t.name for t in proto.graph.initializer}]
 
-    train = _build_train(proto, roles, loss_spec, spec, max_grad_norm, "train", registry)
-    eval_model, eval_layout = _build_eval(proto, roles, loss_spec)
+    train = _build_train(proto, roles, loss_spec, spec, max_grad_norm, "train", registry, target)
+    eval_model, eval_layout = _build_eval(proto, roles, loss_spec, target)
     layout = {
         "format": FORMAT_VERSION,
         "inputs": batch_inputs,
@@ -611,6 +630,8 @@ def generate_artifacts(
         "train": train["layout"],
         "eval": eval_layout,
     }
+    if target != "onnxruntime":  # (the default's artifacts.json as before)
+        layout["target"] = target
     if modules is not None:
         layout["modules"] = modules
     if lora is not None:
@@ -626,9 +647,10 @@ def generate_artifacts(
     artifacts = TrainingArtifacts(train["model"], eval_model, forward, checkpoint, layout, left_out=roles.left_out,
                                   base_dir=base_dir)
     if gradient_accumulation:
-        accumulate = _build_train(proto, roles, loss_spec, spec, max_grad_norm, "accumulate", registry)
+        accumulate = _build_train(proto, roles, loss_spec, spec, max_grad_norm, "accumulate", registry, target)
         accumulators = [key for key, _, _ in accumulate["layout"]["carry"][: len(roles.params)]]
-        apply_model, apply_layout = _build_apply(proto, roles, spec, max_grad_norm, train["state"], accumulators)
+        apply_model, apply_layout = _build_apply(proto, roles, spec, max_grad_norm, train["state"], accumulators,
+                                                 target)
         artifacts.accumulate_model = accumulate["model"]
         artifacts.apply_model = apply_model
         layout["accumulate"] = accumulate["layout"]
@@ -703,7 +725,7 @@ def _module_selection(names, proto: onnx.ModelProto, modules, role: str):
     return chosen
 
 
-def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str, registry):
+def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str, registry, target="onnxruntime"):
     from onnx_autodiff.passes import AutodiffPass, cleanup_passes
 
     model, namer, updates = _prepare(proto, roles, training=True)
@@ -727,7 +749,7 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
         raise cause from error
     # the backward cleaned up as grad's is; the optimiser's nodes added next are emitted clean
     # (a second cleanup of the whole train model found nothing to do and took 28% of the build)
-    ir.passes.PassManager(cleanup_passes())(model)
+    ir.passes.PassManager(cleanup_passes(target=target))(model)
     loss, grads = graph.outputs[0], list(graph.outputs[1:])
     namer = Namer.for_graph(graph, prefix="opt")
     op = OpBuilder(default_opset(model), namer, dict(model.opset_imports))
@@ -783,7 +805,7 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     buffers = set(roles.buffers)
     buffer_inputs = [v for v in graph.inputs if v.name in buffers]
     inputs = [*batch, *labels, *params, *extra_inputs, *buffer_inputs, *tail]
-    proto_out = _finish(model, inputs, outputs, f"{kind} model", cleaned=True)
+    proto_out = _finish(model, inputs, outputs, f"{kind} model", cleaned=True, target=target)
     layout = {
         "batch": [v.name for v in (*batch, *labels)],
         "carry": carry,
@@ -797,7 +819,7 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     return {"model": proto_out, "layout": layout, "labels": [v.name for v in labels], "state": state_layout}
 
 
-def _build_eval(proto, roles: _Roles, loss_spec):
+def _build_eval(proto, roles: _Roles, loss_spec, target="onnxruntime"):
     model, namer, _ = _prepare(proto, roles, training=False)
     graph = model.graph
     batch = [v for v in graph.inputs if v.name not in roles.state]
@@ -817,7 +839,7 @@ def _build_eval(proto, roles: _Roles, loss_spec):
             taken.add(value)
             outputs.append(value)
     graph.extend(op.nodes)
-    proto_out = _finish(model, [*batch, *labels, *reads], outputs, "eval model")
+    proto_out = _finish(model, [*batch, *labels, *reads], outputs, "eval model", target=target)
     layout = {
         "batch": [v.name for v in (*batch, *labels)],
         "reads": [[v.name, v.name] for v in reads],
@@ -827,7 +849,8 @@ def _build_eval(proto, roles: _Roles, loss_spec):
     return proto_out, layout
 
 
-def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumulators: list[str]):
+def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumulators: list[str],
+                 target="onnxruntime"):
     inits = {t.name: t for t in proto.graph.initializer}
     reserved = [n for names in state.values() for n in names] + accumulators
     namer = Namer([v.name for v in proto.graph.input] + list(inits) + reserved, prefix="opt")
@@ -861,7 +884,7 @@ def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumul
     graph = ir.Graph([*params, *accs, *state_inputs, lr, step, scale, *coefficients.values()], outputs, nodes=op.nodes,
                      opset_imports={"": opset}, name="apply")
     model = ir.Model(graph, ir_version=max(proto.ir_version, 8), producer_name="onnx-autodiff")
-    proto_out = _finish(model, list(graph.inputs), outputs, "apply model")
+    proto_out = _finish(model, list(graph.inputs), outputs, "apply model", target=target)
     layout = {
         "batch": [],
         "carry": carry,
