@@ -66,7 +66,7 @@ class Chromium:
     """Headless Chromium with the DevTools protocol on a pipe: JSON messages ended by NUL, the
     browser reading commands on its fd 3 and writing replies and events on its fd 4."""
 
-    def __init__(self, executable: str, profile: str) -> None:
+    def __init__(self, executable: str, profile: str, webgpu: bool = False) -> None:
         to_browser, self._commands = os.pipe()
         self._replies, from_browser = os.pipe()
         # the child's ends above fd 10, so that moving them to 3 and 4 overwrites neither (dup2 onto
@@ -80,6 +80,11 @@ class Chromium:
         flags = ["--headless", "--remote-debugging-pipe", f"--user-data-dir={profile}", "--no-first-run",
                  "--no-default-browser-check", "--disable-gpu", "--disable-extensions", "--mute-audio",
                  "--hide-scrollbars"]
+        if webgpu:  # headless WebGPU: without a GPU, the adapter is SwiftShader's (Vulkan on the CPU)
+            flags[0] = "--headless=new"
+            flags.remove("--disable-gpu")
+            flags += ["--enable-unsafe-webgpu", "--enable-features=Vulkan", "--use-vulkan=swiftshader",
+                      "--use-webgpu-adapter=swiftshader", "--ignore-gpu-blocklist"]
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             flags.append("--no-sandbox")  # Chromium refuses to run as root with its sandbox
         # preexec_fn is safe here: the check starts Chromium before any thread; close_fds=False
@@ -92,6 +97,7 @@ class Chromium:
         self._buffer = b""
         self._next = 0
         self.errors: list[str] = []  # exceptions thrown and console errors of the page
+        self.console: list[str] = []  # every console message of the page (onnxruntime's log among them)
 
     def send(self, method: str, params: dict | None = None, session: str | None = None, timeout: float = 30) -> dict:
         self._next += 1
@@ -128,8 +134,11 @@ class Chromium:
         if event.get("method") == "Runtime.exceptionThrown":
             details = params.get("exceptionDetails", {})
             self.errors.append(details.get("exception", {}).get("description") or details.get("text", "an exception"))
-        elif event.get("method") == "Runtime.consoleAPICalled" and params.get("type") == "error":
-            self.errors.append(" ".join(str(a.get("value", a.get("description", ""))) for a in params.get("args", [])))
+        elif event.get("method") == "Runtime.consoleAPICalled":
+            text = " ".join(str(a.get("value", a.get("description", ""))) for a in params.get("args", []))
+            self.console.append(text)
+            if params.get("type") == "error":
+                self.errors.append(text)
 
     def close(self) -> None:
         try:
