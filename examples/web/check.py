@@ -47,6 +47,13 @@ class Handler(http.server.SimpleHTTPRequestHandler):
         ".mjs": "text/javascript", ".js": "text/javascript", ".wasm": "application/wasm",
     }
 
+    def end_headers(self):
+        # cross-origin isolation: the page gets SharedArrayBuffer, so onnxruntime-web's WebAssembly
+        # runs on several threads (every resource here is same-origin, as require-corp asks)
+        self.send_header("Cross-Origin-Opener-Policy", "same-origin")
+        self.send_header("Cross-Origin-Embedder-Policy", "require-corp")
+        super().end_headers()
+
     def log_message(self, format, *args):
         pass  # quiet: the check prints its own lines
 
@@ -233,6 +240,9 @@ def main(argv=None) -> int:
     print(f"browser: test accuracy {accuracy * 100:.1f}% ({result['source']} digits, {result['train']} train / "
           f"{result['test']} test, {result['steps']} steps in {result['seconds']:.1f} s on {result['threads']} "
           f"WebAssembly thread(s); page and browser {time.perf_counter() - start:.1f} s)")
+    isolated = "cross-origin isolated" if result.get("isolated") else "not cross-origin isolated"
+    print(f"browser: backend {result.get('backend')}, {result['threads']} thread(s) of {result.get('cores')} "
+          f"core(s), {isolated}")
     print(f"saved {args.screenshot}")
     return 0 if accuracy >= THRESHOLD else 1
 
