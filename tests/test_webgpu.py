@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from test_training import batches, mlp
+from test_training import OUT, batches, mlp
 
 from onnx_autodiff.cli import main
 from onnx_autodiff.training import Trainer
@@ -32,10 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 BUNDLE = "ort.webgpu.min.mjs"
 MODELS = ("training_model.onnx", "eval_model.onnx", "accumulate_model.onnx", "apply_model.onnx")
 STEPS = 3
-# What onnxruntime may keep on its CPU provider by design (shape computations feeding a kernel's
-# shape or axes inputs): these ops, and only on values computed from Shape or Size.
+# What onnxruntime may keep on its CPU provider by design (shape computations: a kernel's shape or
+# axes inputs, a mean's element count): these ops, and only on values computed from Shape or Size.
 SHAPE_OPS = frozenset({"Shape", "Size", "Gather", "Concat", "Unsqueeze", "Squeeze", "Slice", "Reshape", "Range",
-                       "ConstantOfShape"})
+                       "ConstantOfShape", "Cast"})
 
 # artifacts command options per directory; "sgd-onnxruntime" is the control (default target)
 CONFIGS = {
@@ -45,6 +45,8 @@ CONFIGS = {
     "adam-clip": ["--optimizer", "adam", "--lr", "0.01", "--max-grad-norm", "0.5"],
     "adamw-accumulate": ["--optimizer", "adamw", "--lr", "0.01", "--max-grad-norm", "1.0", "--gradient-accumulation"],
     "adamw-lora": ["--optimizer", "adamw", "--lr", "0.05", "--lora", "2"],
+    # float labels; the gradient's Sign, and the mean's Cast(Size) that stays on the CPU
+    "sgd-l1": ["--optimizer", "sgd", "--lr", "0.1", "--loss", "l1"],
 }
 CONTROL = "sgd-onnxruntime"
 
@@ -78,8 +80,9 @@ try {
         await session.release();
       }
       const batch = JSON.parse(new TextDecoder().decode(await read("batch.json")));
-      const feeds = { X: { type: "float32", dims: batch.dims, data: Float32Array.from(batch.X) },
-                      labels: { type: "int64", dims: [batch.dims[0]], data: BigInt64Array.from(batch.labels, BigInt) } };
+      const labels = batch.labelDims ? { type: "float32", dims: batch.labelDims, data: Float32Array.from(batch.labels) }
+        : { type: "int64", dims: [batch.dims[0]], data: BigInt64Array.from(batch.labels, BigInt) };
+      const feeds = { X: { type: "float32", dims: batch.dims, data: Float32Array.from(batch.X) }, labels };
       const trainer = await Trainer.open(ort, read, { sessionOptions: options });
       result.losses = [];
       for (let i = 0; i < STEPS; i++) result.losses.push(await trainer.step(feeds));
@@ -152,6 +155,48 @@ def _check_module():
     return check
 
 
+def _nodes(graph: onnx.GraphProto):
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            for sub in [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs:
+                yield from _nodes(sub)
+
+
+# what the WebGPU provider has no kernel for
+ABSENT = {"Sum", "Sign", "LogSoftmax", "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"}
+
+
+def test_artifacts_and_grad_commands_lower_for_webgpu(tmp_path, capsys):
+    """Without a browser: --target webgpu leaves none of the ops the provider lacks in any model
+    (the update's If branches included), the labels are read only as Gather indices, every model
+    passes the full checker and trains on onnxruntime; grad --target webgpu lowers too."""
+    onnx.save(mlp(), tmp_path / "mlp.onnx")
+    directory = tmp_path / "artifacts"
+    assert main(["artifacts", str(tmp_path / "mlp.onnx"), "-o", str(directory), "--target", "webgpu",
+                 "--optimizer", "adamw", "--max-grad-norm", "1", "--gradient-accumulation"]) == 0
+    assert json.loads((directory / "artifacts.json").read_text())["target"] == "webgpu"
+    for model in MODELS:
+        proto = onnx.load(directory / model)
+        onnx.checker.check_model(proto, full_check=True)
+        nodes = list(_nodes(proto.graph))
+        assert not ABSENT & {n.op_type for n in nodes}, model
+        assert all(n.op_type == "Gather" and list(n.input).index("labels") == 1 for n in nodes if "labels" in n.input), model
+    X, y = next(batches(1))
+    trainer = Trainer(str(directory))
+    assert np.isfinite([trainer.step((X, y)) for _ in range(2)]).all()
+    with_loss = mlp(extra_nodes=[onnx.helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "labels"], ["loss"])])
+    with_loss.graph.input.append(onnx.helper.make_tensor_value_info("labels", onnx.TensorProto.INT64, ["N"]))
+    with_loss.graph.output[0].CopyFrom(onnx.helper.make_tensor_value_info("loss", onnx.TensorProto.FLOAT, []))
+    onnx.save(with_loss, tmp_path / "loss.onnx")
+    for target, lowered in (("onnxruntime", False), ("webgpu", True)):
+        out = tmp_path / f"grad-{target}.onnx"
+        assert main(["grad", str(tmp_path / "loss.onnx"), "-o", str(out), "--target", target]) == 0
+        ops = {n.op_type for n in _nodes(onnx.load(out).graph)}
+        assert bool(ABSENT & ops) != lowered, (target, ops)
+    capsys.readouterr()
+
+
 def test_placement_parser_reads_both_forms():
     lines = ["@@session a/m.onnx",
              "[V:onnxruntime:, session_state.cc:1377 VerifyEachNodeIsAssignedToAnEp] Node placements",
@@ -185,6 +230,7 @@ def test_webgpu_artifacts_run_every_compute_node_on_the_gpu(tmp_path, capsys):
     (site / "step.html").write_text(PAGE, encoding="utf-8")
     onnx.save(mlp(), tmp_path / "mlp.onnx")
     X, y = next(batches(1))
+    targets = np.random.default_rng(5).standard_normal((X.shape[0], OUT)).astype(np.float32)  # for l1
     expected = {}
     configs = {**{name: [*options, "--target", "webgpu"] for name, options in CONFIGS.items()},
                CONTROL: CONFIGS["sgd"]}
@@ -192,10 +238,13 @@ def test_webgpu_artifacts_run_every_compute_node_on_the_gpu(tmp_path, capsys):
         directory = site / name
         assert main(["artifacts", str(tmp_path / "mlp.onnx"), "-o", str(directory), "--checkpoint-format",
                      "safetensors", *options]) == 0
-        (directory / "batch.json").write_text(json.dumps({"dims": list(X.shape), "X": X.ravel().tolist(),
-                                                          "labels": y.tolist()}))
+        labels = targets if "--loss" in options else y
+        batch = {"dims": list(X.shape), "X": X.ravel().tolist(), "labels": labels.ravel().tolist()}
+        if labels.dtype == np.float32:
+            batch["labelDims"] = list(labels.shape)
+        (directory / "batch.json").write_text(json.dumps(batch))
         trainer = Trainer(str(directory))
-        expected[name] = [trainer.step((X, y)) for _ in range(STEPS)]
+        expected[name] = [trainer.step((X, labels)) for _ in range(STEPS)]
     capsys.readouterr()
     server = check.http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(check.Handler, directory=str(site)))
     with tempfile.TemporaryDirectory(prefix="onnx-autodiff-chromium-") as profile:

@@ -4,12 +4,13 @@ node of a train model runs on the GPU (``cleanup_passes(target="webgpu")``).
 
 onnxruntime falls back to its CPU provider node by node, copying tensors between the devices at
 each boundary. The provider has no kernel for LogSoftmax, SoftmaxCrossEntropyLoss,
-NegativeLogLikelihoodLoss or Sum, and without its ``enableInt64`` option (off by default) none for
+NegativeLogLikelihoodLoss, Sum or Sign, and without its ``enableInt64`` option (off by default) none for
 int64 compute (Cast, Unsqueeze, Equal, Where of int64): only Gather and GatherElements read int64,
 as indices. Labels are int64, so every op on them runs on the CPU, unless the labels are first
 looked up in a table (a Gather of int64 indices) that turns them into int32 class ids. The rules:
 
 - ``Sum(a, b, c, ...)`` is ``((a + b) + c) + ...``;
+- ``Sign(x)`` is ``Where(x > 0, 1, Where(x < 0, −1, x − x))``;
 - ``LogSoftmax(x)`` over its axes A is ``s − log Σ_A exp(s)`` with ``s = x − max_A x``;
 - ``SoftmaxCrossEntropyLoss`` is that LogSoftmax over the class axis followed by the
   NegativeLogLikelihoodLoss below;
@@ -98,6 +99,25 @@ def _chain_of_adds(op, x, y):
     for term in terms[1:]:
         total = op.Add(total, term)
     return total
+
+
+# Sign (the gradient of Abs: l1 losses, BCE with logits)
+
+
+def _float_sign(context, node: ir.Node):
+    return verdict(node.inputs[0].dtype in _FLOATS, "not a float or float16 Sign")
+
+
+def _sign(op, x):
+    return op.Sign(x, _check=_float_sign)
+
+
+def _sign_by_comparisons(op, x):
+    """sign(x) = 1 where x > 0, −1 where x < 0, else x − x: 0 for ±0 (+0, as the kernel gives) and
+    NaN for NaN."""
+    dtype = x.dtype.numpy()
+    zero, one, minus_one = (_const(op, np.array(v, dtype)) for v in (0, 1, -1))
+    return op.Where(op.Greater(x, zero), one, op.Where(op.Less(x, zero), minus_one, op.Sub(x, x)))
 
 
 # LogSoftmax
@@ -333,4 +353,5 @@ def webgpu_rules() -> list[RewriteRule]:
         RewriteRule(_nll, _decomposed_nll, remove_nodes=False, name="webgpu_nll_decomposed"),
         RewriteRule(_log_softmax, _decomposed_log_softmax, remove_nodes=False, name="webgpu_log_softmax_decomposed"),
         RewriteRule(_sum, _chain_of_adds, remove_nodes=False, name="webgpu_sum_as_adds"),
+        RewriteRule(_sign, _sign_by_comparisons, remove_nodes=False, name="webgpu_sign_by_comparisons"),
     ]

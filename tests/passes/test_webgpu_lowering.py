@@ -196,3 +196,16 @@ def test_lowering_pass_lowers_subgraphs_and_is_idempotent():
     for sign in (1, -1):
         feeds = {"x": sign * np.abs(x)}
         np.testing.assert_allclose(run(lowered, feeds)["y"], run(model, feeds)["y"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_sign_by_comparisons_keeps_nan_and_zero(dtype):
+    x = np.array([np.nan, -0.0, 0.0, 2, -3, np.inf, -np.inf, 1e-30], dtype)
+    model = make_model([helper.make_node("Sign", ["x"], ["y"])], {"x": x}, ["y"])
+    lowered = cleaned(model, target="webgpu")
+    assert "Sign" not in ops(lowered)
+    # onnxruntime's float32 kernel (its float16 one gives 0 for NaN, the ONNX reference NaN)
+    wide = make_model([helper.make_node("Sign", ["x"], ["y"])], {"x": x.astype(np.float32)}, ["y"])
+    want, got = run(wide, {"x": x.astype(np.float32)})["y"].astype(dtype), run(lowered, {"x": x})["y"]
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))  # +0 for -0, as the kernel gives
