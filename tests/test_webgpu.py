@@ -23,19 +23,20 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from test_training import OUT, batches, mlp
+from test_training import OUT, batches, bn_dropout_model, mlp
 
 from onnx_autodiff.cli import main
-from onnx_autodiff.training import Trainer
+from onnx_autodiff.training import Trainer, generate_artifacts
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLE = "ort.webgpu.min.mjs"
 MODELS = ("training_model.onnx", "eval_model.onnx", "accumulate_model.onnx", "apply_model.onnx")
 STEPS = 3
 # What onnxruntime may keep on its CPU provider by design (shape computations: a kernel's shape or
-# axes inputs, a mean's element count): these ops, and only on values computed from Shape or Size.
+# axes inputs, a mean's element count Cast(Size(x) / Size(mean))): these ops, and only on values
+# computed from Shape or Size.
 SHAPE_OPS = frozenset({"Shape", "Size", "Gather", "Concat", "Unsqueeze", "Squeeze", "Slice", "Reshape", "Range",
-                       "ConstantOfShape", "Cast"})
+                       "ConstantOfShape", "Div", "Cast"})
 
 # artifacts command options per directory; "sgd-onnxruntime" is the control (default target)
 CONFIGS = {
@@ -47,6 +48,8 @@ CONFIGS = {
     "adamw-lora": ["--optimizer", "adamw", "--lr", "0.05", "--lora", "2"],
     # float labels; the gradient's Sign, and the mean's Cast(Size) that stays on the CPU
     "sgd-l1": ["--optimizer", "sgd", "--lr", "0.1", "--loss", "l1"],
+    # BatchNormalization in training mode (the WebGPU kernel lacks the mode), running statistics
+    "adamw-batchnorm": ["--optimizer", "adamw", "--lr", "0.01", "--gradient-accumulation"],
 }
 CONTROL = "sgd-onnxruntime"
 
@@ -148,6 +151,14 @@ def shape_computations(model: onnx.ModelProto) -> set[str]:
     return names
 
 
+def bn_model() -> onnx.ModelProto:
+    """Gemm, BatchNormalization in training mode, Gemm (its Dropout as Identity: steps repeat)."""
+    model = bn_dropout_model()
+    dropout = next(n for n in model.graph.node if n.op_type == "Dropout")
+    dropout.op_type, dropout.input[:] = "Identity", dropout.input[:1]
+    return model
+
+
 def _check_module():
     spec = importlib.util.spec_from_file_location("web_check", ROOT / "examples" / "web" / "check.py")
     check = importlib.util.module_from_spec(spec)
@@ -197,6 +208,27 @@ def test_artifacts_and_grad_commands_lower_for_webgpu(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_training_batchnorm_in_standard_ops_computes_the_kernels_step():
+    """The webgpu target's BatchNormalization in training mode, in standard ops (the WebGPU kernel
+    lacks the mode): the losses, parameters, momentum and running statistics of three steps and an
+    accumulated one are those of onnxruntime's kernel (the default target's artifacts)."""
+    states = {}
+    for target in ("onnxruntime", "webgpu"):
+        artifacts = generate_artifacts(bn_model(), optimizer="sgd", optimizer_options={"lr": 0.1, "momentum": 0.9},
+                                       gradient_accumulation=True, target=target)
+        training_mode = [n for n in _nodes(artifacts.train_model.graph) if n.op_type == "BatchNormalization"]
+        assert bool(training_mode) == (target == "onnxruntime")
+        trainer = Trainer(artifacts)
+        losses = [trainer.step(batch) for batch in batches(3)]
+        trainer.accumulate(next(batches(1)))
+        trainer.apply()
+        states[target] = losses, trainer.state_dict()
+    np.testing.assert_allclose(states["webgpu"][0], states["onnxruntime"][0], rtol=1e-6)
+    assert states["webgpu"][1].keys() == states["onnxruntime"][1].keys()
+    for key, value in states["onnxruntime"][1].items():
+        np.testing.assert_allclose(states["webgpu"][1][key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
 def test_placement_parser_reads_both_forms():
     lines = ["@@session a/m.onnx",
              "[V:onnxruntime:, session_state.cc:1377 VerifyEachNodeIsAssignedToAnEp] Node placements",
@@ -229,6 +261,7 @@ def test_webgpu_artifacts_run_every_compute_node_on_the_gpu(tmp_path, capsys):
     (site / "js").symlink_to(ROOT / "js", target_is_directory=True)
     (site / "step.html").write_text(PAGE, encoding="utf-8")
     onnx.save(mlp(), tmp_path / "mlp.onnx")
+    onnx.save(bn_model(), tmp_path / "batchnorm.onnx")
     X, y = next(batches(1))
     targets = np.random.default_rng(5).standard_normal((X.shape[0], OUT)).astype(np.float32)  # for l1
     expected = {}
@@ -236,8 +269,8 @@ def test_webgpu_artifacts_run_every_compute_node_on_the_gpu(tmp_path, capsys):
                CONTROL: CONFIGS["sgd"]}
     for name, options in configs.items():
         directory = site / name
-        assert main(["artifacts", str(tmp_path / "mlp.onnx"), "-o", str(directory), "--checkpoint-format",
-                     "safetensors", *options]) == 0
+        model = tmp_path / ("batchnorm.onnx" if "batchnorm" in name else "mlp.onnx")
+        assert main(["artifacts", str(model), "-o", str(directory), "--checkpoint-format", "safetensors", *options]) == 0
         labels = targets if "--loss" in options else y
         batch = {"dims": list(X.shape), "X": X.ravel().tolist(), "labels": labels.ravel().tolist()}
         if labels.dtype == np.float32:

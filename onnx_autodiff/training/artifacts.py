@@ -41,7 +41,7 @@ from onnx_autodiff.passes.opsets import OpsetError, convert_proto, default_opset
 from onnx_autodiff.passes.parameters import default_parameters
 from onnx_autodiff.passes.recovery import RecoverParametersPass, is_torch_export
 from onnx_autodiff.passes.rewrite_rules import lowering_rules
-from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder
+from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, shapes
 from onnx_autodiff.training.losses import LossSpec, attach_loss
 from onnx_autodiff.training.optimizers import (
     coefficient_formulas,
@@ -417,6 +417,49 @@ def _prepare(proto, roles: _Roles, training: bool):
     return model, namer, updates
 
 
+def _training_batchnorm_in_standard_ops(model: ir.Model, namer: Namer, updates: dict) -> dict:
+    """Each BatchNormalization in training mode as standard ops, for the targets whose kernel
+    lacks the mode (:data:`FORWARD_LOWERED`); returns ``updates`` with the new running statistics.
+
+    With μ and σ² the batch's mean and biased variance over every axis but 1 (the statistics of
+    onnxruntime's CPU kernel): Y = (X − μ)/√(σ² + ε)·scale + B, running mean = mean·momentum +
+    μ·(1 − momentum), running variance = var·momentum + σ²·(1 − momentum). The gradient rules then
+    differentiate these ops (ReduceMean, Sub, Mul, Sqrt, Div) instead of BatchNormalization.
+    """
+    graph = model.graph
+    replaced: dict[ir.Value, ir.Value] = {}
+    for node in list(graph):
+        if (node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx")
+                or shapes.attr(node, "training_mode", 0) != 1):
+            continue
+        x, scale, bias, mean, var = node.inputs[:5]
+        r = shapes.rank(x)
+        if r is None:
+            raise TrainingError(f"BatchNormalization '{node.name}': the rank of its input is unknown (declare its shape)")
+        epsilon, momentum = shapes.attr(node, "epsilon", 1e-5), shapes.attr(node, "momentum", 0.9)
+        op = OpBuilder(default_opset(model), namer, dict(model.opset_imports))
+        axes, per_channel = [0, *range(2, r)], [-1, *[1] * (r - 2)]
+        batch_mean = op.reduce("ReduceMean", x, axes, keepdims=True)
+        centred = op.Sub(x, batch_mean)
+        batch_var = op.reduce("ReduceMean", op.Mul(centred, centred), axes, keepdims=True)
+        normalised = op.Div(centred, op.Sqrt(op.Add(batch_var, float(epsilon))))
+        channels = (lambda v: op.reshape(v, per_channel)) if r > 2 else (lambda v: v)
+        y = op.Add(op.Mul(normalised, channels(scale)), channels(bias))
+        new_mean = op.Add(op.Mul(mean, float(momentum)), op.Mul(op.reshape(batch_mean, [-1]), float(1 - momentum)))
+        new_var = op.Add(op.Mul(var, float(momentum)), op.Mul(op.reshape(batch_var, [-1]), float(1 - momentum)))
+        graph.insert_before(node, op.nodes)
+        for old, new in zip(node.outputs, (y, new_mean, new_var)):
+            if old.is_graph_output():
+                graph.outputs[:] = [new if out is old else out for out in graph.outputs]
+            old.replace_all_uses_with(new)
+            if old.name:  # the names of the node's outputs kept
+                name, old.name = old.name, None
+                new.name = name
+            replaced[old] = new
+        graph.remove(node, safe=True)
+    return {name: replaced.get(value, value) for name, value in updates.items()}
+
+
 def _constant(graph: ir.Graph, namer: Namer, array: np.ndarray, hint: str) -> ir.Value:
     value = ir.Value(name=namer.fresh(hint), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
                      shape=ir.Shape(array.shape), const_value=ir.Tensor(array))
@@ -476,6 +519,9 @@ def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], wh
 # cleanup: they are emitted in forms that onnxruntime runs as they are, but the WebGPU provider
 # lacks some (the Sum of the step's finite check).
 OPTIMIZER_LOWERED = frozenset({"webgpu"})
+# Targets whose kernels lack a forward op's training mode: the train models compute it in standard
+# ops (onnxruntime-web's WebGPU BatchNormalization: "trainingMode is not supported yet").
+FORWARD_LOWERED = frozenset({"webgpu"})
 FROZEN_IN_PLACE = 1 << 18  # bytes: a frozen weight this large is read where it is stored, never copied transposed
 _GEMM_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE})
 
@@ -729,6 +775,8 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     from onnx_autodiff.passes import AutodiffPass, cleanup_passes
 
     model, namer, updates = _prepare(proto, roles, training=True)
+    if target in FORWARD_LOWERED:
+        updates = _training_batchnorm_in_standard_ops(model, namer, updates)
     graph = model.graph
     batch = [v for v in graph.inputs if v.name not in roles.state]
     loss, labels, _ = attach_loss(model, namer, loss_spec)
@@ -749,7 +797,14 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
         raise cause from error
     # the backward cleaned up as grad's is; the optimiser's nodes added next are emitted clean
     # (a second cleanup of the whole train model found nothing to do and took 28% of the build)
+    lowered_statistics = target in FORWARD_LOWERED and bool(updates)
+    if lowered_statistics:  # no node reads them yet: graph outputs meanwhile, so the cleanup keeps them
+        count = len(graph.outputs)
+        graph.outputs.extend(updates.values())
     ir.passes.PassManager(cleanup_passes(target=target))(model)
+    if lowered_statistics:
+        updates = dict(zip(updates, graph.outputs[count:]))
+        del graph.outputs[count:]
     loss, grads = graph.outputs[0], list(graph.outputs[1:])
     namer = Namer.for_graph(graph, prefix="opt")
     op = OpBuilder(default_opset(model), namer, dict(model.opset_imports))

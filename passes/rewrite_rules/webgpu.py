@@ -4,10 +4,13 @@ node of a train model runs on the GPU (``cleanup_passes(target="webgpu")``).
 
 onnxruntime falls back to its CPU provider node by node, copying tensors between the devices at
 each boundary. The provider has no kernel for LogSoftmax, SoftmaxCrossEntropyLoss,
-NegativeLogLikelihoodLoss, Sum or Sign, and without its ``enableInt64`` option (off by default) none for
-int64 compute (Cast, Unsqueeze, Equal, Where of int64): only Gather and GatherElements read int64,
-as indices. Labels are int64, so every op on them runs on the CPU, unless the labels are first
-looked up in a table (a Gather of int64 indices) that turns them into int32 class ids. The rules:
+NegativeLogLikelihoodLoss, Sum or Sign, and without its ``enableInt64`` option (off by default)
+none for int64 compute (Cast, Unsqueeze, Equal, Where of int64): only Gather and GatherElements
+read int64, as indices. Labels are int64, so every op on them runs on the CPU, unless the labels
+are first looked up in a table (a Gather of int64 indices) that turns them into int32 class ids.
+(Its BatchNormalization accepts training mode but fails to run it: a node of three outputs, which
+the rules' sweep leaves alone, so the train models of this target build it in standard ops before
+differentiating, in :mod:`onnx_autodiff.training.artifacts`.) The rules:
 
 - ``Sum(a, b, c, ...)`` is ``((a + b) + c) + ...``;
 - ``Sign(x)`` is ``Where(x > 0, 1, Where(x < 0, −1, x − x))``;
