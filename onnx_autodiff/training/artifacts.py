@@ -860,14 +860,15 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     buffers = set(roles.buffers)
     buffer_inputs = [v for v in graph.inputs if v.name in buffers]
     inputs = [*batch, *labels, *params, *extra_inputs, *buffer_inputs, *tail]
+    loss_name, kept_name = loss_out.name, outputs[-1].name  # (before the lowering, as the eval model's)
     proto_out = _finish(model, inputs, outputs, f"{kind} model", cleaned=True, target=target)
     layout = {
         "batch": [v.name for v in (*batch, *labels)],
         "carry": carry,
         "reads": [] if kind == "train" else [[p.name, p.name] for p in params],
         "scalars": scalars,
-        "loss": loss_out.name,
-        "kept": outputs[-1].name,
+        "loss": loss_name,
+        "kept": kept_name,
     }
     if coefficients:  # how the runner computes the scalar inputs other than lr and step
         layout["coefficients"] = {key: coefficient_formulas(spec)[key] for key in coefficients}
@@ -894,12 +895,15 @@ def _build_eval(proto, roles: _Roles, loss_spec, target="onnxruntime"):
             taken.add(value)
             outputs.append(value)
     graph.extend(op.nodes)
+    # the names before the cleanup, which keeps the graph outputs' names but may replace their
+    # values (a lowered loss node: the old value loses its name)
+    output_names = [v.name for v in outputs]
     proto_out = _finish(model, [*batch, *labels, *reads], outputs, "eval model", target=target)
     layout = {
         "batch": [v.name for v in (*batch, *labels)],
         "reads": [[v.name, v.name] for v in reads],
-        "loss": loss_out.name,
-        "outputs": [v.name for v in outputs[1:]],
+        "loss": output_names[0],
+        "outputs": output_names[1:],
     }
     return proto_out, layout
 
@@ -935,6 +939,7 @@ def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumul
             outputs.append(_publish(op, namer, new_s, f"{s.name}.new", taken, like=s))
             carry.append([s.name, s.name, outputs[-1].name])
     outputs.append(_publish(op, namer, kept, "kept", taken))
+    kept_name = outputs[-1].name  # (before the cleanup, as the eval model's names)
     state_inputs = [s for inputs in states for s in inputs]
     graph = ir.Graph([*params, *accs, *state_inputs, lr, step, scale, *coefficients.values()], outputs, nodes=op.nodes,
                      opset_imports={"": opset}, name="apply")
@@ -947,7 +952,7 @@ def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumul
         "scalars": {"lr": lr.name, "step": step.name, "grad_scale": scale.name,
                     **{key: value.name for key, value in coefficients.items()}},
         "loss": None,
-        "kept": outputs[-1].name,
+        "kept": kept_name,
     }
     if coefficients:
         layout["coefficients"] = {key: coefficient_formulas(spec)[key] for key in coefficients}
