@@ -1,14 +1,17 @@
 // Trains the digits classifier of build/ (python examples/web/prepare.py) in the browser with the
 // trainer module that Node's CLI uses, drawing the loss of each step and the test accuracy of each
 // epoch. When done, body[data-state] is "done" and window.trainingResult holds the figures (the
-// check script reads them); on a failure it is "error".
-import * as ort from "onnxruntime-web";
-
+// check script reads them); on a failure it is "error". ?backend=webgpu trains on onnxruntime-web's
+// WebGPU provider the artifacts lowered for it (build/artifacts-webgpu), else on WebAssembly.
 import { parse } from "../../js/safetensors.mjs";
 import { rowCount, sliceRows, Trainer } from "../../js/trainer.mjs";
 
 const EPOCHS = 15;
-const BACKEND = "wasm"; // onnxruntime-web's WebAssembly execution provider
+const BACKEND = new URLSearchParams(location.search).get("backend") === "webgpu" ? "webgpu" : "wasm";
+// the WebGPU bundle holds both providers, its WebAssembly build with fewer kernel types
+const ort = await import(BACKEND === "webgpu" ? "../../js/node_modules/onnxruntime-web/dist/ort.webgpu.min.mjs"
+  : "onnxruntime-web");
+const ARTIFACTS = BACKEND === "webgpu" ? "artifacts-webgpu" : "artifacts";
 const BATCH = 32;
 
 const status = document.getElementById("status");
@@ -67,6 +70,7 @@ function draw(losses, accuracies, totalSteps) {
 /** The backend and the WebAssembly threads in use (onnxruntime-web falls back to one thread
  * without cross-origin isolation, whatever numThreads asked). */
 function backendText() {
+  if (BACKEND === "webgpu") return "backend webgpu";
   const isolation = self.crossOriginIsolated ? "cross-origin isolated" : "not cross-origin isolated: one thread";
   return `backend ${BACKEND}, ${ort.env.wasm.numThreads} thread(s), ${isolation}`;
 }
@@ -89,7 +93,7 @@ async function main() {
     if (!bytes) throw new Error(`no build/${name}.safetensors: run python examples/web/prepare.py`);
     return parse(bytes);
   }));
-  const trainer = await Trainer.open(ort, (name) => read(`artifacts/${name}`),
+  const trainer = await Trainer.open(ort, (name) => read(`${ARTIFACTS}/${name}`),
     { sessionOptions: { executionProviders: [BACKEND] } });
   const rows = rowCount(train.tensors);
   const perEpoch = Math.ceil(rows / BATCH);

@@ -1,12 +1,13 @@
 """Trains the digits classifier in headless Chromium and prints its test accuracy.
 
-    python examples/web/check.py [--screenshot PATH] [--timeout SECONDS]
+    python examples/web/check.py [--screenshot PATH] [--timeout SECONDS] [--backend wasm|webgpu]
     python examples/web/check.py --serve      # only serve the page, to open it in a browser yourself
 
 Writes the artifacts and data (prepare.py), serves the repository root on 127.0.0.1 (a free port),
 opens examples/web/index.html in headless Chromium driven over the DevTools protocol (on a pipe, no
 port), waits for the training to finish, saves a screenshot of the page and prints
-``browser: test accuracy X%``. Exit status 0 when X >= 90, 1 when lower or the page failed, 2 when
+``browser: test accuracy X%``. ``--backend webgpu`` trains the artifacts lowered for onnxruntime-web's
+WebGPU provider on it (Chromium's WebGPU; SwiftShader's adapter without a GPU). Exit status 0 when X >= 90, 1 when lower or the page failed, 2 when
 Chromium or js/node_modules is missing. Needs Debian's ``chromium`` and ``npm ci --ignore-scripts
 --prefix js``; nothing is downloaded.
 """
@@ -196,6 +197,8 @@ def main(argv=None) -> int:
     parser.add_argument("--screenshot", default=os.path.join(HERE, "screenshot.png"), help="default: %(default)s")
     parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for the training (default %(default)s)")
     parser.add_argument("--serve", action="store_true", help="only serve the page (no browser) until interrupted")
+    parser.add_argument("--backend", choices=["wasm", "webgpu"], default="wasm",
+                        help="onnxruntime-web's execution provider (default %(default)s)")
     args = parser.parse_args(argv)
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.screenshot))):
         parser.error(f"--screenshot {args.screenshot}: no such directory")
@@ -220,13 +223,14 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="onnx-autodiff-chromium-") as profile:
         try:
-            browser = Chromium(executable, profile)  # before the server's thread: it starts with a pre-exec hook
+            # before the server's thread: it starts with a pre-exec hook
+            browser = Chromium(executable, profile, webgpu=args.backend == "webgpu")
         except OSError as error:
             print(f"check.py: error: cannot start {executable}: {error}", file=sys.stderr)
             return 2
         server = serve()
         threading.Thread(target=server.serve_forever, daemon=True).start()
-        url = f"http://127.0.0.1:{server.server_address[1]}/examples/web/index.html"
+        url = f"http://127.0.0.1:{server.server_address[1]}/examples/web/index.html?backend={args.backend}"
         try:
             result = train_in_browser(browser, url, args.screenshot, args.timeout)
         except PageError as error:
@@ -237,12 +241,16 @@ def main(argv=None) -> int:
             server.shutdown()
             server.server_close()
     accuracy = result["accuracy"]
+    where = "WebGPU" if result.get("backend") == "webgpu" else f"{result['threads']} WebAssembly thread(s)"
     print(f"browser: test accuracy {accuracy * 100:.1f}% ({result['source']} digits, {result['train']} train / "
-          f"{result['test']} test, {result['steps']} steps in {result['seconds']:.1f} s on {result['threads']} "
-          f"WebAssembly thread(s); page and browser {time.perf_counter() - start:.1f} s)")
-    isolated = "cross-origin isolated" if result.get("isolated") else "not cross-origin isolated"
-    print(f"browser: backend {result.get('backend')}, {result['threads']} thread(s) of {result.get('cores')} "
-          f"core(s), {isolated}")
+          f"{result['test']} test, {result['steps']} steps in {result['seconds']:.1f} s on {where}; "
+          f"page and browser {time.perf_counter() - start:.1f} s)")
+    if result.get("backend") == "webgpu":
+        print("browser: backend webgpu")
+    else:
+        isolated = "cross-origin isolated" if result.get("isolated") else "not cross-origin isolated"
+        print(f"browser: backend {result.get('backend')}, {result['threads']} thread(s) of {result.get('cores')} "
+              f"core(s), {isolated}")
     print(f"saved {args.screenshot}")
     return 0 if accuracy >= THRESHOLD else 1
 
