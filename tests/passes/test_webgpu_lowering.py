@@ -209,3 +209,11 @@ def test_sign_by_comparisons_keeps_nan_and_zero(dtype):
     want, got = run(wide, {"x": x.astype(np.float32)})["y"].astype(dtype), run(lowered, {"x": x})["y"]
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(np.signbit(got), np.signbit(want))  # +0 for -0, as the kernel gives
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_a_mean_over_no_label_is_nan_as_the_kernel_gives(weighted):
+    model, feeds = _loss_model("SoftmaxCrossEntropyLoss", "mean", weighted, -100)
+    feeds["labels"][:] = -100
+    lowered = cleaned(model, target="webgpu")
+    assert np.isnan(run(model, feeds)["loss"]) and np.isnan(run(lowered, feeds)["loss"])
