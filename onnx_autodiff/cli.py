@@ -224,8 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     grad.add_argument("--of", help="the value to differentiate (default: the single graph output)")
     grad.add_argument("--wrt", nargs="+", help="variables (default: the float initializers that are not constants)")
     grad.add_argument("--no-cleanup", action="store_true", help="skip the cleanup passes")
-    grad.add_argument("--target", choices=["onnxruntime", "none"], default="onnxruntime",
-                      help="the runtime the cleanup lowers the graph for (none: canonical standard forms)")
+    grad.add_argument("--target", choices=["onnxruntime", "webgpu", "none"], default="onnxruntime",
+                      help="the runtime the cleanup lowers the graph for (webgpu: onnxruntime-web's WebGPU "
+                           "provider; none: canonical standard forms)")
     grad.add_argument("--no-upgrade", action="store_true", help=NO_UPGRADE_HELP)
     grad.add_argument("--outline", action="store_true",
                       help="group each rule's backward nodes into one call of a model-local function")

@@ -166,6 +166,33 @@ class CleanupPass(ir.passes.InPlacePass):
         return None
 
 
+class LoweringPass(ir.passes.InPlacePass):
+    """The lowering rules of ``target`` alone (:func:`~onnx_autodiff.passes.rewrite_rules.lowering_rules`),
+    swept over the graphs, subgraphs and functions until none applies, removing the nodes they
+    leave unread: for a model whose other nodes are already in their final form (a train model's
+    optimiser step, built after the cleanup of its backward graph), where a whole cleanup would
+    find nothing else to do."""
+
+    def __init__(self, target: str, max_rounds: int = 8) -> None:
+        super().__init__()
+        self.rules = RuleIndex([lowering_rules(target)])
+        self.target = target
+        self.max_rounds = max_rounds
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        modified = False
+        with collector_paused():
+            for _ in range(self.max_rounds):
+                infer_shapes(model, missing_only=True)  # the rules decide from shapes
+                if rewrites.Rewriter(model, all_graphs(model), self.rules).run() == 0:
+                    break
+                _remove_unused(model)
+                modified = True
+        if modified and not all(_in_order(g) for g in (model.graph, *model.functions.values())):
+            common.TopologicalSortPass()(model)
+        return ir.passes.PassResult(model, modified=modified)
+
+
 def infer_missing_shapes(model: ir.Model) -> None:
     """``infer_shapes(model, missing_only=True)`` (:func:`onnx_autodiff.toolkit.inference.infer_shapes`),
     under the name it had here."""

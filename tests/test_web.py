@@ -28,6 +28,11 @@ def test_browser_page_trains_to_90_percent(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     accuracy = re.search(r"^browser: test accuracy ([0-9.]+)%", result.stdout, re.MULTILINE)
     assert accuracy and float(accuracy.group(1)) >= 90, result.stdout
+    # check.py's server sends COOP/COEP: isolated, the page runs WebAssembly on several threads
+    backend = re.search(r"^browser: backend wasm, (\d+) thread\(s\) of (\d+) core\(s\), (not )?cross-origin isolated",
+                        result.stdout, re.MULTILINE)
+    assert backend and not backend.group(3), result.stdout
+    assert int(backend.group(1)) > 1 or int(backend.group(2)) == 1, result.stdout
     assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

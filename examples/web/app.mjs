@@ -1,13 +1,17 @@
 // Trains the digits classifier of build/ (python examples/web/prepare.py) in the browser with the
 // trainer module that Node's CLI uses, drawing the loss of each step and the test accuracy of each
 // epoch. When done, body[data-state] is "done" and window.trainingResult holds the figures (the
-// check script reads them); on a failure it is "error".
-import * as ort from "onnxruntime-web";
-
+// check script reads them); on a failure it is "error". ?backend=webgpu trains on onnxruntime-web's
+// WebGPU provider the artifacts lowered for it (build/artifacts-webgpu), else on WebAssembly.
 import { parse } from "../../js/safetensors.mjs";
 import { rowCount, sliceRows, Trainer } from "../../js/trainer.mjs";
 
 const EPOCHS = 15;
+const BACKEND = new URLSearchParams(location.search).get("backend") === "webgpu" ? "webgpu" : "wasm";
+// the WebGPU bundle holds both providers, its WebAssembly build with fewer kernel types
+const ort = await import(BACKEND === "webgpu" ? "../../js/node_modules/onnxruntime-web/dist/ort.webgpu.min.mjs"
+  : "onnxruntime-web");
+const ARTIFACTS = BACKEND === "webgpu" ? "artifacts-webgpu" : "artifacts";
 const BATCH = 32;
 
 const status = document.getElementById("status");
@@ -63,6 +67,14 @@ function draw(losses, accuracies, totalSteps) {
     { top: 1, ticks: [0, 0.5, 0.9, 1], label: (v) => `${Math.round(v * 100)}%`, xLabel: "epoch", count: EPOCHS });
 }
 
+/** The backend and the WebAssembly threads in use (onnxruntime-web falls back to one thread
+ * without cross-origin isolation, whatever numThreads asked). */
+function backendText() {
+  if (BACKEND === "webgpu") return "backend webgpu";
+  const isolation = self.crossOriginIsolated ? "cross-origin isolated" : "not cross-origin isolated: one thread";
+  return `backend ${BACKEND}, ${ort.env.wasm.numThreads} thread(s), ${isolation}`;
+}
+
 function accuracy(logits, labels) {
   const classes = logits.dims[1];
   let right = 0;
@@ -81,8 +93,8 @@ async function main() {
     if (!bytes) throw new Error(`no build/${name}.safetensors: run python examples/web/prepare.py`);
     return parse(bytes);
   }));
-  const trainer = await Trainer.open(ort, (name) => read(`artifacts/${name}`),
-    { sessionOptions: { executionProviders: ["wasm"] } });
+  const trainer = await Trainer.open(ort, (name) => read(`${ARTIFACTS}/${name}`),
+    { sessionOptions: { executionProviders: [BACKEND] } });
   const rows = rowCount(train.tensors);
   const perEpoch = Math.ceil(rows / BATCH);
   const losses = [];
@@ -96,7 +108,7 @@ async function main() {
     accuracies.push(accuracy(result.logits, test.tensors.labels.data));
     draw(losses, accuracies, EPOCHS * perEpoch);
     status.textContent = `epoch ${epoch}/${EPOCHS}: training loss ${losses.at(-1).toFixed(4)}, `
-      + `test accuracy ${(accuracies.at(-1) * 100).toFixed(1)}%`;
+      + `test accuracy ${(accuracies.at(-1) * 100).toFixed(1)}% (${backendText()})`;
     await new Promise((resolve) => setTimeout(resolve)); // let the page paint
   }
   const seconds = (performance.now() - start) / 1000;
@@ -104,10 +116,12 @@ async function main() {
   const source = train.metadata.source ?? "";
   const tested = rowCount(test.tensors);
   status.textContent = `${source} digits, ${rows} train / ${tested} test: `
-    + `${trainer.stepCount} steps in ${seconds.toFixed(1)} s, test accuracy ${(final * 100).toFixed(1)}%`;
+    + `${trainer.stepCount} steps in ${seconds.toFixed(1)} s, test accuracy ${(final * 100).toFixed(1)}% `
+    + `(${backendText()})`;
   window.trainingResult = {
     accuracy: final, steps: trainer.stepCount, epochs: EPOCHS, seconds, source, train: rows, test: tested,
-    threads: ort.env.wasm.numThreads,
+    threads: ort.env.wasm.numThreads, backend: BACKEND, isolated: self.crossOriginIsolated,
+    cores: navigator.hardwareConcurrency,
   };
   document.body.dataset.state = "done";
 }

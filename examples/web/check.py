@@ -1,12 +1,13 @@
 """Trains the digits classifier in headless Chromium and prints its test accuracy.
 
-    python examples/web/check.py [--screenshot PATH] [--timeout SECONDS]
+    python examples/web/check.py [--screenshot PATH] [--timeout SECONDS] [--backend wasm|webgpu]
     python examples/web/check.py --serve      # only serve the page, to open it in a browser yourself
 
 Writes the artifacts and data (prepare.py), serves the repository root on 127.0.0.1 (a free port),
 opens examples/web/index.html in headless Chromium driven over the DevTools protocol (on a pipe, no
 port), waits for the training to finish, saves a screenshot of the page and prints
-``browser: test accuracy X%``. Exit status 0 when X >= 90, 1 when lower or the page failed, 2 when
+``browser: test accuracy X%``. ``--backend webgpu`` trains the artifacts lowered for onnxruntime-web's
+WebGPU provider on it (Chromium's WebGPU; SwiftShader's adapter without a GPU). Exit status 0 when X >= 90, 1 when lower or the page failed, 2 when
 Chromium or js/node_modules is missing. Needs Debian's ``chromium`` and ``npm ci --ignore-scripts
 --prefix js``; nothing is downloaded.
 """
@@ -47,6 +48,13 @@ class Handler(http.server.SimpleHTTPRequestHandler):
         ".mjs": "text/javascript", ".js": "text/javascript", ".wasm": "application/wasm",
     }
 
+    def end_headers(self):
+        # cross-origin isolation: the page gets SharedArrayBuffer, so onnxruntime-web's WebAssembly
+        # runs on several threads (every resource here is same-origin, as require-corp asks)
+        self.send_header("Cross-Origin-Opener-Policy", "same-origin")
+        self.send_header("Cross-Origin-Embedder-Policy", "require-corp")
+        super().end_headers()
+
     def log_message(self, format, *args):
         pass  # quiet: the check prints its own lines
 
@@ -66,7 +74,7 @@ class Chromium:
     """Headless Chromium with the DevTools protocol on a pipe: JSON messages ended by NUL, the
     browser reading commands on its fd 3 and writing replies and events on its fd 4."""
 
-    def __init__(self, executable: str, profile: str) -> None:
+    def __init__(self, executable: str, profile: str, webgpu: bool = False) -> None:
         to_browser, self._commands = os.pipe()
         self._replies, from_browser = os.pipe()
         # the child's ends above fd 10, so that moving them to 3 and 4 overwrites neither (dup2 onto
@@ -80,6 +88,11 @@ class Chromium:
         flags = ["--headless", "--remote-debugging-pipe", f"--user-data-dir={profile}", "--no-first-run",
                  "--no-default-browser-check", "--disable-gpu", "--disable-extensions", "--mute-audio",
                  "--hide-scrollbars"]
+        if webgpu:  # headless WebGPU: without a GPU, the adapter is SwiftShader's (Vulkan on the CPU)
+            flags[0] = "--headless=new"
+            flags.remove("--disable-gpu")
+            flags += ["--enable-unsafe-webgpu", "--enable-features=Vulkan", "--use-vulkan=swiftshader",
+                      "--use-webgpu-adapter=swiftshader", "--ignore-gpu-blocklist"]
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             flags.append("--no-sandbox")  # Chromium refuses to run as root with its sandbox
         # preexec_fn is safe here: the check starts Chromium before any thread; close_fds=False
@@ -92,6 +105,7 @@ class Chromium:
         self._buffer = b""
         self._next = 0
         self.errors: list[str] = []  # exceptions thrown and console errors of the page
+        self.console: list[str] = []  # every console message of the page (onnxruntime's log among them)
 
     def send(self, method: str, params: dict | None = None, session: str | None = None, timeout: float = 30) -> dict:
         self._next += 1
@@ -128,8 +142,11 @@ class Chromium:
         if event.get("method") == "Runtime.exceptionThrown":
             details = params.get("exceptionDetails", {})
             self.errors.append(details.get("exception", {}).get("description") or details.get("text", "an exception"))
-        elif event.get("method") == "Runtime.consoleAPICalled" and params.get("type") == "error":
-            self.errors.append(" ".join(str(a.get("value", a.get("description", ""))) for a in params.get("args", [])))
+        elif event.get("method") == "Runtime.consoleAPICalled":
+            text = " ".join(str(a.get("value", a.get("description", ""))) for a in params.get("args", []))
+            self.console.append(text)
+            if params.get("type") == "error":
+                self.errors.append(text)
 
     def close(self) -> None:
         try:
@@ -180,6 +197,8 @@ def main(argv=None) -> int:
     parser.add_argument("--screenshot", default=os.path.join(HERE, "screenshot.png"), help="default: %(default)s")
     parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for the training (default %(default)s)")
     parser.add_argument("--serve", action="store_true", help="only serve the page (no browser) until interrupted")
+    parser.add_argument("--backend", choices=["wasm", "webgpu"], default="wasm",
+                        help="onnxruntime-web's execution provider (default %(default)s)")
     args = parser.parse_args(argv)
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.screenshot))):
         parser.error(f"--screenshot {args.screenshot}: no such directory")
@@ -204,13 +223,14 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="onnx-autodiff-chromium-") as profile:
         try:
-            browser = Chromium(executable, profile)  # before the server's thread: it starts with a pre-exec hook
+            # before the server's thread: it starts with a pre-exec hook
+            browser = Chromium(executable, profile, webgpu=args.backend == "webgpu")
         except OSError as error:
             print(f"check.py: error: cannot start {executable}: {error}", file=sys.stderr)
             return 2
         server = serve()
         threading.Thread(target=server.serve_forever, daemon=True).start()
-        url = f"http://127.0.0.1:{server.server_address[1]}/examples/web/index.html"
+        url = f"http://127.0.0.1:{server.server_address[1]}/examples/web/index.html?backend={args.backend}"
         try:
             result = train_in_browser(browser, url, args.screenshot, args.timeout)
         except PageError as error:
@@ -221,9 +241,16 @@ def main(argv=None) -> int:
             server.shutdown()
             server.server_close()
     accuracy = result["accuracy"]
+    where = "WebGPU" if result.get("backend") == "webgpu" else f"{result['threads']} WebAssembly thread(s)"
     print(f"browser: test accuracy {accuracy * 100:.1f}% ({result['source']} digits, {result['train']} train / "
-          f"{result['test']} test, {result['steps']} steps in {result['seconds']:.1f} s on {result['threads']} "
-          f"WebAssembly thread(s); page and browser {time.perf_counter() - start:.1f} s)")
+          f"{result['test']} test, {result['steps']} steps in {result['seconds']:.1f} s on {where}; "
+          f"page and browser {time.perf_counter() - start:.1f} s)")
+    if result.get("backend") == "webgpu":
+        print("browser: backend webgpu")
+    else:
+        isolated = "cross-origin isolated" if result.get("isolated") else "not cross-origin isolated"
+        print(f"browser: backend {result.get('backend')}, {result['threads']} thread(s) of {result.get('cores')} "
+              f"core(s), {isolated}")
     print(f"saved {args.screenshot}")
     return 0 if accuracy >= THRESHOLD else 1
 

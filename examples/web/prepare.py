@@ -3,7 +3,9 @@
     python examples/web/prepare.py [--out examples/web/build]
 
 OUT/artifacts/ gets the training artifacts of an MLP 64-64-10 (Gemm, ReLU; cross-entropy, AdamW)
-with the checkpoint as checkpoint.safetensors, which the JavaScript trainer reads; OUT/train.safetensors
+with the checkpoint as checkpoint.safetensors, which the JavaScript trainer reads, and
+OUT/artifacts-webgpu/ the same lowered for onnxruntime-web's WebGPU provider (target "webgpu",
+the page's ?backend=webgpu); OUT/train.safetensors
 and OUT/test.safetensors (a quarter) hold X (8×8 images as 64 floats in [0, 1]) and labels (int64)
 and, in their metadata, where the digits come from. Nothing is downloaded: the digits are scikit-learn's
 bundled handwritten ones (load_digits) when scikit-learn is installed, else generated here, each
@@ -124,10 +126,11 @@ def main(argv=None) -> int:
     order = np.random.default_rng(0).permutation(len(images))  # the test quarter mixes every writer and digit
     X, labels = images[order] / np.float32(16), labels[order]
     test = len(X) // 4
-    artifacts = generate_artifacts(classifier(), loss="cross_entropy", optimizer="adamw",
-                                   optimizer_options={"lr": LEARNING_RATE, "weight_decay": 1e-4})
     os.makedirs(args.out, exist_ok=True)
-    artifacts.save(os.path.join(args.out, "artifacts"), checkpoint_format="safetensors")  # what js/ reads
+    for directory, target in (("artifacts", "onnxruntime"), ("artifacts-webgpu", "webgpu")):
+        artifacts = generate_artifacts(classifier(), loss="cross_entropy", optimizer="adamw",
+                                       optimizer_options={"lr": LEARNING_RATE, "weight_decay": 1e-4}, target=target)
+        artifacts.save(os.path.join(args.out, directory), checkpoint_format="safetensors")  # what js/ reads
     for name, rows in (("train", slice(test, None)), ("test", slice(None, test))):  # named as the models' inputs
         split = {"X": X[rows], "labels": labels[rows]}
         write_atomically(os.path.join(args.out, f"{name}.safetensors"), safetensors_writer(split, {"source": source}))

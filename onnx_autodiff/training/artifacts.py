@@ -42,7 +42,8 @@ from onnx_autodiff.passes.autodiff import backward_trial
 from onnx_autodiff.passes.opsets import OpsetError, convert_proto, default_opset, upgraded_for
 from onnx_autodiff.passes.parameters import default_parameters
 from onnx_autodiff.passes.recovery import RecoverParametersPass, is_torch_export
-from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder
+from onnx_autodiff.passes.rewrite_rules import lowering_rules
+from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, shapes
 from onnx_autodiff.training.losses import LossSpec, attach_loss
 from onnx_autodiff.training.optimizers import (
     coefficient_formulas,
@@ -440,6 +441,49 @@ def _prepare(proto, roles: _Roles, training: bool):
     return model, namer, updates
 
 
+def _training_batchnorm_in_standard_ops(model: ir.Model, namer: Namer, updates: dict) -> dict:
+    """Each BatchNormalization in training mode as standard ops, for the targets whose kernel
+    lacks the mode (:data:`FORWARD_LOWERED`); returns ``updates`` with the new running statistics.
+
+    With μ and σ² the batch's mean and biased variance over every axis but 1 (the statistics of
+    onnxruntime's CPU kernel): Y = (X − μ)/√(σ² + ε)·scale + B, running mean = mean·momentum +
+    μ·(1 − momentum), running variance = var·momentum + σ²·(1 − momentum). The gradient rules then
+    differentiate these ops (ReduceMean, Sub, Mul, Sqrt, Div) instead of BatchNormalization.
+    """
+    graph = model.graph
+    replaced: dict[ir.Value, ir.Value] = {}
+    for node in list(graph):
+        if (node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx")
+                or shapes.attr(node, "training_mode", 0) != 1):
+            continue
+        x, scale, bias, mean, var = node.inputs[:5]
+        r = shapes.rank(x)
+        if r is None:
+            raise TrainingError(f"BatchNormalization '{node.name}': the rank of its input is unknown (declare its shape)")
+        epsilon, momentum = shapes.attr(node, "epsilon", 1e-5), shapes.attr(node, "momentum", 0.9)
+        op = OpBuilder(default_opset(model), namer, dict(model.opset_imports))
+        axes, per_channel = [0, *range(2, r)], [-1, *[1] * (r - 2)]
+        batch_mean = op.reduce("ReduceMean", x, axes, keepdims=True)
+        centred = op.Sub(x, batch_mean)
+        batch_var = op.reduce("ReduceMean", op.Mul(centred, centred), axes, keepdims=True)
+        normalised = op.Div(centred, op.Sqrt(op.Add(batch_var, float(epsilon))))
+        channels = (lambda v: op.reshape(v, per_channel)) if r > 2 else (lambda v: v)
+        y = op.Add(op.Mul(normalised, channels(scale)), channels(bias))
+        new_mean = op.Add(op.Mul(mean, float(momentum)), op.Mul(op.reshape(batch_mean, [-1]), float(1 - momentum)))
+        new_var = op.Add(op.Mul(var, float(momentum)), op.Mul(op.reshape(batch_var, [-1]), float(1 - momentum)))
+        graph.insert_before(node, op.nodes)
+        for old, new in zip(node.outputs, (y, new_mean, new_var)):
+            if old.is_graph_output():
+                graph.outputs[:] = [new if out is old else out for out in graph.outputs]
+            old.replace_all_uses_with(new)
+            if old.name:  # the names of the node's outputs kept
+                name, old.name = old.name, None
+                new.name = name
+            replaced[old] = new
+        graph.remove(node, safe=True)
+    return {name: replaced.get(value, value) for name, value in updates.items()}
+
+
 def _constant(graph: ir.Graph, namer: Namer, array: np.ndarray, hint: str) -> ir.Value:
     value = ir.Value(name=namer.fresh(hint), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
                      shape=ir.Shape(array.shape), const_value=ir.Tensor(array))
@@ -461,17 +505,24 @@ def _publish(op: OpBuilder, namer: Namer, value: ir.Value, hint: str, taken: set
 
 
 def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], what: str,
-            cleaned: bool = False) -> onnx.ModelProto:
-    """The model with these inputs and outputs, cleaned up unless ``cleaned`` says its nodes
-    already are (then only unused ones are removed), checked, as a proto."""
+            cleaned: bool = False, target: str | None = "onnxruntime") -> onnx.ModelProto:
+    """The model with these inputs and outputs, cleaned up and lowered for ``target`` unless
+    ``cleaned`` says its nodes already are (then only unused ones are removed, and the nodes added
+    since the cleanup lowered where the target needs it), checked, as a proto."""
     from onnx_autodiff.passes import cleanup_passes
+    from onnx_autodiff.passes.cleanup import LoweringPass
 
     graph = model.graph
     graph.inputs.clear()
     graph.inputs.extend(inputs)
     graph.outputs.clear()
     graph.outputs.extend(outputs)
-    passes = [RemoveUnusedNodesPass()] if cleaned else cleanup_passes()
+    if not cleaned:
+        passes = cleanup_passes(target=target)
+    elif target in OPTIMIZER_LOWERED:
+        passes = [RemoveUnusedNodesPass(), LoweringPass(target)]
+    else:
+        passes = [RemoveUnusedNodesPass()]
     model = ir.passes.PassManager(passes)(model).model
     _frozen_read_in_place(model)
     if any(v.shape is None or v.type is None for v in graph.outputs):
@@ -488,6 +539,13 @@ def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], wh
     return proto
 
 
+# Targets whose lowering also applies to the optimiser's nodes, added after the backward graph's
+# cleanup: they are emitted in forms that onnxruntime runs as they are, but the WebGPU provider
+# lacks some (the Sum of the step's finite check).
+OPTIMIZER_LOWERED = frozenset({"webgpu"})
+# Targets whose kernels lack a forward op's training mode: the train models compute it in standard
+# ops (onnxruntime-web's WebGPU BatchNormalization: "trainingMode is not supported yet").
+FORWARD_LOWERED = frozenset({"webgpu"})
 FROZEN_IN_PLACE = 1 << 18  # bytes: a frozen weight this large is read where it is stored, never copied transposed
 _GEMM_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE})
 
@@ -560,6 +618,7 @@ def generate_artifacts(
     registry=None,
     upgrade_opset: bool = True,
     lora=None,
+    target: str | None = "onnxruntime",
 ) -> TrainingArtifacts:
     """The training artifacts of ``model`` (an onnx.ModelProto, onnx_ir.Model or path).
 
@@ -590,7 +649,13 @@ def generate_artifacts(
     MatMul and Gemm and trains them alone, with what the config adds (biases, norms) and the extra
     initializers ``requires_grad`` names (e.g. a classifier head); the base weights stay constants.
     ``Trainer.export()`` merges the adapters into them (``merge=False`` keeps them apart).
+    target: the runtime the train, eval, accumulate and apply models are lowered for (the
+    cleanup's ``target``): "onnxruntime" (default), "webgpu" (onnxruntime-web's WebGPU provider runs
+    every compute node, see :mod:`onnx_autodiff.passes.rewrite_rules.webgpu`) or None (canonical
+    standard forms). The inference model is the input model's, whatever the target.
     """
+    if target is not None:
+        lowering_rules(target)  # an unknown target fails here, naming the known ones, before the work
     spec = make_optimizer(optimizer, **dict(optimizer_options or {}))
     forward, base_dir = _as_proto(model), _source_dir(model)
     proto = onnx.ModelProto()
@@ -622,8 +687,8 @@ def generate_artifacts(
     loss_spec = LossSpec(loss, output, labels)
     batch_inputs = [v.name for v in proto.graph.input if v.name not in {t.name for t in proto.graph.initializer}]
 
-    train = _build_train(proto, roles, loss_spec, spec, max_grad_norm, "train", registry)
-    eval_model, eval_layout = _build_eval(proto, roles, loss_spec)
+    train = _build_train(proto, roles, loss_spec, spec, max_grad_norm, "train", registry, target)
+    eval_model, eval_layout = _build_eval(proto, roles, loss_spec, target)
     layout = {
         "format": FORMAT_VERSION,
         "inputs": batch_inputs,
@@ -635,6 +700,8 @@ def generate_artifacts(
         "train": train["layout"],
         "eval": eval_layout,
     }
+    if target != "onnxruntime":  # (the default's artifacts.json as before)
+        layout["target"] = target
     if modules is not None:
         layout["modules"] = modules
     if lora is not None:
@@ -650,9 +717,10 @@ def generate_artifacts(
     artifacts = TrainingArtifacts(train["model"], eval_model, forward, checkpoint, layout, left_out=roles.left_out,
                                   base_dir=base_dir)
     if gradient_accumulation:
-        accumulate = _build_train(proto, roles, loss_spec, spec, max_grad_norm, "accumulate", registry)
+        accumulate = _build_train(proto, roles, loss_spec, spec, max_grad_norm, "accumulate", registry, target)
         accumulators = [key for key, _, _ in accumulate["layout"]["carry"][: len(roles.params)]]
-        apply_model, apply_layout = _build_apply(proto, roles, spec, max_grad_norm, train["state"], accumulators)
+        apply_model, apply_layout = _build_apply(proto, roles, spec, max_grad_norm, train["state"], accumulators,
+                                                 target)
         artifacts.accumulate_model = accumulate["model"]
         artifacts.apply_model = apply_model
         layout["accumulate"] = accumulate["layout"]
@@ -727,10 +795,12 @@ def _module_selection(names, proto: onnx.ModelProto, modules, role: str):
     return chosen
 
 
-def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str, registry):
+def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str, registry, target="onnxruntime"):
     from onnx_autodiff.passes import AutodiffPass, cleanup_passes
 
     model, namer, updates = _prepare(proto, roles, training=True)
+    if target in FORWARD_LOWERED:
+        updates = _training_batchnorm_in_standard_ops(model, namer, updates)
     graph = model.graph
     batch = [v for v in graph.inputs if v.name not in roles.state]
     loss, labels, _ = attach_loss(model, namer, loss_spec)
@@ -751,7 +821,14 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
         raise cause from error
     # the backward cleaned up as grad's is; the optimiser's nodes added next are emitted clean
     # (a second cleanup of the whole train model found nothing to do and took 28% of the build)
-    ir.passes.PassManager(cleanup_passes())(model)
+    lowered_statistics = target in FORWARD_LOWERED and bool(updates)
+    if lowered_statistics:  # no node reads them yet: graph outputs meanwhile, so the cleanup keeps them
+        count = len(graph.outputs)
+        graph.outputs.extend(updates.values())
+    ir.passes.PassManager(cleanup_passes(target=target))(model)
+    if lowered_statistics:
+        updates = dict(zip(updates, graph.outputs[count:]))
+        del graph.outputs[count:]
     loss, grads = graph.outputs[0], list(graph.outputs[1:])
     namer = Namer.for_graph(graph, prefix="opt")
     op = OpBuilder(default_opset(model), namer, dict(model.opset_imports))
@@ -807,21 +884,22 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     buffers = set(roles.buffers)
     buffer_inputs = [v for v in graph.inputs if v.name in buffers]
     inputs = [*batch, *labels, *params, *extra_inputs, *buffer_inputs, *tail]
-    proto_out = _finish(model, inputs, outputs, f"{kind} model", cleaned=True)
+    loss_name, kept_name = loss_out.name, outputs[-1].name  # (before the lowering, as the eval model's)
+    proto_out = _finish(model, inputs, outputs, f"{kind} model", cleaned=True, target=target)
     layout = {
         "batch": [v.name for v in (*batch, *labels)],
         "carry": carry,
         "reads": [] if kind == "train" else [[p.name, p.name] for p in params],
         "scalars": scalars,
-        "loss": loss_out.name,
-        "kept": outputs[-1].name,
+        "loss": loss_name,
+        "kept": kept_name,
     }
     if coefficients:  # how the runner computes the scalar inputs other than lr and step
         layout["coefficients"] = {key: coefficient_formulas(spec)[key] for key in coefficients}
     return {"model": proto_out, "layout": layout, "labels": [v.name for v in labels], "state": state_layout}
 
 
-def _build_eval(proto, roles: _Roles, loss_spec):
+def _build_eval(proto, roles: _Roles, loss_spec, target="onnxruntime"):
     model, namer, _ = _prepare(proto, roles, training=False)
     graph = model.graph
     batch = [v for v in graph.inputs if v.name not in roles.state]
@@ -841,17 +919,21 @@ def _build_eval(proto, roles: _Roles, loss_spec):
             taken.add(value)
             outputs.append(value)
     graph.extend(op.nodes)
-    proto_out = _finish(model, [*batch, *labels, *reads], outputs, "eval model")
+    # the names before the cleanup, which keeps the graph outputs' names but may replace their
+    # values (a lowered loss node: the old value loses its name)
+    output_names = [v.name for v in outputs]
+    proto_out = _finish(model, [*batch, *labels, *reads], outputs, "eval model", target=target)
     layout = {
         "batch": [v.name for v in (*batch, *labels)],
         "reads": [[v.name, v.name] for v in reads],
-        "loss": loss_out.name,
-        "outputs": [v.name for v in outputs[1:]],
+        "loss": output_names[0],
+        "outputs": output_names[1:],
     }
     return proto_out, layout
 
 
-def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumulators: list[str]):
+def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumulators: list[str],
+                 target="onnxruntime"):
     inits = {t.name: t for t in proto.graph.initializer}
     reserved = [n for names in state.values() for n in names] + accumulators
     namer = Namer([v.name for v in proto.graph.input] + list(inits) + reserved, prefix="opt")
@@ -881,11 +963,12 @@ def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumul
             outputs.append(_publish(op, namer, new_s, f"{s.name}.new", taken, like=s))
             carry.append([s.name, s.name, outputs[-1].name])
     outputs.append(_publish(op, namer, kept, "kept", taken))
+    kept_name = outputs[-1].name  # (before the cleanup, as the eval model's names)
     state_inputs = [s for inputs in states for s in inputs]
     graph = ir.Graph([*params, *accs, *state_inputs, lr, step, scale, *coefficients.values()], outputs, nodes=op.nodes,
                      opset_imports={"": opset}, name="apply")
     model = ir.Model(graph, ir_version=max(proto.ir_version, 8), producer_name="onnx-autodiff")
-    proto_out = _finish(model, list(graph.inputs), outputs, "apply model")
+    proto_out = _finish(model, list(graph.inputs), outputs, "apply model", target=target)
     layout = {
         "batch": [],
         "carry": carry,
@@ -893,7 +976,7 @@ def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumul
         "scalars": {"lr": lr.name, "step": step.name, "grad_scale": scale.name,
                     **{key: value.name for key, value in coefficients.items()}},
         "loss": None,
-        "kept": outputs[-1].name,
+        "kept": kept_name,
     }
     if coefficients:
         layout["coefficients"] = {key: coefficient_formulas(spec)[key] for key in coefficients}

@@ -32,6 +32,9 @@ def add_arguments(parser) -> None:
                              "read with external data read its data file where it is, no copy written)")
     parser.add_argument("--checkpoint-format", choices=["npz", "safetensors"], default="npz",
                         help="checkpoint.npz (default) or checkpoint.safetensors (what the JavaScript trainer reads)")
+    parser.add_argument("--target", choices=["onnxruntime", "webgpu"], default="onnxruntime",
+                        help="the runtime the models are lowered for: onnxruntime (default) or webgpu "
+                             "(onnxruntime-web's WebGPU provider runs every compute node)")
 
 
 def add_generation_arguments(parser) -> list[str]:
@@ -93,7 +96,7 @@ def artifacts_from_args(args, gradient_accumulation: bool = False) -> TrainingAr
         args.model, requires_grad=args.requires_grad, frozen_params=args.frozen,
         loss=None if loss == "none" else loss, optimizer=optimizer, optimizer_options=options,
         output=args.output_name, max_grad_norm=args.max_grad_norm, gradient_accumulation=gradient_accumulation,
-        upgrade_opset=not args.no_upgrade, lora=lora,
+        upgrade_opset=not args.no_upgrade, lora=lora, target=getattr(args, "target", "onnxruntime"),
     )
 
 

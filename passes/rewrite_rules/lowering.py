@@ -4,8 +4,9 @@ gradient rules emit (plain standard ops, each derivative stated once).
 The cleanup applies the rules of its ``target`` in every round
 (``cleanup_passes(target="onnxruntime")``, the default; ``target=None`` keeps canonical graphs).
 Every rewrite computes the same function (sums in another order; Relu's gate, below, differs only
-where the gradient is not finite). The onnxruntime rules, and the figures that chose them
-(benchmarks/README.md, "Why the onnxruntime lowering"):
+where the gradient is not finite). The target "webgpu" (onnxruntime-web's WebGPU provider)
+applies rules of its own, in :mod:`.webgpu`, before these. The onnxruntime rules, and the figures
+that chose them (benchmarks/README.md, "Why the onnxruntime lowering"):
 
 - MatMul of a 2-D Transpose is a Gemm with transA/transB, which reads the matrix transposed in
   place; a Gemm of a 2-D Transpose flips the flag instead;
@@ -29,6 +30,7 @@ from onnx_autodiff.passes.metadata import GRAD_OF
 from onnx_autodiff.passes.rewrite_rules.analysis import (
     axes, dims, fill, normalized, opset, perm, produced_by, rank, static, verdict,
 )
+from onnx_autodiff.passes.rewrite_rules.webgpu import webgpu_rules
 from onnx_autodiff.toolkit import FLOAT_TYPES
 
 _GEMM_TYPES = frozenset({ir.DataType.FLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE})
@@ -184,7 +186,13 @@ def onnxruntime_rules() -> list[RewriteRule]:
     ]
 
 
-TARGETS = {"onnxruntime": onnxruntime_rules}
+def webgpu_target_rules() -> list[RewriteRule]:
+    """onnxruntime-web's WebGPU provider: the rewrites of what it lacks (:mod:`.webgpu`), then the
+    onnxruntime rules, whose forms it runs too."""
+    return [*webgpu_rules(), *onnxruntime_rules()]
+
+
+TARGETS = {"onnxruntime": onnxruntime_rules, "webgpu": webgpu_target_rules}
 
 
 def lowering_rules(target: str) -> RewriteRuleSet:
