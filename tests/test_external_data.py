@@ -15,7 +15,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import AutodiffPass, cleanup_passes, modelfile
 from onnx_autodiff.cli import load_model, main
-from onnx_autodiff.training import Trainer, TrainingArtifacts, TrainingError
+from onnx_autodiff.training import Trainer, TrainingArtifacts, TrainingError, generate_artifacts
+from onnx_autodiff.training.artifacts import FROZEN_IN_PLACE
 from onnx_autodiff.training.values import load_npz, owned_copy
 
 SIZES = (6, 32, 32, 3)  # the 32x32 weight (4 KB) is over the 1 KB external-data threshold
@@ -192,6 +193,36 @@ def test_artifacts_trainer_and_export_with_external_data(models, tmp_path, umask
     trainers[1].export(requested, external_data=True)
     assert os.path.isfile(requested + ".data")
     np.testing.assert_array_equal(run(requested, batch)[0], run(expected, batch)[0])
+
+
+def test_a_large_constant_of_the_backward_keeps_the_artifacts_reading_the_input(tmp_path):
+    """A constant the build makes, however large (the ones that sum a bias's gradient over 65,536
+    rows: 256 KiB), stays in the model file: the artifacts still read the weights where they are,
+    with no copy of them beside the models."""
+    rows = 1 << 16
+    rng = np.random.default_rng(3)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["X", "W"], ["m"]), helper.make_node("Add", ["m", "b"], ["y"]),
+         helper.make_node("ReduceSumSquare", ["y"], ["loss"], keepdims=0)], "bias",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, [rows, 4])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        [numpy_helper.from_array(rng.standard_normal((4, 256)).astype(np.float32), "W"),
+         numpy_helper.from_array(np.zeros(256, np.float32), "b")])
+    path = tmp_path / "model" / "m.onnx"
+    path.parent.mkdir()
+    onnx.save_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path,
+                    save_as_external_data=True, size_threshold=0, location="weights.bin")
+    artifacts = generate_artifacts(str(path), loss=None, optimizer="sgd")
+    made = [t for t in artifacts.train_model.graph.initializer
+            if t.data_location != TensorProto.EXTERNAL and len(t.raw_data) >= FROZEN_IN_PLACE]
+    assert made, "the build made no constant this large: the test no longer tests what it says"
+    directory = tmp_path / "artifacts"
+    artifacts.save(directory)
+    assert not [f for f in os.listdir(directory) if f.endswith(".data")]
+    with open(directory / "artifacts.json") as stream:
+        assert set(json.load(stream)["external_data"]["files"]) == {"weights.bin"}
+    batch = {"X": rng.standard_normal((rows, 4)).astype(np.float32)}
+    assert Trainer(str(directory)).step(batch) == Trainer(artifacts).step(batch)
 
 
 def test_artifacts_find_the_data_file_they_read_or_say_where_it_was(models, tmp_path):
