@@ -192,7 +192,8 @@ export class Trainer {
     // tensors the build made (a base quantized anew) are saved in the train model's data file, which
     // the eval model reads too: onnxruntime-web mounts it from these bytes (a model given as bytes
     // has no folder to find it in)
-    const data = sessionOptions.externalData ? null : await read(EXTERNAL_DATA);
+    const given = Boolean(sessionOptions.externalData);
+    const data = given ? null : await read(EXTERNAL_DATA);
     if (data) sessionOptions.externalData = [{ path: EXTERNAL_DATA, data }];
     let session;
     try {
@@ -203,6 +204,7 @@ export class Trainer {
     const trainer = new Trainer(ort, layout, new Runner(session, layout.train, "train"), options);
     trainer.read = read;
     trainer.sessionOptions = sessionOptions;
+    trainer.externalDataGiven = given;
     trainer.loadStateDict(checkpoint);
     return trainer;
   }
@@ -267,7 +269,11 @@ export class Trainer {
     if (!this.evalRunner) {
       const model = await this.read("eval_model.onnx");
       if (!model) throw new TrainingError("the artifacts have no eval_model.onnx");
-      const session = await this.ort.InferenceSession.create(model, this.sessionOptions);
+      let options = this.sessionOptions;
+      // a directory saved with external_data=True has the eval model's own data file as well
+      const own = this.externalDataGiven ? null : await this.read("eval_model.onnx.data");
+      if (own) options = { ...options, externalData: [...(options.externalData ?? []), { path: "eval_model.onnx.data", data: own }] };
+      const session = await this.ort.InferenceSession.create(model, options);
       this.evalRunner = new Runner(session, this.layout.eval, "eval");
     }
     const runner = this.evalRunner;

@@ -255,3 +255,42 @@ def test_backend_webgpu_without_a_vulkan_driver_is_one_clear_line(batch, tmp_pat
     assert not out.exists()
     bad = node(directory, "--data", data, "--steps", 1, "--out", out, "--backend", "gpu", check=False)
     assert bad.returncode == 2 and "--backend must be cpu, webgpu, auto" in bad.stderr, bad.stderr
+
+
+def test_external_data_files_are_mounted_for_the_train_and_eval_models(tmp_path):
+    """A quantized LoRA base saved with external_data=True: the train and eval models read their
+    tensors from training_model.onnx.data and eval_model.onnx.data, which the trainer gives
+    onnxruntime with the model bytes; the steps are the Python Trainer's."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "examples" / "web"))
+    from prepare import classifier
+
+    from onnx_autodiff.passes.lora import LoraConfig
+
+    directory = tmp_path / "artifacts"
+    generate_artifacts(classifier(hidden=256), loss="cross_entropy", optimizer="adamw",
+                       lora=LoraConfig(rank=4, quantize_base="int4")).save(directory, external_data=True,
+                                                                            checkpoint_format="safetensors")
+    assert (directory / "training_model.onnx.data").is_file() and (directory / "eval_model.onnx.data").is_file()
+    rng = np.random.default_rng(0)
+    batch = {"X": rng.random((16, 64), dtype=np.float32), "labels": rng.integers(0, 10, 16).astype(np.int64)}
+    data = write_data(tmp_path / "batch.safetensors", batch)
+    out = tmp_path / "out.safetensors"
+    result = node(directory, "--data", data, "--steps", 3, "--out", out)
+    python, losses = python_state(directory, [batch] * 3)
+    printed = [float(line.split("loss")[1]) for line in result.stdout.splitlines() if line.startswith("step ")]
+    np.testing.assert_allclose(printed, losses, rtol=1e-5)
+    assert_same_state(safetensors_numpy.load_file(str(out)), python)
+    script = (f"import {{ Trainer }} from {json.dumps((JS / 'trainer.mjs').as_uri())};"
+              "import * as ort from 'onnxruntime-node'; import fs from 'node:fs/promises'; import path from 'node:path';"
+              "const read = (n) => fs.readFile(path.join(process.argv[1], n)).catch(() => null);"
+              "const t = await Trainer.open(ort, read);"
+              "const X = new ort.Tensor('float32', new Float32Array(64 * 2).fill(0.5), [2, 64]);"
+              "const labels = new ort.Tensor('int64', BigInt64Array.of(1n, 2n), [2]);"
+              "console.log((await t.evaluate({ X, labels })).loss);")
+    evaluated = subprocess.run(["node", "--input-type=module", "-e", script, str(directory)], capture_output=True, text=True,
+                               check=False, timeout=60, cwd=JS)
+    assert evaluated.returncode == 0, evaluated.stderr
+    want = Trainer(str(directory)).evaluate({"X": np.full((2, 64), 0.5, np.float32), "labels": np.array([1, 2])})["loss"]
+    np.testing.assert_allclose(float(evaluated.stdout), want, rtol=1e-5)

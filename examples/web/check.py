@@ -179,9 +179,13 @@ def train_in_browser(browser: Chromium, url: str, screenshot: str, timeout: floa
     session = browser.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
 
     def evaluate(expression: str):
+        # the page answers between its tasks: a step of a large model on WebAssembly holds its
+        # main thread for seconds, a session's creation longer
+        left = max(30.0, deadline - time.monotonic()) if deadline else 30.0
         return browser.send("Runtime.evaluate", {"expression": expression, "returnByValue": True},
-                            session=session)["result"].get("value")
+                            session=session, timeout=left)["result"].get("value")
 
+    deadline = None
     browser.send("Runtime.enable", session=session)
     browser.send("Emulation.setDeviceMetricsOverride",
                  {"width": 900, "height": 520, "deviceScaleFactor": 1, "mobile": False}, session=session)
