@@ -46,7 +46,9 @@ LEARNING_RATE = {"full": 2e-3, "small": 1e-2}
 # every projection of attention and MLP, and the head: an adapter on q and v alone is too little
 # for a random base to learn a sentence in a few steps
 TARGETS = ("*q_proj*", "*k_proj*", "*v_proj*", "*o_proj*", "*gate_proj*", "*up_proj*", "*down_proj*", "*lm_head*")
-# what onnxruntime-web runs of the int4 base on both its providers (see README, "An LLM in the page")
+# onnxruntime-web 1.30 runs the MatMulNBits contrib kernel on WebAssembly and on WebGPU, so the
+# forward never holds a float copy of a weight; the DequantizeLinear form (int4, opset 21) also
+# steps on WebAssembly
 QUANTIZE_FORMAT = "matmulnbits"
 
 
