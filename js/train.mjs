@@ -10,16 +10,37 @@ import { rowCount, sliceRows, Trainer, TrainingError } from "./trainer.mjs";
 
 const USAGE = `usage: node js/train.mjs ARTIFACTS_DIR --data DATA.safetensors --out OUT.safetensors
                      (--steps N | --epochs E [--batch-size B]) [--checkpoint FILE.safetensors]
-                     [--lr LR] [--nonfinite raise|skip] [--quiet]
+                     [--lr LR] [--nonfinite raise|skip] [--backend cpu|webgpu|auto] [--quiet]
 
 Trains the artifacts in ARTIFACTS_DIR (training_model.onnx, artifacts.json, checkpoint.safetensors)
 on DATA, whose arrays are named after the train model's batch inputs, and writes the trained
 parameters, optimiser state and __step__ to OUT. --steps N takes N steps on the whole of DATA;
 --epochs E passes over it E times in batches of B rows, in order (the last one may be smaller;
 default B: all rows). --checkpoint resumes from a checkpoint instead of the artifacts' own. Prints
-the loss of each step (--steps) or each epoch's mean loss, weighted by batch sizes (--epochs).`;
+the loss of each step (--steps) or each epoch's mean loss, weighted by batch sizes (--epochs).
+--backend picks onnxruntime-node's execution provider: cpu (the default), webgpu (its Dawn build;
+an error when there is no adapter) or auto (webgpu when it has an adapter, else cpu, said on
+stderr). Artifacts built with --target webgpu run every compute node on the WebGPU provider.`;
 
 class UsageError extends Error {}
+class BackendError extends Error {}
+
+const BACKENDS = ["cpu", "webgpu", "auto"];
+
+/** Why onnxruntime-node cannot run "webgpu" here (one line), or undefined when it can: its build
+ * may lack the provider, and Dawn, which it is built on, needs a Vulkan driver to offer an adapter
+ * (it fails at session creation, not at import). */
+function webgpuMissing(ort, error) {
+  const bundled = ort.listSupportedBackends?.().some((b) => b.name === "webgpu" && b.bundled);
+  if (ort.listSupportedBackends && !bundled) return "this onnxruntime-node build has no WebGPU execution provider";
+  const text = String(error?.message ?? "");
+  const adapter = /Failed to get a WebGPU adapter: ?([^\n]*)/.exec(text);
+  if (adapter) {
+    return `onnxruntime-node's WebGPU provider found no adapter (${adapter[1].trim() || "none"}): it needs a Vulkan `
+      + "driver (libvulkan.so.1 and an ICD; SwiftShader's on a machine without a GPU)";
+  }
+  return undefined;
+}
 
 function options(argv) {
   let parsed;
@@ -30,7 +51,7 @@ function options(argv) {
       options: {
         data: { type: "string" }, out: { type: "string" }, steps: { type: "string" }, epochs: { type: "string" },
         "batch-size": { type: "string" }, checkpoint: { type: "string" }, lr: { type: "string" },
-        nonfinite: { type: "string", default: "raise" }, quiet: { type: "boolean", default: false },
+        nonfinite: { type: "string", default: "raise" }, backend: { type: "string", default: "cpu" }, quiet: { type: "boolean", default: false },
         help: { type: "boolean", short: "h", default: false },
       },
     });
@@ -44,6 +65,7 @@ function options(argv) {
   if ((values.steps === undefined) === (values.epochs === undefined)) throw new UsageError("give either --steps N or --epochs E");
   if (values["batch-size"] !== undefined && values.epochs === undefined) throw new UsageError("--batch-size goes with --epochs");
   if (!["raise", "skip"].includes(values.nonfinite)) throw new UsageError(`--nonfinite must be raise or skip, not ${values.nonfinite}`);
+  if (!BACKENDS.includes(values.backend)) throw new UsageError(`--backend must be ${BACKENDS.join(", ")}, not ${values.backend}`);
   const count = (name) => {
     const text = values[name];
     if (text === undefined) return undefined;
@@ -58,6 +80,7 @@ function options(argv) {
   return {
     artifacts: positionals[0], data: values.data, out: values.out, steps: count("steps"), epochs: count("epochs"),
     batchSize: count("batch-size"), checkpoint: values.checkpoint, lr, nonfinite: values.nonfinite, quiet: values.quiet,
+    backend: values.backend,
   };
 }
 
@@ -113,7 +136,19 @@ async function main(argv) {
     if (error.code === "ENOENT") return null;
     throw error;
   });
-  const trainer = await Trainer.open(ort, read, { lr: args.lr, nonfinite: args.nonfinite, checkpoint });
+  const open = (backend) => Trainer.open(ort, read, { lr: args.lr, nonfinite: args.nonfinite, checkpoint,
+    sessionOptions: { executionProviders: [backend] } });
+  let trainer;
+  let backend = args.backend === "auto" ? "webgpu" : args.backend;
+  try {
+    trainer = await open(backend);
+  } catch (error) {
+    const missing = backend === "webgpu" ? webgpuMissing(ort, error) : undefined;
+    if (!missing) throw error;
+    if (args.backend !== "auto") throw new BackendError(`--backend webgpu: ${missing}`);
+    process.stderr.write(`train.mjs: --backend auto: training on cpu: ${missing}\n`);
+    trainer = await open((backend = "cpu"));
+  }
   const say = args.quiet ? () => {} : (line) => console.log(line);
   const start = performance.now();
   let steps = 0;
@@ -138,11 +173,12 @@ async function main(argv) {
   }
   await writeAtomically(args.out, trainer.checkpointBytes());
   const seconds = (performance.now() - start) / 1000;
-  say(`trained ${steps} steps (${trainer.skippedSteps} skipped) in ${seconds.toFixed(2)} s; wrote ${args.out}`);
+  say(`trained ${steps} steps (${trainer.skippedSteps} skipped) in ${seconds.toFixed(2)} s on ${backend}; wrote ${args.out}`);
 }
 
 main(process.argv.slice(2)).catch((error) => {
-  const known = error instanceof UsageError || error instanceof TrainingError;
+  const known = error instanceof UsageError || error instanceof TrainingError || error instanceof BackendError;
   process.stderr.write(`train.mjs: error: ${known ? error.message : String(error?.message ?? error).split("\n")[0]}\n`);
-  process.exitCode = error instanceof UsageError ? 2 : 1;
+  // 3: the backend asked for is not available here (a caller may retry on cpu), apart from bad usage
+  process.exitCode = error instanceof UsageError ? 2 : error instanceof BackendError ? 3 : 1;
 });

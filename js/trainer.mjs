@@ -14,6 +14,8 @@ export const FORMAT_VERSION = 2;
 export const READABLE_FORMATS = [1, 2]; // 1: the coefficients computed in the graph, in float64
 export const STEP_KEY = "__step__"; // the int64 scalar a checkpoint stores the number of steps taken in
 
+export const EXTERNAL_DATA = "training_model.onnx.data";
+
 export class TrainingError extends Error {}
 export class BatchError extends TrainingError {}
 
@@ -187,6 +189,12 @@ export class Trainer {
     const model = await read("training_model.onnx");
     if (!model) throw new TrainingError("the artifacts have no training_model.onnx");
     const sessionOptions = { graphOptimizationLevel: "all", ...options.sessionOptions };
+    // tensors the build made (a base quantized anew) are saved in the train model's data file, which
+    // the eval model reads too: onnxruntime-web mounts it from these bytes (a model given as bytes
+    // has no folder to find it in)
+    const given = Boolean(sessionOptions.externalData);
+    const data = given ? null : await read(EXTERNAL_DATA);
+    if (data) sessionOptions.externalData = [{ path: EXTERNAL_DATA, data }];
     let session;
     try {
       session = await ort.InferenceSession.create(model, sessionOptions);
@@ -196,6 +204,7 @@ export class Trainer {
     const trainer = new Trainer(ort, layout, new Runner(session, layout.train, "train"), options);
     trainer.read = read;
     trainer.sessionOptions = sessionOptions;
+    trainer.externalDataGiven = given;
     trainer.loadStateDict(checkpoint);
     return trainer;
   }
@@ -260,7 +269,11 @@ export class Trainer {
     if (!this.evalRunner) {
       const model = await this.read("eval_model.onnx");
       if (!model) throw new TrainingError("the artifacts have no eval_model.onnx");
-      const session = await this.ort.InferenceSession.create(model, this.sessionOptions);
+      let options = this.sessionOptions;
+      // a directory saved with external_data=True has the eval model's own data file as well
+      const own = this.externalDataGiven ? null : await this.read("eval_model.onnx.data");
+      if (own) options = { ...options, externalData: [...(options.externalData ?? []), { path: "eval_model.onnx.data", data: own }] };
+      const session = await this.ort.InferenceSession.create(model, options);
       this.evalRunner = new Runner(session, this.layout.eval, "eval");
     }
     const runner = this.evalRunner;

@@ -196,3 +196,101 @@ def test_safetensors_module_round_trips_what_python_writes(tmp_path):
     again = subprocess.run(["node", "--input-type=module", "-e", script, str(copy), str(tmp_path / "again.safetensors")],
                            capture_output=True, text=True, check=False, timeout=60)
     assert again.returncode == 0 and (tmp_path / "again.safetensors").read_bytes() == copy.read_bytes()
+
+
+# Chromium's SwiftShader (Vulkan on the CPU), for Dawn inside onnxruntime-node where no other
+# Vulkan driver is installed; the loader reads these at process start
+SWIFTSHADER = Path("/usr/lib/chromium")
+
+
+def test_backend_webgpu_matches_the_python_trainer_or_says_why_not(batch, tmp_path):
+    """--backend webgpu trains artifacts built for the WebGPU provider on onnxruntime-node's own
+    (Dawn) to the Python Trainer's losses; where it has no adapter, one line says so (exit 3) and
+    --backend auto trains on cpu with a notice."""
+    import os
+
+    directory = tmp_path / "artifacts"
+    save_artifacts(generate_artifacts(logits_model(), loss="cross_entropy", optimizer="adamw",
+                                      optimizer_options={"lr": 0.01, "weight_decay": 0.05}, target="webgpu"), str(directory))
+    data = write_data(tmp_path / "batch.safetensors", batch)
+    _, losses = python_state(directory, [batch] * 4)
+    env = dict(os.environ)
+    if (SWIFTSHADER / "libvulkan.so.1").is_file() and (SWIFTSHADER / "vk_swiftshader_icd.json").is_file():
+        env.setdefault("LD_LIBRARY_PATH", str(SWIFTSHADER))
+        env.setdefault("VK_ICD_FILENAMES", str(SWIFTSHADER / "vk_swiftshader_icd.json"))
+    out = tmp_path / "out.safetensors"
+    result = subprocess.run(["node", str(JS / "train.mjs"), directory, "--data", data, "--steps", "4", "--out", out,
+                             "--backend", "webgpu"], capture_output=True, text=True, check=False, timeout=120, env=env)
+    if result.returncode == 3:
+        # Dawn writes its own warnings to stderr first; the trainer's line is the last
+        line = result.stderr.strip().splitlines()[-1]
+        assert line.startswith("train.mjs: error: --backend webgpu: ") and not out.exists(), result.stderr
+        assert "no adapter" in line or "no WebGPU execution provider" in line, line
+        auto = subprocess.run(["node", str(JS / "train.mjs"), directory, "--data", data, "--steps", "4", "--out", out,
+                               "--backend", "auto"], capture_output=True, text=True, check=False, timeout=120, env=env)
+        assert auto.returncode == 0 and "--backend auto: training on cpu" in auto.stderr, auto.stderr
+        pytest.skip(line.split("--backend webgpu: ", 1)[1])
+    assert result.returncode == 0, result.stderr
+    assert "on webgpu; wrote" in result.stdout, result.stdout
+    printed = [float(line.split("loss")[1]) for line in result.stdout.splitlines() if line.startswith("step ")]
+    np.testing.assert_allclose(printed, losses, rtol=1e-4)
+    assert printed[-1] < printed[0] * 0.9
+
+
+def test_backend_webgpu_without_a_vulkan_driver_is_one_clear_line(batch, tmp_path):
+    """With no Vulkan driver for Dawn (no ICD file), --backend webgpu refuses in one line, exit 3."""
+    import os
+
+    directory = tmp_path / "artifacts"
+    save_artifacts(generate_artifacts(logits_model(), loss="cross_entropy", optimizer="sgd", target="webgpu"), str(directory))
+    data = write_data(tmp_path / "batch.safetensors", batch)
+    out = tmp_path / "out.safetensors"
+    env = dict(os.environ, VK_ICD_FILENAMES=str(tmp_path / "no-driver.json"), VK_DRIVER_FILES=str(tmp_path / "no-driver.json"))
+    result = subprocess.run(["node", str(JS / "train.mjs"), directory, "--data", data, "--steps", "1", "--out", out,
+                             "--backend", "webgpu"], capture_output=True, text=True, check=False, timeout=120, env=env)
+    if result.returncode == 0:
+        pytest.skip("Dawn found an adapter without a Vulkan ICD (another backend)")
+    assert result.returncode == 3, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("train.mjs: error: --backend webgpu: onnxruntime-node's"), result.stderr
+    assert not out.exists()
+    bad = node(directory, "--data", data, "--steps", 1, "--out", out, "--backend", "gpu", check=False)
+    assert bad.returncode == 2 and "--backend must be cpu, webgpu, auto" in bad.stderr, bad.stderr
+
+
+def test_external_data_files_are_mounted_for_the_train_and_eval_models(tmp_path):
+    """A quantized LoRA base saved with external_data=True: the train and eval models read their
+    tensors from training_model.onnx.data and eval_model.onnx.data, which the trainer gives
+    onnxruntime with the model bytes; the steps are the Python Trainer's."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "examples" / "web"))
+    from prepare import classifier
+
+    from onnx_autodiff.passes.lora import LoraConfig
+
+    directory = tmp_path / "artifacts"
+    generate_artifacts(classifier(hidden=256), loss="cross_entropy", optimizer="adamw",
+                       lora=LoraConfig(rank=4, quantize_base="int4")).save(directory, external_data=True,
+                                                                            checkpoint_format="safetensors")
+    assert (directory / "training_model.onnx.data").is_file() and (directory / "eval_model.onnx.data").is_file()
+    rng = np.random.default_rng(0)
+    batch = {"X": rng.random((16, 64), dtype=np.float32), "labels": rng.integers(0, 10, 16).astype(np.int64)}
+    data = write_data(tmp_path / "batch.safetensors", batch)
+    out = tmp_path / "out.safetensors"
+    result = node(directory, "--data", data, "--steps", 3, "--out", out)
+    python, losses = python_state(directory, [batch] * 3)
+    printed = [float(line.split("loss")[1]) for line in result.stdout.splitlines() if line.startswith("step ")]
+    np.testing.assert_allclose(printed, losses, rtol=1e-5)
+    assert_same_state(safetensors_numpy.load_file(str(out)), python)
+    script = (f"import {{ Trainer }} from {json.dumps((JS / 'trainer.mjs').as_uri())};"
+              "import * as ort from 'onnxruntime-node'; import fs from 'node:fs/promises'; import path from 'node:path';"
+              "const read = (n) => fs.readFile(path.join(process.argv[1], n)).catch(() => null);"
+              "const t = await Trainer.open(ort, read);"
+              "const X = new ort.Tensor('float32', new Float32Array(64 * 2).fill(0.5), [2, 64]);"
+              "const labels = new ort.Tensor('int64', BigInt64Array.of(1n, 2n), [2]);"
+              "console.log((await t.evaluate({ X, labels })).loss);")
+    evaluated = subprocess.run(["node", "--input-type=module", "-e", script, str(directory)], capture_output=True, text=True,
+                               check=False, timeout=60, cwd=JS)
+    assert evaluated.returncode == 0, evaluated.stderr
+    want = Trainer(str(directory)).evaluate({"X": np.full((2, 64), 0.5, np.float32), "labels": np.array([1, 2])})["loss"]
+    np.testing.assert_allclose(float(evaluated.stdout), want, rtol=1e-5)

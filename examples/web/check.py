@@ -2,13 +2,22 @@
 
     python examples/web/check.py [--screenshot PATH] [--timeout SECONDS] [--backend wasm|webgpu]
     python examples/web/check.py --serve      # only serve the page, to open it in a browser yourself
+    python examples/web/check.py --llm [--size small|full] [--steps N] [--backend auto|wasm|webgpu]
 
 Writes the artifacts and data (prepare.py), serves the repository root on 127.0.0.1 (a free port),
 opens examples/web/index.html in headless Chromium driven over the DevTools protocol (on a pipe, no
 port), waits for the training to finish, saves a screenshot of the page and prints
 ``browser: test accuracy X%``. ``--backend webgpu`` trains the artifacts lowered for onnxruntime-web's
 WebGPU provider on it (Chromium's WebGPU; SwiftShader's adapter without a GPU). Exit status 0 when X >= 90, 1 when lower or the page failed, 2 when
-Chromium or js/node_modules is missing. Needs Debian's ``chromium`` and ``npm ci --ignore-scripts
+Chromium or js/node_modules is missing.
+
+``--llm`` opens llm.html instead: LoRA fine-tuning of a Llama-shaped decoder on an int4 base
+(prepare_llm.py; ``--size small``, the default: hidden 64, 2 layers; ``--size full``: about 104 M
+parameters) to reproduce a sentence, on WebGPU where Chromium offers an adapter, else WebAssembly
+(``--backend auto``, its default). It prints the first and last loss, the time per step and
+tokens per second, the WebAssembly memory, the generations before and after, and the backend;
+exit status 0 when the loss fell to under half and the generation after training reproduces more
+of the sentence than the one before. Needs Debian's ``chromium`` and ``npm ci --ignore-scripts
 --prefix js``; nothing is downloaded.
 """
 
@@ -170,9 +179,13 @@ def train_in_browser(browser: Chromium, url: str, screenshot: str, timeout: floa
     session = browser.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
 
     def evaluate(expression: str):
+        # the page answers between its tasks: a step of a large model on WebAssembly holds its
+        # main thread for seconds, a session's creation longer
+        left = max(30.0, deadline - time.monotonic()) if deadline else 30.0
         return browser.send("Runtime.evaluate", {"expression": expression, "returnByValue": True},
-                            session=session)["result"].get("value")
+                            session=session, timeout=left)["result"].get("value")
 
+    deadline = None
     browser.send("Runtime.enable", session=session)
     browser.send("Emulation.setDeviceMetricsOverride",
                  {"width": 900, "height": 520, "deviceScaleFactor": 1, "mobile": False}, session=session)
@@ -192,14 +205,51 @@ def train_in_browser(browser: Chromium, url: str, screenshot: str, timeout: floa
     return json.loads(evaluate("JSON.stringify(window.trainingResult)"))
 
 
+def common_prefix(a: str, b: str) -> int:
+    """The length of the longest common prefix of a and b."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def report_llm(result: dict) -> bool:
+    """Prints the LLM page's figures; whether it learned (loss under half, more of the sentence)."""
+    sentence = result["sentence"]
+    before, after = (common_prefix(result[k], sentence) for k in ("before", "after"))
+    where = "WebGPU" if result["backend"] == "webgpu" else f"WebAssembly, {result['threads']} thread(s)"
+    print(f"browser: llm {result['size']}: {result['parameters'] / 1e6:.1f} M parameters, {result['quantize']} base, "
+          f"{result['steps']} steps of {result['seq']} tokens on {where}")
+    print(f"browser: llm loss {result['firstLoss']:.4f} -> {result['lastLoss']:.4f}")
+    print(f"browser: llm {result['secondsPerStep']:.3f} s per step after the first ({result['firstStepSeconds']:.2f} s), "
+          f"{result['tokensPerSecond']:.0f} tokens/s; sessions {result['sessionSeconds']:.1f} s")
+    heap = f", JavaScript heap {result['jsHeapBytes'] / 2**20:.0f} MB" if result.get("jsHeapBytes") else ""
+    print(f"browser: llm memory: WebAssembly.Memory {result['wasmMemoryBytes'] / 2**20:.0f} MB{heap}")
+    print(f"browser: llm before: {result['before']!r} ({before}/{len(sentence)} characters of the sentence)")
+    print(f"browser: llm after: {result['after']!r} ({after}/{len(sentence)} characters of the sentence)")
+    print(f"browser: backend {result['backend']} (adapter: {'yes' if result['adapter'] else 'none'})")
+    return result["lastLoss"] < result["firstLoss"] / 2 and after > before
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--screenshot", default=os.path.join(HERE, "screenshot.png"), help="default: %(default)s")
-    parser.add_argument("--timeout", type=float, default=120, help="seconds to wait for the training (default %(default)s)")
+    parser.add_argument("--screenshot", help="default: examples/web/screenshot.png (--llm: screenshot-llm.png)")
+    parser.add_argument("--timeout", type=float, help="seconds to wait for the training (default 120; --llm --size full: 3600)")
     parser.add_argument("--serve", action="store_true", help="only serve the page (no browser) until interrupted")
-    parser.add_argument("--backend", choices=["wasm", "webgpu"], default="wasm",
-                        help="onnxruntime-web's execution provider (default %(default)s)")
+    parser.add_argument("--backend", choices=["wasm", "webgpu", "auto"],
+                        help="onnxruntime-web's execution provider (default wasm; --llm: auto, WebGPU where there is an adapter)")
+    parser.add_argument("--llm", action="store_true", help="the LLM page (llm.html) instead of the digits")
+    parser.add_argument("--size", choices=["small", "full"], default="small", help="--llm: the model (default %(default)s)")
+    parser.add_argument("--small", action="store_const", dest="size", const="small", help="--size small")
+    parser.add_argument("--steps", type=int, help="--llm: training steps (default: 100 small, 30 full)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="--llm: train the artifacts already in build/ when prepare_llm.py wrote them for this size")
     args = parser.parse_args(argv)
+    if args.backend is None:
+        args.backend = "auto" if args.llm else "wasm"
+    if args.backend == "auto" and not args.llm:
+        parser.error("--backend auto goes with --llm")
+    if args.timeout is None:
+        args.timeout = 3600 if args.llm and args.size == "full" else 120
+    if args.screenshot is None:
+        args.screenshot = os.path.join(HERE, "screenshot-llm.png" if args.llm else "screenshot.png")
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.screenshot))):
         parser.error(f"--screenshot {args.screenshot}: no such directory")
     executable = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
@@ -210,12 +260,21 @@ def main(argv=None) -> int:
         print("check.py: error: js/node_modules lacks onnxruntime-web: run npm ci --ignore-scripts --prefix js", file=sys.stderr)
         return 2
     sys.path.insert(0, HERE)
-    import prepare
+    if args.llm:
+        import prepare_llm
 
-    prepare.main([])
+        if not (args.reuse and prepare_llm.built(args.size)):
+            prepare_llm.main(["--size", args.size])
+        page = f"llm.html?size={args.size}" + ("" if args.backend == "auto" else f"&backend={args.backend}")
+        page += "" if args.steps is None else f"&steps={args.steps}"
+    else:
+        import prepare
+
+        prepare.main([])
+        page = f"index.html?backend={args.backend}"
     if args.serve:
         server = serve()
-        print(f"serving http://127.0.0.1:{server.server_address[1]}/examples/web/index.html (Ctrl-C stops)")
+        print(f"serving http://127.0.0.1:{server.server_address[1]}/examples/web/{page} (Ctrl-C stops)")
         with contextlib.suppress(KeyboardInterrupt):
             server.serve_forever()
         server.server_close()
@@ -224,13 +283,13 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="onnx-autodiff-chromium-") as profile:
         try:
             # before the server's thread: it starts with a pre-exec hook
-            browser = Chromium(executable, profile, webgpu=args.backend == "webgpu")
+            browser = Chromium(executable, profile, webgpu=args.backend in ("webgpu", "auto"))
         except OSError as error:
             print(f"check.py: error: cannot start {executable}: {error}", file=sys.stderr)
             return 2
         server = serve()
         threading.Thread(target=server.serve_forever, daemon=True).start()
-        url = f"http://127.0.0.1:{server.server_address[1]}/examples/web/index.html?backend={args.backend}"
+        url = f"http://127.0.0.1:{server.server_address[1]}/examples/web/{page}"
         try:
             result = train_in_browser(browser, url, args.screenshot, args.timeout)
         except PageError as error:
@@ -240,6 +299,10 @@ def main(argv=None) -> int:
             browser.close()
             server.shutdown()
             server.server_close()
+    if args.llm:
+        learned = report_llm(result)
+        print(f"browser: page and browser {time.perf_counter() - start:.1f} s; saved {args.screenshot}")
+        return 0 if learned else 1
     accuracy = result["accuracy"]
     where = "WebGPU" if result.get("backend") == "webgpu" else f"{result['threads']} WebAssembly thread(s)"
     print(f"browser: test accuracy {accuracy * 100:.1f}% ({result['source']} digits, {result['train']} train / "
