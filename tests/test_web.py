@@ -112,11 +112,8 @@ def test_adam_artifacts_step_on_the_reduced_type_wasm_build(tmp_path):
     bundle = "ort.webgpu.min.mjs"
     if not (ROOT / "js" / "node_modules" / "onnxruntime-web" / "dist" / bundle).is_file():
         pytest.skip("js/node_modules is missing: run npm ci --ignore-scripts --prefix js")
-    import functools
     import importlib.util
     import json
-    import tempfile
-    import threading
 
     import numpy as np
     from test_training import batches, bn_dropout_model, mlp
@@ -153,17 +150,8 @@ def test_adam_artifacts_step_on_the_reduced_type_wasm_build(tmp_path):
         (site / name / "batch.json").write_text(json.dumps({"dims": list(X.shape), "X": X.ravel().tolist(), "labels": y.tolist()}))
         trainer = Trainer(artifacts)
         expected[name] = [trainer.step((X, y)), trainer.step((X, y))]
-    server = check.http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(check.Handler, directory=str(site)))
-    with tempfile.TemporaryDirectory(prefix="onnx-autodiff-chromium-") as profile:
-        browser = check.Chromium(executable, profile)  # before the server's thread (a pre-exec hook)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        url = f"http://127.0.0.1:{server.server_address[1]}/step.html?bundle={bundle}&dirs={','.join(configs)}"
-        try:
-            results = check.train_in_browser(browser, url, str(tmp_path / "page.png"), 120)
-        finally:
-            browser.close()
-            server.shutdown()
-            server.server_close()
+    results, _ = check.open_page(executable, site, f"step.html?bundle={bundle}&dirs={','.join(configs)}",
+                                 str(tmp_path / "page.png"), 120)
     for name, want in expected.items():
         got = results[name]
         assert "error" not in got, f"{name}: {got['error']}"

@@ -10,14 +10,11 @@ or where Chromium offers no WebGPU adapter.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import os
 import re
 import shutil
-import tempfile
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -284,20 +281,11 @@ def test_webgpu_artifacts_run_every_compute_node_on_the_gpu(tmp_path, capsys):
         trainer = Trainer(str(directory))
         expected[name] = [trainer.step((X, labels)) for _ in range(STEPS)] + [float(trainer.evaluate((X, labels))["loss"])]
     capsys.readouterr()
-    server = check.http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(check.Handler, directory=str(site)))
-    with tempfile.TemporaryDirectory(prefix="onnx-autodiff-chromium-") as profile:
-        browser = check.Chromium(executable, profile, webgpu=True)  # before the server's thread (a pre-exec hook)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        url = f"http://127.0.0.1:{server.server_address[1]}/step.html?bundle={BUNDLE}&dirs={','.join(configs)}"
-        try:
-            results = check.train_in_browser(browser, url, str(tmp_path / "page.png"), 240)
-        finally:
-            browser.close()
-            server.shutdown()
-            server.server_close()
+    results, console = check.open_page(executable, site, f"step.html?bundle={BUNDLE}&dirs={','.join(configs)}",
+                                       str(tmp_path / "page.png"), 240, webgpu=True)
     if not results["adapter"]:
         pytest.skip("this Chromium offers no WebGPU adapter (navigator.gpu.requestAdapter() gave none)")
-    placements = node_placements(browser.console)
+    placements = node_placements(console)
     figures = []
     for name in configs:
         got = results[name]

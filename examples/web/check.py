@@ -68,9 +68,9 @@ class Handler(http.server.SimpleHTTPRequestHandler):
         pass  # quiet: the check prints its own lines
 
 
-def serve() -> http.server.ThreadingHTTPServer:
-    """The repository root on 127.0.0.1 at a free port (not serving yet)."""
-    return http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=ROOT))
+def serve(directory: str = ROOT) -> http.server.ThreadingHTTPServer:
+    """``directory`` (default: the repository root) on 127.0.0.1 at a free port (not serving yet)."""
+    return http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(directory)))
 
 
 def _moved_above(fd: int, lowest: int) -> int:
@@ -205,6 +205,25 @@ def train_in_browser(browser: Chromium, url: str, screenshot: str, timeout: floa
     return json.loads(evaluate("JSON.stringify(window.trainingResult)"))
 
 
+def open_page(executable: str, directory: str, page: str, screenshot: str, timeout: float,
+              webgpu: bool = False) -> tuple[dict, list[str]]:
+    """Serves ``directory``, opens ``page`` (its path and query there) in a headless Chromium
+    (``webgpu``: with its WebGPU adapter) and returns the page's window.trainingResult and the
+    browser's console lines (:func:`train_in_browser`; raises PageError, or OSError when Chromium
+    does not start)."""
+    with tempfile.TemporaryDirectory(prefix="onnx-autodiff-chromium-") as profile:
+        browser = Chromium(executable, profile, webgpu=webgpu)  # before the server's thread: a pre-exec hook
+        server = serve(directory)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            url = f"http://127.0.0.1:{server.server_address[1]}/{page}"
+            return train_in_browser(browser, url, screenshot, timeout), browser.console
+        finally:
+            browser.close()
+            server.shutdown()
+            server.server_close()
+
+
 def common_prefix(a: str, b: str) -> int:
     """The length of the longest common prefix of a and b."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -280,25 +299,15 @@ def main(argv=None) -> int:
         server.server_close()
         return 0
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="onnx-autodiff-chromium-") as profile:
-        try:
-            # before the server's thread: it starts with a pre-exec hook
-            browser = Chromium(executable, profile, webgpu=args.backend in ("webgpu", "auto"))
-        except OSError as error:
-            print(f"check.py: error: cannot start {executable}: {error}", file=sys.stderr)
-            return 2
-        server = serve()
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        url = f"http://127.0.0.1:{server.server_address[1]}/examples/web/{page}"
-        try:
-            result = train_in_browser(browser, url, args.screenshot, args.timeout)
-        except PageError as error:
-            print(f"check.py: error: {str(error).strip().splitlines()[0]}", file=sys.stderr)
-            return 1
-        finally:
-            browser.close()
-            server.shutdown()
-            server.server_close()
+    try:
+        result, _ = open_page(executable, ROOT, f"examples/web/{page}", args.screenshot, args.timeout,
+                              webgpu=args.backend in ("webgpu", "auto"))
+    except OSError as error:
+        print(f"check.py: error: cannot start {executable}: {error}", file=sys.stderr)
+        return 2
+    except PageError as error:
+        print(f"check.py: error: {str(error).strip().splitlines()[0]}", file=sys.stderr)
+        return 1
     if args.llm:
         learned = report_llm(result)
         print(f"browser: page and browser {time.perf_counter() - start:.1f} s; saved {args.screenshot}")
