@@ -368,11 +368,7 @@ def _holds_large_tensors(proto: onnx.ModelProto) -> bool:
     """Whether ``proto`` holds a frozen base the build stored anew (quantized or half precision,
     :data:`FROZEN_IN_PLACE` bytes or more) itself: such tensors go to a data file, which runtimes
     map instead of parsing. Smaller constants the build made stay in the model file."""
-    stored = set()
-    for node in proto.graph.node:
-        position = STORED_INPUT.get(("" if node.domain == "ai.onnx" else node.domain, node.op_type))
-        if position is not None and len(node.input) > position:
-            stored.add(node.input[position])
+    stored = set(_stored_inputs(proto))
     return any(t.name in stored and t.data_location != onnx.TensorProto.EXTERNAL and len(t.raw_data) >= FROZEN_IN_PLACE
                for t in proto.graph.initializer)
 
@@ -381,10 +377,16 @@ def quantized_weight_names(proto: onnx.ModelProto) -> list[str]:
     """The integer initializers that hold a quantized weight (passes.parameters.quantized_weights,
     read off a proto)."""
     integers = {t.name for t in proto.graph.initializer if ir.DataType(t.data_type) not in FLOAT_TYPES}
+    return [name for name in _stored_inputs(proto) if name in integers]
+
+
+def _stored_inputs(proto: onnx.ModelProto) -> list[str]:
+    """The inputs of ``proto``'s nodes that hold a weight in a stored form (quantize.STORED_INPUT),
+    each once, in node order."""
     found = []
     for node in proto.graph.node:
         position = STORED_INPUT.get(("" if node.domain == "ai.onnx" else node.domain, node.op_type))
-        if position is not None and len(node.input) > position and node.input[position] in integers:
+        if position is not None and len(node.input) > position and node.input[position]:
             found.append(node.input[position])
     return list(dict.fromkeys(found))
 
