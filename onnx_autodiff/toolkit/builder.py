@@ -160,16 +160,26 @@ class OpBuilder:
     def inline(self, graph: ir.Graph, bindings: Sequence[ir.Value | None]) -> tuple[list[ir.Value], list[ir.Node]]:
         """Copies ``graph``'s nodes here with its inputs bound to ``bindings``, under fresh names.
 
-        Returns the copies of its outputs and the copied nodes. Outer-scope values stay shared.
+        Returns the copies of its outputs and the copied nodes. Outer-scope values stay shared;
+        the graph's own initializers (a branch's constants) come as Constant nodes first, since the
+        graph receiving the copies does not hold them.
         """
         clone = graph.clone(allow_outer_scope_values=True)
         for inner, outer in zip(clone.inputs, bindings):
             if outer is not None:
                 inner.replace_all_uses_with(outer, replace_graph_outputs=True)
+        constants = []
+        for name in list(clone.initializers):
+            value = clone.initializers.pop(name)
+            constant = ir.node("Constant", [], attributes={"value": value.const_value})
+            value.replace_all_uses_with(constant.outputs[0], replace_graph_outputs=True)
+            constant.outputs[0].type, constant.outputs[0].shape = value.type, value.shape
+            constants.append(constant)
         outputs = list(clone.outputs)
-        nodes = list(clone)
+        copied = list(clone)
         clone.outputs.clear()
-        clone.remove(nodes)
+        clone.remove(copied)
+        nodes = constants + copied
         for node in nodes:
             self._rename(node)
         self.nodes.extend(nodes)

@@ -3,9 +3,9 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
-from helpers import assert_gradients, make_model, rng
+from helpers import assert_gradients, assert_valid_model, make_model, rng
 from onnx_autodiff import autodiff_pass, cleanup_passes
 from onnx_autodiff.conformance import fd_vjp
 from onnx_autodiff.conformance.check import backward_model, compare
@@ -232,3 +232,120 @@ def test_if_reading_differentiated_outer_values_through_the_pass(w_initializer, 
         fd = fd_vjp(model, feeds, ["W", "x"], [np.ones((), np.float32)])
         for name in ("W", "x"):
             assert compare(outputs[f"grad_{name}"], fd.details[name], atol=1e-4, rtol=1e-3) <= 1.0, (cond, name)
+
+
+# An If branch holding an initializer of its own (a constant of the branch) while reading the
+# differentiated outer X: each entry point gives the branch VJP that constant, which the graph
+# receiving the copied branch nodes does not hold.
+
+BRANCH_CONSTANT = np.array([2.0, -3.0, 0.5], np.float32)
+
+
+def _if_with_a_branch_initializer(x_initializer: bool = False) -> onnx.ModelProto:
+    """loss = sum(tanh(X · c) if sum(X) > 0 else -X), c an initializer of the then-branch."""
+    f = TensorProto.FLOAT
+    then_branch = helper.make_graph(
+        [helper.make_node("Mul", ["X", "c"], ["t1"]), helper.make_node("Tanh", ["t1"], ["t2"])], "then", [],
+        [helper.make_tensor_value_info("t2", f, [3])], [numpy_helper.from_array(BRANCH_CONSTANT, "c")])
+    else_branch = helper.make_graph([helper.make_node("Neg", ["X"], ["e"])], "else", [],
+                                    [helper.make_tensor_value_info("e", f, [3])])
+    nodes = [helper.make_node("ReduceSum", ["X"], ["s"], keepdims=0), helper.make_node("Greater", ["s", "zero"], ["cond"]),
+             helper.make_node("If", ["cond"], ["h"], then_branch=then_branch, else_branch=else_branch),
+             helper.make_node("ReduceSum", ["h"], ["loss"], keepdims=0)]
+    initializers = [numpy_helper.from_array(np.array(0.0, np.float32), "zero")]
+    inputs = [] if x_initializer else [helper.make_tensor_value_info("X", f, [3])]
+    if x_initializer:
+        initializers.append(numpy_helper.from_array(np.array([0.3, -0.2, 0.4], np.float32), "X"))
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("loss", f, [])], initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def _expected_gradient(x: np.ndarray) -> np.ndarray:
+    """d loss / dX by hand, in float64."""
+    x, c = x.astype(np.float64), BRANCH_CONSTANT.astype(np.float64)
+    return c * (1 - np.tanh(x * c) ** 2) if x.sum() > 0 else -np.ones_like(x)
+
+
+def _expected_hvp(x: np.ndarray, v: np.ndarray) -> np.ndarray:
+    x, c = x.astype(np.float64), BRANCH_CONSTANT.astype(np.float64)
+    t = np.tanh(x * c)
+    return v * c * c * (-2 * t * (1 - t * t)) if x.sum() > 0 else np.zeros_like(x)
+
+
+BRANCH_POINTS = [np.array([0.3, -0.2, 0.4], np.float32), np.array([-1.0, 0.5, -0.25], np.float32)]
+
+
+def _run(model: onnx.ModelProto, feeds: dict, outputs: list[str]) -> list[np.ndarray]:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(outputs, feeds)
+
+
+@pytest.mark.parametrize("cleanup", [True, False])
+def test_if_branch_initializer_through_the_command_line(tmp_path, cleanup):
+    from onnx_autodiff.cli import main
+
+    source, out = tmp_path / "if.onnx", tmp_path / "grad.onnx"
+    onnx.save(_if_with_a_branch_initializer(), str(source))
+    assert main(["grad", str(source), "-o", str(out), "--wrt", "X", *([] if cleanup else ["--no-cleanup"])]) == 0
+    model = assert_valid_model(onnx.load(str(out)))
+    for x in BRANCH_POINTS:
+        (grad,) = _run(model, {"X": x}, ["grad_X"])
+        np.testing.assert_allclose(grad, _expected_gradient(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("transform", ["vjp", "jvp", "hvp", "jacobian"])
+def test_if_branch_initializer_through_the_transforms(transform):
+    import onnx_autodiff
+
+    model = _if_with_a_branch_initializer()
+    result = assert_valid_model(getattr(onnx_autodiff, transform)(model, "loss", ["X"]))
+    v = np.array([0.5, 1.0, -2.0], np.float32)
+    for x in BRANCH_POINTS:
+        expected = _expected_gradient(x)
+        if transform == "vjp":
+            (got,) = _run(result, {"X": x}, ["grad_X"])
+        elif transform == "jvp":
+            (got,), expected = _run(result, {"X": x, "t_X": v}, ["jvp_loss"]), expected @ v
+        elif transform == "hvp":
+            (got,), expected = _run(result, {"X": x, "v_X": v}, ["hvp_X"]), _expected_hvp(x, v)
+        else:
+            (got,) = _run(result, {"X": x}, ["jac_X"])
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_if_branch_initializer_through_the_pass_and_the_function_entry_points():
+    from onnx_autodiff import gradient_of_function, gradient_of_nodes
+
+    model = _if_with_a_branch_initializer()
+    passed = ir.passes.PassManager([autodiff_pass(of="loss", wrt=["X"]), *cleanup_passes()])(ir.from_proto(model)).model
+    as_pass = assert_valid_model(ir.to_proto(passed))
+    function = gradient_of_function(model, ["X"], "loss")
+    nodes = gradient_of_nodes(list(model.graph.node), ["X"], "loss", zs=["zero"], opset_imports={"": 18})
+    for fn, feeds in ((function, {}), (nodes, {"zero": np.array(0.0, np.float32)})):
+        inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [3] if name == "X" else []) for name in fn.input]
+        call = helper.make_graph([helper.make_node(fn.name, list(fn.input), list(fn.output), domain=fn.domain)], "call",
+                                 inputs, [helper.make_tensor_value_info(fn.output[0], TensorProto.FLOAT, [3])])
+        wrapped = helper.make_model(call, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(fn.domain, 1)],
+                                    functions=[fn], ir_version=8)
+        onnx.checker.check_model(wrapped, full_check=True)
+        for x in BRANCH_POINTS:
+            (grad,) = _run(wrapped, {"X": x, "dy": np.array(1.0, np.float32), **feeds}, [fn.output[0]])
+            np.testing.assert_allclose(grad, _expected_gradient(x), rtol=1e-5, atol=1e-6)
+    for x in BRANCH_POINTS:
+        (grad,) = _run(as_pass, {"X": x}, ["grad_X"])
+        np.testing.assert_allclose(grad, _expected_gradient(x), rtol=1e-5, atol=1e-6)
+
+
+def test_if_branch_initializer_through_the_training_artifacts(tmp_path):
+    from onnx_autodiff.training import Trainer, generate_artifacts
+
+    model = _if_with_a_branch_initializer(x_initializer=True)
+    artifacts = generate_artifacts(model, requires_grad=["X"], loss=None, optimizer="sgd")
+    for m in (artifacts.train_model, artifacts.eval_model):
+        assert_valid_model(m)
+    x = np.array([0.3, -0.2, 0.4], np.float32)
+    trainer = Trainer(artifacts, lr=0.1, providers=["CPUExecutionProvider"])
+    trainer.step({})
+    np.testing.assert_allclose(trainer.state_dict()["X"], x - 0.1 * _expected_gradient(x), rtol=1e-5, atol=1e-6)
