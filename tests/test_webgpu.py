@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from helpers import numpy_dropout_mask
 from test_training import OUT, batches, bn_dropout_model, mlp
 
 from onnx_autodiff.cli import main
@@ -229,6 +230,59 @@ def test_training_batchnorm_in_standard_ops_computes_the_kernels_step():
     assert states["webgpu"][1].keys() == states["onnxruntime"][1].keys()
     for key, value in states["onnxruntime"][1].items():
         np.testing.assert_allclose(states["webgpu"][1][key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def dropout_mlp(ratio: float) -> onnx.ModelProto:
+    """X[N, 5] → MatMul W[5, 7] → Dropout(ratio) → MatMul V[7, 3] → y[N, 3]."""
+    rng = np.random.default_rng(4)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["X", "W"], ["h"]), onnx.helper.make_node("Dropout", ["h", "ratio"], ["d"]),
+         onnx.helper.make_node("MatMul", ["d", "V"], ["y"])],
+        "dropout_mlp", [onnx.helper.make_tensor_value_info("X", onnx.TensorProto.FLOAT, ["N", 5])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 3])],
+        [onnx.numpy_helper.from_array(a, name) for name, a in (
+            ("W", rng.standard_normal((5, 7)).astype(np.float32)), ("V", rng.standard_normal((7, 3)).astype(np.float32)),
+            ("ratio", np.array(ratio, np.float32)))])
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=8)
+
+
+def test_hashed_dropout_trains_as_numpy_does_with_its_masks():
+    """The webgpu target's Dropout in training mode against numpy with the masks of the hash's
+    definition: the MSE loss and SGD's update of both weights (the scale 1/(1 − p), the gradient
+    through the same mask) of two steps (the masks of steps 1 and 2), then of a step accumulated
+    in two micro-batches (those of its micro-batches 0 and 1) and applied."""
+    ratio, lr = 0.4, 0.1
+    artifacts = generate_artifacts(dropout_mlp(ratio), loss="mse", optimizer="sgd", optimizer_options={"lr": lr},
+                                   gradient_accumulation=True, target="webgpu")
+    for model in (artifacts.train_model, artifacts.accumulate_model):
+        onnx.checker.check_model(model, full_check=True)
+        assert "Dropout" not in {n.op_type for n in _nodes(model.graph)}
+    rng = np.random.default_rng(8)
+    X, T = rng.standard_normal((6, 5)).astype(np.float32), rng.standard_normal((6, 3)).astype(np.float32)
+    W, V = (artifacts.checkpoint[k].astype(np.float64) for k in ("W", "V"))
+
+    def numpy_step(X, T, step, micro_batch=0):
+        """The loss and the gradients of W and V, in float64."""
+        m = numpy_dropout_mask((len(X), 7), ratio, step, micro_batch) / (1 - np.float32(ratio))
+        h = X @ W
+        y = (h * m) @ V
+        dy = 2 * (y - T) / y.size
+        return np.mean((y - T) ** 2), X.T @ ((dy @ V.T) * m), (h * m).T @ dy
+
+    trainer = Trainer(artifacts)
+    for step in (1, 2):
+        loss, dW, dV = numpy_step(X, T, step)
+        np.testing.assert_allclose(trainer.step((X, T)), loss, rtol=1e-5)
+        W, V = W - lr * dW, V - lr * dV
+        np.testing.assert_allclose(trainer.parameters()["W"], W, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(trainer.parameters()["V"], V, rtol=1e-5, atol=1e-6)
+    parts = [numpy_step(X[i:i + 3], T[i:i + 3], 3, micro_batch) for micro_batch, i in enumerate((0, 3))]
+    for (loss, _, _), i in zip(parts, (0, 3)):
+        np.testing.assert_allclose(trainer.accumulate((X[i:i + 3], T[i:i + 3])), loss, rtol=1e-5)
+    trainer.apply()
+    W, V = W - lr * (parts[0][1] + parts[1][1]) / 2, V - lr * (parts[0][2] + parts[1][2]) / 2
+    np.testing.assert_allclose(trainer.parameters()["W"], W, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(trainer.parameters()["V"], V, rtol=1e-5, atol=1e-6)
 
 
 def test_placement_parser_reads_both_forms():
