@@ -15,6 +15,9 @@ export const READABLE_FORMATS = [1, 2]; // 1: the coefficients computed in the g
 export const STEP_KEY = "__step__"; // the int64 scalar a checkpoint stores the number of steps taken in
 
 export const EXTERNAL_DATA = "training_model.onnx.data";
+const MODEL_FILES = {
+  train: "training_model.onnx", eval: "eval_model.onnx", accumulate: "accumulate_model.onnx", apply: "apply_model.onnx",
+};
 
 export class TrainingError extends Error {}
 export class BatchError extends TrainingError {}
@@ -60,8 +63,8 @@ export function evaluateCoefficient(expression, values) {
 /** A scalar tensor of `type` holding `value` (rounded to the type: float32 to nearest). */
 function scalarTensor(ort, type, value, name) {
   if (type === "int64") return new ort.Tensor("int64", BigInt64Array.of(BigInt(value)), []);
-  if (type === "float32" || type === "float64") return new ort.Tensor(type, ARRAYS[type].of(value), []);
-  throw new TrainingError(`the train model's scalar input '${name}' is ${type}: this trainer feeds float32, float64 and int64 scalars`);
+  if (["float32", "float64", "int32", "uint32"].includes(type)) return new ort.Tensor(type, ARRAYS[type].of(value), []);
+  throw new TrainingError(`the model's scalar input '${name}' is ${type}: this trainer feeds float32, float64, int32, uint32 and int64 scalars`);
 }
 
 /** Rows [start, end) of each tensor of {name: tensor} along the first axis (views, no copy). */
@@ -164,9 +167,14 @@ class Runner {
  * "skip"), checkpoint ({name: tensor}, e.g. safetensors' parse(bytes).tensors; default: the
  * directory's checkpoint.safetensors), sessionOptions (for onnxruntime's InferenceSession.create).
  *
+ * `step(batch)` takes one optimiser step; `accumulate(batch)` and `apply()` take one in
+ * micro-batches (artifacts built with gradient_accumulation: the accumulate model sums the
+ * gradients, the apply model updates with their mean), as the Python Trainer's methods of the
+ * same names do.
+ *
  * A step whose loss or update is not finite keeps nothing: it throws a TrainingError naming the
  * step, or with nonfinite "skip" counts it in skippedSteps (not in stepCount), as the Python
- * Trainer does.
+ * Trainer does; a micro-batch that is not finite makes apply() skip its whole step.
  */
 export class Trainer {
   static async open(ort, read, options = {}) {
@@ -186,11 +194,11 @@ export class Trainer {
       }
       checkpoint = parse(bytes).tensors;
     }
-    const model = await read("training_model.onnx");
-    if (!model) throw new TrainingError("the artifacts have no training_model.onnx");
+    const model = await read(MODEL_FILES.train);
+    if (!model) throw new TrainingError(`the artifacts have no ${MODEL_FILES.train}`);
     const sessionOptions = { graphOptimizationLevel: "all", ...options.sessionOptions };
     // tensors the build made (a base quantized anew) are saved in the train model's data file, which
-    // the eval model reads too: onnxruntime-web mounts it from these bytes (a model given as bytes
+    // the other models read too: onnxruntime-web mounts it from these bytes (a model given as bytes
     // has no folder to find it in)
     const given = Boolean(sessionOptions.externalData);
     const data = given ? null : await read(EXTERNAL_DATA);
@@ -199,7 +207,7 @@ export class Trainer {
     try {
       session = await ort.InferenceSession.create(model, sessionOptions);
     } catch (error) {
-      throw new TrainingError(`onnxruntime cannot load training_model.onnx: ${firstLine(error)}`);
+      throw new TrainingError(`onnxruntime cannot load ${MODEL_FILES.train}: ${firstLine(error)}`);
     }
     const trainer = new Trainer(ort, layout, new Runner(session, layout.train, "train"), options);
     trainer.read = read;
@@ -214,11 +222,15 @@ export class Trainer {
     this.ort = ort;
     this.layout = layout;
     this.runner = runner;
+    this.runners = { train: runner }; // the other models' sessions, created when first used
     this.lr = lr ?? layout.optimizer.lr;
     this.nonfinite = nonfinite;
     this.stepCount = 0;
     this.skippedSteps = 0;
     this.state = new Map(); // key -> ort.Tensor: parameters, optimiser state, buffers
+    this.accumulated = new Map(); // key -> ort.Tensor: the gradients summed over the pending micro-batches
+    this.microBatches = 0;
+    this.poisoned = false; // nonfinite "skip": a pending micro-batch was not finite
   }
 
   get batchNames() {
@@ -227,56 +239,119 @@ export class Trainer {
 
   /** One optimiser step on `batch` ({name: tensor}); resolves to the loss (before the update). */
   async step(batch, { lr = this.lr } = {}) {
-    const { ort, runner } = this;
-    const train = this.layout.train;
+    if (this.microBatches) throw new TrainingError("accumulated gradients are pending: call apply() before step()");
     const number = this.stepCount + 1; // the step being taken counts from 1 (Adam's bias correction)
-    const feeds = runner.feeds(ort, batch);
-    for (const [key, input] of train.carry) feeds[input] = this.state.get(key);
-    for (const [key, input] of train.reads) feeds[input] = this.state.get(key);
-    // lr and step, and the coefficients computed from them (float64, then the input's type)
-    const given = { lr, step: number };
-    const coefficients = train.coefficients ?? {};
-    for (const [key, input] of Object.entries(train.scalars)) {
-      const value = key in coefficients ? evaluateCoefficient(coefficients[key], given) : given[key];
-      if (value === undefined) throw new TrainingError(`the train model takes a scalar '${key}' that this trainer does not know`);
-      const type = runner.meta[input]?.type ?? (key === "step" ? "int64" : "float32");
-      feeds[input] = scalarTensor(ort, type, value, input);
-    }
-    const results = await runner.run(feeds);
-    const loss = Number(results[train.loss].data[0]);
-    // artifacts with a "kept" output decide in the graph; older ones by the new parameters and
-    // buffers, which a non-finite gradient makes non-finite (already on the host in onnxruntime-js)
-    const checked = new Set([...this.layout.params, ...this.layout.buffers]);
-    const kept = Number.isFinite(loss) && (train.kept ? Boolean(results[train.kept].data[0])
-      : train.carry.every(([key, , output]) => !checked.has(key) || allFinite(results[output])));
+    const { loss, kept, feeds } = await this.#run(this.runner, batch, { lr, step: number, micro_batch: 0 });
     if (kept) {
-      for (const [key, , output] of train.carry) this.state.set(key, results[output]);
       this.stepCount += 1;
     } else if (this.nonfinite === "skip") {
       this.skippedSteps += 1;
     } else {
-      const cause = Number.isFinite(loss) ? `the loss is ${loss} but a gradient (or the new value of a parameter) is NaN or Inf`
-        : `the loss is ${loss}`;
-      const bad = Object.entries(feeds).filter(([name, t]) => runner.layout.batch.includes(name) && !allFinite(t));
-      const inputs = bad.length ? `; batch input ${bad.map(([name]) => `'${name}'`).join(", ")} holds NaN or Inf` : "";
-      throw new TrainingError(`step ${number}: ${cause}${inputs}. Nothing was updated; nonfinite "skip" skips such steps instead`);
+      throw this.#notFinite(`step ${number}`, loss, this.runner, feeds);
     }
     return loss;
   }
 
+  /** Adds the gradients of `batch` to the accumulators; resolves to its loss. */
+  async accumulate(batch) {
+    const runner = await this.#model("accumulate");
+    if (this.microBatches === 0) {
+      // the accumulators come first in carry, one per parameter read
+      this.accumulated.clear();
+      runner.layout.reads.forEach(([param], i) => {
+        const { type, dims, data } = this.state.get(param);
+        this.accumulated.set(runner.layout.carry[i][0], new this.ort.Tensor(type, new data.constructor(data.length), dims));
+      });
+    }
+    const given = { step: this.stepCount + 1, micro_batch: this.microBatches }; // (the hashed Dropout's seeds)
+    const { loss, kept, feeds } = await this.#run(runner, batch, given);
+    if (!kept && this.nonfinite === "raise") {
+      throw this.#notFinite(`micro-batch ${this.microBatches + 1} of step ${this.stepCount + 1}`, loss, runner, feeds);
+    }
+    this.poisoned ||= !kept;
+    this.microBatches += 1;
+    return loss;
+  }
+
+  /** One optimiser step with the mean of the accumulated gradients. */
+  async apply({ lr = this.lr } = {}) {
+    if (this.microBatches === 0) throw new TrainingError("apply() needs accumulate() first: no gradient has been accumulated");
+    const runner = await this.#model("apply");
+    const number = this.stepCount + 1;
+    const given = { lr, step: number, grad_scale: 1 / this.microBatches };
+    const kept = !this.poisoned && (await this.#run(runner, {}, given)).kept;
+    if (!kept && this.nonfinite === "raise") throw this.#notFinite(`step ${number}`, undefined, runner, {});
+    if (kept) this.stepCount += 1;
+    else this.skippedSteps += 1;
+    this.microBatches = 0;
+    this.poisoned = false;
+  }
+
+  /** Runs `runner` on `batch` with the state it carries and reads and its scalar inputs, computed
+   * from `given` ({lr, step, micro_batch, grad_scale}) as the layout says (float64, then the
+   * input's type); keeps its new values when the loss and they are finite. Resolves to {loss
+   * (undefined for the apply model), kept, feeds}. */
+  async #run(runner, batch, given) {
+    const { ort } = this;
+    const { carry, reads, scalars, coefficients = {}, loss: lossName, kept: keptName } = runner.layout;
+    const feeds = runner.feeds(ort, batch);
+    for (const [key, input] of [...carry, ...reads]) feeds[input] = this.state.get(key) ?? this.accumulated.get(key);
+    for (const [key, input] of Object.entries(scalars ?? {})) {
+      const value = key in coefficients ? evaluateCoefficient(coefficients[key], given) : given[key];
+      if (value === undefined) throw new TrainingError(`the ${runner.kind} model takes a scalar '${key}' that this trainer does not know`);
+      const type = runner.meta[input]?.type ?? (key === "step" ? "int64" : "float32");
+      feeds[input] = scalarTensor(ort, type, value, input);
+    }
+    const results = await runner.run(feeds);
+    const loss = lossName ? Number(results[lossName].data[0]) : undefined;
+    // artifacts with a "kept" output decide in the graph; older ones by the new parameters, buffers
+    // and accumulators, which a non-finite gradient makes non-finite (already on the host)
+    const optimiserState = new Set(this.layout.train.carry.map(([key]) => key));
+    for (const key of [...this.layout.params, ...this.layout.buffers]) optimiserState.delete(key);
+    const kept = (loss === undefined || Number.isFinite(loss)) && (keptName ? Boolean(results[keptName].data[0])
+      : carry.every(([key, , output]) => optimiserState.has(key) || allFinite(results[output])));
+    if (kept) {
+      for (const [key, , output] of carry) (this.accumulated.has(key) ? this.accumulated : this.state).set(key, results[output]);
+    }
+    return { loss, kept, feeds };
+  }
+
+  /** The error for a step or micro-batch that was not kept, naming what was not finite. */
+  #notFinite(what, loss, runner, feeds) {
+    const cause = loss === undefined ? "the update is not finite: a gradient (or the new value of a parameter) is NaN or Inf"
+      : Number.isFinite(loss) ? `the loss is ${loss} but a gradient (or the new value of a parameter) is NaN or Inf`
+        : `the loss is ${loss}`;
+    const bad = Object.entries(feeds).filter(([name, t]) => runner.layout.batch.includes(name) && !allFinite(t));
+    const inputs = bad.length ? `; batch input ${bad.map(([name]) => `'${name}'`).join(", ")} holds NaN or Inf` : "";
+    return new TrainingError(`${what}: ${cause}${inputs}. Nothing was updated; nonfinite "skip" skips such steps instead`);
+  }
+
+  /** The runner of the eval, accumulate or apply model, its session created when first used. */
+  async #model(kind) {
+    if (!this.runners[kind]) {
+      const file = MODEL_FILES[kind];
+      const model = this.layout[kind] ? await this.read(file) : null;
+      if (!model) {
+        throw new TrainingError(`the artifacts have no ${file}` + (kind === "eval" ? "" : ": generate them with gradient_accumulation=True"));
+      }
+      let options = this.sessionOptions;
+      // a directory saved with external_data=True has the model's own data file as well
+      const own = this.externalDataGiven ? null : await this.read(`${file}.data`);
+      if (own) options = { ...options, externalData: [...(options.externalData ?? []), { path: `${file}.data`, data: own }] };
+      let session;
+      try {
+        session = await this.ort.InferenceSession.create(model, options);
+      } catch (error) {
+        throw new TrainingError(`onnxruntime cannot load ${file}: ${firstLine(error)}`);
+      }
+      this.runners[kind] = new Runner(session, this.layout[kind], kind);
+    }
+    return this.runners[kind];
+  }
+
   /** The eval model on `batch` (inputs and labels): {loss, ...model outputs as tensors}. */
   async evaluate(batch) {
-    if (!this.evalRunner) {
-      const model = await this.read("eval_model.onnx");
-      if (!model) throw new TrainingError("the artifacts have no eval_model.onnx");
-      let options = this.sessionOptions;
-      // a directory saved with external_data=True has the eval model's own data file as well
-      const own = this.externalDataGiven ? null : await this.read("eval_model.onnx.data");
-      if (own) options = { ...options, externalData: [...(options.externalData ?? []), { path: "eval_model.onnx.data", data: own }] };
-      const session = await this.ort.InferenceSession.create(model, options);
-      this.evalRunner = new Runner(session, this.layout.eval, "eval");
-    }
-    const runner = this.evalRunner;
+    const runner = await this.#model("eval");
     const feeds = runner.feeds(this.ort, batch);
     for (const [key, input] of runner.layout.reads) feeds[input] = this.state.get(key);
     const results = await runner.run(feeds);
@@ -320,6 +395,9 @@ export class Trainer {
     const step = checkpoint[STEP_KEY];
     this.state = loaded;
     this.stepCount = step ? Number(step.data[0]) : 0;
+    this.accumulated.clear(); // a pending step's gradients are dropped, as the Python Trainer drops them
+    this.microBatches = 0;
+    this.poisoned = false;
   }
 
   /** The state as the bytes of a safetensors checkpoint. */

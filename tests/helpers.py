@@ -10,6 +10,7 @@ from onnx import helper, numpy_helper
 
 from onnx_autodiff.conformance import check_vjp
 from onnx_autodiff.conformance.check import backward_model
+from onnx_autodiff.passes.rewrite_rules.webgpu import dropout_tables
 from onnx_autodiff.toolkit import proto_graphs
 
 RNG_SEED = 0
@@ -150,3 +151,21 @@ def _sequence_dim_names(kind: onnx.TypeProto, inside: bool = False) -> set[str]:
     if field == "optional_type":
         return _sequence_dim_names(kind.optional_type.elem_type, inside)
     return set()
+
+
+def numpy_dropout_mask(shape, ratio, step, micro_batch=0, salt=0) -> np.ndarray:
+    """The mask hashed_dropout is to draw, from its definition: uint32 arithmetic (numpy wraps it
+    modulo 2^32 as the graph's Add and Mul do), the tables read with bit masks and shifts."""
+    low, high = dropout_tables()
+
+    def h(x):
+        x = np.asarray(x, np.uint32)
+        return low[x & np.uint32(0xFFFF)] + high[x >> np.uint32(16)]
+
+    with np.errstate(over="ignore"):
+        key = h(h(np.uint32(step)) + np.uint32(micro_batch))
+        k1 = h(key + np.uint32(salt))
+        k2 = h(k1 + np.uint32(1))
+        index = np.arange(int(np.prod(shape)), dtype=np.uint32).reshape(shape)
+        drawn = h(h(index + k1) + k2)
+    return (drawn >> np.uint32(8)).astype(np.float32) >= np.float32(ratio) * np.float32(2**24)

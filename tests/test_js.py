@@ -294,3 +294,126 @@ def test_external_data_files_are_mounted_for_the_train_and_eval_models(tmp_path)
     assert evaluated.returncode == 0, evaluated.stderr
     want = Trainer(str(directory)).evaluate({"X": np.full((2, 64), 0.5, np.float32), "labels": np.array([1, 2])})["loss"]
     np.testing.assert_allclose(float(evaluated.stdout), want, rtol=1e-5)
+
+
+# Two steps of three micro-batches each (accumulate, accumulate, accumulate, apply), then a plain
+# step; prints the losses and writes the state as a safetensors checkpoint
+ACCUMULATE_SCRIPT = """
+import { Trainer } from "TRAINER";
+import * as ort from "onnxruntime-node";
+import fs from "node:fs/promises";
+import path from "node:path";
+import { parse } from "SAFETENSORS";
+const [directory, data, out] = process.argv.slice(1);
+const read = (name) => fs.readFile(path.join(directory, name)).catch(() => null);
+const trainer = await Trainer.open(ort, read);
+const tensors = Object.entries(parse(await fs.readFile(data)).tensors);
+const batches = ["0", "1", "2"].map((k) => Object.fromEntries(tensors.filter(([name]) => name.endsWith(`.${k}`))
+  .map(([name, t]) => [name.split(".")[0], t])));
+const losses = [];
+for (let step = 0; step < 2; step++) {
+  for (const batch of batches) losses.push(await trainer.accumulate(batch));
+  await trainer.apply();
+}
+let error = "";
+try { await trainer.apply(); } catch (e) { error = e.message; }
+losses.push(await trainer.step(batches[0]));
+await fs.writeFile(out, trainer.checkpointBytes());
+console.log(JSON.stringify({ losses, steps: trainer.stepCount, error }));
+"""
+
+
+@pytest.mark.parametrize("target", ["onnxruntime", "webgpu"])
+def test_accumulate_and_apply_match_the_python_trainer(target, batch, tmp_path):
+    """Trainer.accumulate and apply in JavaScript take the Python Trainer's steps: the losses of
+    every micro-batch and the state after them, with AdamW and clipping on LoRA adapters; the
+    webgpu target's adapters with dropout, whose hashed masks (step and micro-batch fed as the
+    layout says) are the same on both trainers, bit for bit."""
+    from onnx_autodiff.passes.lora import LoraConfig
+
+    directory = tmp_path / "artifacts"
+    lora = LoraConfig(rank=2, dropout=0.25 if target == "webgpu" else 0.0)
+    save_artifacts(generate_artifacts(logits_model(), loss="cross_entropy", optimizer="adamw", lora=lora,
+                                      optimizer_options={"lr": 0.05}, max_grad_norm=1.0, gradient_accumulation=True,
+                                      target=target), str(directory))
+    layout = json.loads((directory / "artifacts.json").read_text())
+    assert ("dropout_micro_batch" in layout["accumulate"]["scalars"]) == (target == "webgpu")
+    slices = [{k: v[i:i + 20] for k, v in batch.items()} for i in (0, 20, 40)]
+    data = write_data(tmp_path / "batches.safetensors", {f"{k}.{i}": v for i, b in enumerate(slices) for k, v in b.items()})
+    out = tmp_path / "out.safetensors"
+    script = (ACCUMULATE_SCRIPT.replace("TRAINER", (JS / "trainer.mjs").as_uri())
+              .replace("SAFETENSORS", (JS / "safetensors.mjs").as_uri()))
+    result = subprocess.run(["node", "--input-type=module", "-e", script, str(directory), data, str(out)],
+                            capture_output=True, text=True, check=False, timeout=60, cwd=JS)
+    assert result.returncode == 0, result.stderr
+    js = json.loads(result.stdout)
+    trainer = Trainer(str(directory))
+    losses = []
+    for _ in range(2):
+        losses += [trainer.accumulate(b) for b in slices]
+        trainer.apply()
+    losses.append(trainer.step(slices[0]))
+    np.testing.assert_allclose(js["losses"], losses, rtol=1e-5)
+    assert js["steps"] == 3 and "apply() needs accumulate() first" in js["error"]
+    assert_same_state(safetensors_numpy.load_file(str(out)), trainer.state_dict())
+    assert not np.allclose(trainer.state_dict()["W1.lora_B"], 0)  # it trained
+
+
+NONFINITE_SCRIPT = """
+import { Trainer } from "TRAINER";
+import * as ort from "onnxruntime-node";
+import fs from "node:fs/promises";
+import path from "node:path";
+const [directory, batchJson] = process.argv.slice(1);
+const read = (name) => fs.readFile(path.join(directory, name)).catch(() => null);
+const { X, labels, rows } = JSON.parse(batchJson);
+const batch = (bad) => ({ X: { type: "float32", dims: [rows, X.length / rows], data: Float32Array.from(X, (x, i) => (bad && i === 3 ? NaN : x)) },
+                          labels: { type: "int64", dims: [rows], data: BigInt64Array.from(labels, BigInt) } });
+const out = {};
+const raising = await Trainer.open(ort, read);
+await raising.accumulate(batch(false));
+try { await raising.accumulate(batch(true)); } catch (e) { out.error = e.message; }
+await raising.apply();  // the first micro-batch's step: the one that raised kept nothing
+const skipping = await Trainer.open(ort, read, { nonfinite: "skip" });
+await skipping.accumulate(batch(false));
+await skipping.accumulate(batch(true));
+await skipping.apply();
+Object.assign(out, { raised: [raising.stepCount, Array.from(raising.parameters().W1.data)],
+                     skipped: [skipping.stepCount, skipping.skippedSteps, Array.from(skipping.parameters().W1.data)] });
+console.log(JSON.stringify(out));
+"""
+
+
+def test_a_nonfinite_micro_batch_raises_or_skips_its_step_as_in_python(batch, tmp_path):
+    """accumulate() on a micro-batch holding NaN: "raise" throws naming it and keeps nothing of it
+    (apply then steps on the others), "skip" counts it and apply() skips the whole step, as the
+    Python Trainer does."""
+    directory = tmp_path / "artifacts"
+    save_artifacts(generate_artifacts(logits_model(), loss="cross_entropy", optimizer="sgd", gradient_accumulation=True),
+                   str(directory))
+    rows = 16
+    X, labels = batch["X"][:rows], batch["labels"][:rows]
+    bad = X.copy()
+    bad.flat[3] = np.nan
+    script = NONFINITE_SCRIPT.replace("TRAINER", (JS / "trainer.mjs").as_uri())
+    payload = json.dumps({"X": X.ravel().tolist(), "labels": labels.tolist(), "rows": rows})
+    result = subprocess.run(["node", "--input-type=module", "-e", script, str(directory), payload],
+                            capture_output=True, text=True, check=False, timeout=60, cwd=JS)
+    assert result.returncode == 0, result.stderr
+    js = json.loads(result.stdout)
+    assert js["error"].startswith("micro-batch 2 of step 1: the loss is NaN") and "'X' holds NaN" in js["error"], js["error"]
+    raising = Trainer(str(directory))
+    raising.accumulate((X, labels))
+    with pytest.raises(Exception, match="micro-batch 2 of step 1"):
+        raising.accumulate((bad, labels))
+    raising.apply()
+    skipping = Trainer(str(directory), nonfinite="skip")
+    skipping.accumulate((X, labels))
+    skipping.accumulate((bad, labels))
+    skipping.apply()
+    assert js["raised"][0] == raising.step_count == 1
+    np.testing.assert_allclose(np.array(js["raised"][1]).reshape(raising.parameters()["W1"].shape),
+                               raising.parameters()["W1"], rtol=1e-6)
+    assert js["skipped"][:2] == [skipping.step_count, skipping.skipped_steps] == [0, 1]
+    np.testing.assert_array_equal(np.array(js["skipped"][2], np.float32).reshape(skipping.parameters()["W1"].shape),
+                                  skipping.parameters()["W1"])

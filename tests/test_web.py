@@ -65,14 +65,15 @@ def test_llm_page_fine_tunes_a_llama_to_reproduce_its_sentence(tmp_path):
 
 # A page that opens each artifacts directory named in its query with js/trainer.mjs on the
 # WebAssembly build that onnxruntime-web's WebGPU bundle ships (reduced kernel type lists: no
-# float64 Cast) and takes two steps; window.trainingResult holds each directory's losses or error.
+# float64 Cast) and trains it as its batch.json's plan says (test_webgpu.run_plan: steps, and
+# micro-batches accumulated and applied); window.trainingResult holds each directory's losses or error.
 STEP_PAGE = """<!doctype html>
 <html><head><meta charset="utf-8"><title>one step per artifacts directory</title></head>
 <body data-state="loading"><script type="module">
 const query = new URLSearchParams(location.search);
 try {
   const ort = await import(`./js/node_modules/onnxruntime-web/dist/${query.get("bundle")}`);
-  const { Trainer } = await import("./js/trainer.mjs");
+  const { Trainer, sliceRows } = await import("./js/trainer.mjs");
   ort.env.wasm.numThreads = 1;
   const results = {};
   for (const dir of query.get("dirs").split(",")) {
@@ -85,7 +86,16 @@ try {
       const feeds = { X: { type: "float32", dims: batch.dims, data: Float32Array.from(batch.X) },
                       labels: { type: "int64", dims: [batch.dims[0]], data: BigInt64Array.from(batch.labels, BigInt) } };
       const trainer = await Trainer.open(ort, read, { sessionOptions: { executionProviders: ["wasm"] } });
-      const losses = [await trainer.step(feeds), await trainer.step(feeds)];
+      const losses = [];
+      for (const micro of batch.plan) {  // 1: a step; k > 1: k micro-batches accumulated, then applied
+        if (micro === 1) {
+          losses.push(await trainer.step(feeds));
+          continue;
+        }
+        const rows = batch.dims[0] / micro;
+        for (let i = 0; i < micro; i++) losses.push(await trainer.accumulate(sliceRows(feeds, i * rows, (i + 1) * rows)));
+        await trainer.apply();
+      }
       results[dir] = { losses, steps: trainer.stepCount };
     } catch (error) {
       results[dir] = { error: String(error.message ?? error).split("\\n")[0] };
@@ -101,11 +111,13 @@ try {
 """
 
 
-def test_adam_artifacts_step_on_the_reduced_type_wasm_build(tmp_path):
+def test_artifacts_train_on_the_reduced_type_wasm_build(tmp_path):
     """Adam and AdamW artifacts (clipping, LoRA, BatchNormalization in training mode) create a
     session and step on onnxruntime-web's reduced-type WebAssembly build, whose missing float64
     Cast failed every Adam(W) train model while the graph computed the bias corrections in float64
-    ("Could not find an implementation for Cast(13)"); the losses are the Python Trainer's."""
+    ("Could not find an implementation for Cast(13)"); gradient accumulation (js/trainer.mjs's
+    accumulate and apply) and the webgpu target's hashed Dropout (BatchNormalization's network,
+    LoRA's) train there too. The losses are the Python Trainer's: the hashed masks are the same."""
     executable = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
     if not executable:
         pytest.skip("chromium is not installed (Debian: apt-get install chromium)")
@@ -117,6 +129,7 @@ def test_adam_artifacts_step_on_the_reduced_type_wasm_build(tmp_path):
 
     import numpy as np
     from test_training import batches, bn_dropout_model, mlp
+    from test_webgpu import run_plan
 
     from onnx_autodiff.passes.lora import LoraConfig
     from onnx_autodiff.training import Trainer, generate_artifacts
@@ -137,7 +150,15 @@ def test_adam_artifacts_step_on_the_reduced_type_wasm_build(tmp_path):
                                     "optimizer_options": {"lr": 0.01, "amsgrad": True, "weight_decay": 0.05}}),
         "adamw-lora": (mlp, {"optimizer": "adamw", "lora": LoraConfig(rank=2), "optimizer_options": {"lr": 0.05}}),
         "adamw-batchnorm": (bn_model, {"optimizer": "adamw", "optimizer_options": {"lr": 0.01}}),
+        "adamw-accumulate": (mlp, {"optimizer": "adamw", "max_grad_norm": 1.0, "gradient_accumulation": True,
+                                   "optimizer_options": {"lr": 0.01}}),
+        "webgpu-sgd-batchnorm-dropout": (bn_dropout_model, {"optimizer": "sgd", "gradient_accumulation": True,
+                                                            "optimizer_options": {"lr": 0.1, "momentum": 0.9},
+                                                            "target": "webgpu"}),
+        "webgpu-adamw-lora-dropout": (mlp, {"optimizer": "adamw", "lora": LoraConfig(rank=2, dropout=0.25),
+                                            "optimizer_options": {"lr": 0.05}, "target": "webgpu"}),
     }
+    plans = {"adamw-accumulate": [1, 2, 3], "webgpu-sgd-batchnorm-dropout": [1, 3, 2], "webgpu-adamw-lora-dropout": [1, 1, 1]}
     site = tmp_path / "site"
     site.mkdir()
     (site / "js").symlink_to(ROOT / "js", target_is_directory=True)
@@ -147,13 +168,14 @@ def test_adam_artifacts_step_on_the_reduced_type_wasm_build(tmp_path):
     for name, (make, options) in configs.items():
         artifacts = generate_artifacts(make(), **options)
         artifacts.save(site / name, checkpoint_format="safetensors")
-        (site / name / "batch.json").write_text(json.dumps({"dims": list(X.shape), "X": X.ravel().tolist(), "labels": y.tolist()}))
-        trainer = Trainer(artifacts)
-        expected[name] = [trainer.step((X, y)), trainer.step((X, y))]
+        plan = plans.get(name, [1, 1])
+        (site / name / "batch.json").write_text(json.dumps({"dims": list(X.shape), "X": X.ravel().tolist(),
+                                                            "labels": y.tolist(), "plan": plan}))
+        expected[name] = run_plan(Trainer(artifacts), (X, y), plan), len(plan)
     results, _ = check.open_page(executable, site, f"step.html?bundle={bundle}&dirs={','.join(configs)}",
                                  str(tmp_path / "page.png"), 120)
-    for name, want in expected.items():
+    for name, (want, steps) in expected.items():
         got = results[name]
         assert "error" not in got, f"{name}: {got['error']}"
-        assert got["steps"] == 2, name
+        assert got["steps"] == steps, name
         np.testing.assert_allclose(got["losses"], want, rtol=1e-5, err_msg=name)

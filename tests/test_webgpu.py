@@ -1,8 +1,9 @@
 """Artifacts built with ``--target webgpu`` run every compute node on onnxruntime-web's WebGPU
 provider in headless Chromium (SwiftShader's adapter where there is no GPU), read from
 onnxruntime's verbose node-placement log, and their losses are the Python Trainer's on the same
-artifacts; the default target's artifacts, as a control, leave nodes (the loss's LogSoftmax, the
-step's Sum) to the CPU provider.
+artifacts (optimisers, clipping, LoRA, Dropout in training mode, BatchNormalization, and gradient
+accumulation through js/trainer.mjs's accumulate and apply); the default target's artifacts, as a
+control, leave nodes (the loss's LogSoftmax, the step's Sum) to the CPU provider.
 
 Skipped without Chromium or js/node_modules (CI installs both: apt-get install chromium, npm ci),
 or where Chromium offers no WebGPU adapter.
@@ -20,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+from helpers import numpy_dropout_mask
 from test_training import OUT, batches, bn_dropout_model, mlp
 
 from onnx_autodiff.cli import main
@@ -42,26 +44,32 @@ CONFIGS = {
     "adamw": ["--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.1"],
     "adam-clip": ["--optimizer", "adam", "--lr", "0.01", "--max-grad-norm", "0.5"],
     "adamw-accumulate": ["--optimizer", "adamw", "--lr", "0.01", "--max-grad-norm", "1.0", "--gradient-accumulation"],
-    "adamw-lora": ["--optimizer", "adamw", "--lr", "0.05", "--lora", "2"],
+    # LoRA, with the hashed dropout on the adapters' input
+    "adamw-lora-dropout": ["--optimizer", "adamw", "--lr", "0.05", "--lora", "2", "--lora-dropout", "0.25"],
     # float labels; the gradient's Sign, and the mean's Cast(Size) that stays on the CPU
     "sgd-l1": ["--optimizer", "sgd", "--lr", "0.1", "--loss", "l1"],
-    # BatchNormalization in training mode (the WebGPU kernel lacks the mode), running statistics.
-    # SGD: the bias before it has a zero gradient up to rounding, which Adam would scale up to
-    # steps of lr whose signs differ between devices (the running means, and the eval loss, with them)
-    "sgd-batchnorm": ["--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--gradient-accumulation"],
+    # BatchNormalization in training mode (the WebGPU kernel lacks the mode), running statistics,
+    # then Dropout in training mode (the hashed masks). SGD: the bias before it has a zero gradient
+    # up to rounding, which Adam would scale up to steps of lr whose signs differ between devices
+    # (the running means, and the eval loss, with them)
+    "sgd-batchnorm-dropout": ["--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9", "--gradient-accumulation"],
 }
+# How each directory trains (the others take STEPS steps): per step, 1 for Trainer.step, k > 1
+# for k micro-batches of the batch's rows accumulated, then applied
+PLANS = {"adamw-accumulate": [1, 2, 3], "sgd-batchnorm-dropout": [1, 3, 2]}
+MODEL_OF = {"sgd-batchnorm-dropout": "batchnorm-dropout"}  # the others: mlp
 CONTROL = "sgd-onnxruntime"
 
-# Opens each artifacts directory of the query: a session of each of its models with the verbose
-# log (markers around each, for the placement of its nodes), then STEPS steps of the train model
-# with js/trainer.mjs (which has no gradient accumulation: those models are only placed).
+# Trains each artifacts directory of the query with js/trainer.mjs as its batch.json's plan says
+# (run_plan), on sessions with the verbose log: markers around the trainer's first use of each
+# model, when it creates its session, bound the lines of that model's node placement.
 PAGE = """<!doctype html>
 <html><head><meta charset="utf-8"><title>WebGPU placement and steps</title></head>
 <body data-state="loading"><script type="module">
 const query = new URLSearchParams(location.search);
 try {
   const ort = await import(`./js/node_modules/onnxruntime-web/dist/${query.get("bundle")}`);
-  const { Trainer } = await import("./js/trainer.mjs");
+  const { Trainer, sliceRows } = await import("./js/trainer.mjs");
   ort.env.wasm.numThreads = 1;
   ort.env.logLevel = "verbose";
   const results = { adapter: Boolean(await navigator.gpu?.requestAdapter()) };
@@ -72,26 +80,42 @@ try {
       return response.ok ? new Uint8Array(await response.arrayBuffer()) : null;
     };
     const result = results[dir] = {};
-    try {
-      for (const model of MODELS) {
-        const bytes = await read(model);
-        if (!bytes) continue;
-        console.log(`@@session ${dir}/${model}`);
-        const session = await ort.InferenceSession.create(bytes, options);
+    const started = performance.now();
+    const opened = new Set();
+    const logged = async (model, work) => {
+      if (opened.has(model)) return work();
+      opened.add(model);
+      console.log(`@@session ${dir}/${model}`);
+      try {
+        return await work();
+      } finally {
         console.log(`@@end ${dir}/${model}`);
-        await session.release();
       }
+    };
+    try {
       const batch = JSON.parse(new TextDecoder().decode(await read("batch.json")));
       const labels = batch.labelDims ? { type: "float32", dims: batch.labelDims, data: Float32Array.from(batch.labels) }
         : { type: "int64", dims: [batch.dims[0]], data: BigInt64Array.from(batch.labels, BigInt) };
       const feeds = { X: { type: "float32", dims: batch.dims, data: Float32Array.from(batch.X) }, labels };
-      const trainer = await Trainer.open(ort, read, { sessionOptions: options });
+      const trainer = await logged("training_model.onnx", () => Trainer.open(ort, read, { sessionOptions: options }));
       result.losses = [];
-      for (let i = 0; i < STEPS; i++) result.losses.push(await trainer.step(feeds));
-      result.evalLoss = (await trainer.evaluate(feeds)).loss;
+      for (const micro of batch.plan) {  // 1: a step; k > 1: k micro-batches accumulated, then applied
+        if (micro === 1) {
+          result.losses.push(await trainer.step(feeds));
+          continue;
+        }
+        const rows = batch.dims[0] / micro;
+        for (let i = 0; i < micro; i++) {
+          const part = sliceRows(feeds, i * rows, (i + 1) * rows);
+          result.losses.push(await logged("accumulate_model.onnx", () => trainer.accumulate(part)));
+        }
+        await logged("apply_model.onnx", () => trainer.apply());
+      }
+      result.evalLoss = (await logged("eval_model.onnx", () => trainer.evaluate(feeds))).loss;
     } catch (error) {
       result.error = String(error.message ?? error).split("\\n")[0];
     }
+    result.seconds = (performance.now() - started) / 1000;
   }
   window.trainingResult = results;
   document.body.dataset.state = "done";
@@ -100,7 +124,22 @@ try {
   document.body.dataset.state = "error";
 }
 </script></body></html>
-""".replace("MODELS", json.dumps(MODELS)).replace("STEPS", str(STEPS))
+"""
+
+
+def run_plan(trainer: Trainer, batch: tuple, plan: list[int]) -> list[float]:
+    """The losses of the steps of ``plan`` on ``batch`` (arrays with rows): per step, 1 for
+    Trainer.step, k > 1 for k micro-batches of its rows accumulated, then applied (as the pages
+    run js/trainer.mjs)."""
+    losses = []
+    for micro in plan:
+        if micro == 1:
+            losses.append(trainer.step(batch))
+            continue
+        rows = len(batch[0]) // micro
+        losses += [trainer.accumulate(tuple(a[i * rows:(i + 1) * rows] for a in batch)) for i in range(micro)]
+        trainer.apply()
+    return losses
 
 
 def node_placements(lines: list[str]) -> dict[str, dict[str, dict]]:
@@ -231,6 +270,59 @@ def test_training_batchnorm_in_standard_ops_computes_the_kernels_step():
         np.testing.assert_allclose(states["webgpu"][1][key], value, rtol=1e-5, atol=1e-6, err_msg=key)
 
 
+def dropout_mlp(ratio: float) -> onnx.ModelProto:
+    """X[N, 5] → MatMul W[5, 7] → Dropout(ratio) → MatMul V[7, 3] → y[N, 3]."""
+    rng = np.random.default_rng(4)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["X", "W"], ["h"]), onnx.helper.make_node("Dropout", ["h", "ratio"], ["d"]),
+         onnx.helper.make_node("MatMul", ["d", "V"], ["y"])],
+        "dropout_mlp", [onnx.helper.make_tensor_value_info("X", onnx.TensorProto.FLOAT, ["N", 5])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 3])],
+        [onnx.numpy_helper.from_array(a, name) for name, a in (
+            ("W", rng.standard_normal((5, 7)).astype(np.float32)), ("V", rng.standard_normal((7, 3)).astype(np.float32)),
+            ("ratio", np.array(ratio, np.float32)))])
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=8)
+
+
+def test_hashed_dropout_trains_as_numpy_does_with_its_masks():
+    """The webgpu target's Dropout in training mode against numpy with the masks of the hash's
+    definition: the MSE loss and SGD's update of both weights (the scale 1/(1 − p), the gradient
+    through the same mask) of two steps (the masks of steps 1 and 2), then of a step accumulated
+    in two micro-batches (those of its micro-batches 0 and 1) and applied."""
+    ratio, lr = 0.4, 0.1
+    artifacts = generate_artifacts(dropout_mlp(ratio), loss="mse", optimizer="sgd", optimizer_options={"lr": lr},
+                                   gradient_accumulation=True, target="webgpu")
+    for model in (artifacts.train_model, artifacts.accumulate_model):
+        onnx.checker.check_model(model, full_check=True)
+        assert "Dropout" not in {n.op_type for n in _nodes(model.graph)}
+    rng = np.random.default_rng(8)
+    X, T = rng.standard_normal((6, 5)).astype(np.float32), rng.standard_normal((6, 3)).astype(np.float32)
+    W, V = (artifacts.checkpoint[k].astype(np.float64) for k in ("W", "V"))
+
+    def numpy_step(X, T, step, micro_batch=0):
+        """The loss and the gradients of W and V, in float64."""
+        m = numpy_dropout_mask((len(X), 7), ratio, step, micro_batch) / (1 - np.float32(ratio))
+        h = X @ W
+        y = (h * m) @ V
+        dy = 2 * (y - T) / y.size
+        return np.mean((y - T) ** 2), X.T @ ((dy @ V.T) * m), (h * m).T @ dy
+
+    trainer = Trainer(artifacts)
+    for step in (1, 2):
+        loss, dW, dV = numpy_step(X, T, step)
+        np.testing.assert_allclose(trainer.step((X, T)), loss, rtol=1e-5)
+        W, V = W - lr * dW, V - lr * dV
+        np.testing.assert_allclose(trainer.parameters()["W"], W, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(trainer.parameters()["V"], V, rtol=1e-5, atol=1e-6)
+    parts = [numpy_step(X[i:i + 3], T[i:i + 3], 3, micro_batch) for micro_batch, i in enumerate((0, 3))]
+    for (loss, _, _), i in zip(parts, (0, 3)):
+        np.testing.assert_allclose(trainer.accumulate((X[i:i + 3], T[i:i + 3])), loss, rtol=1e-5)
+    trainer.apply()
+    W, V = W - lr * (parts[0][1] + parts[1][1]) / 2, V - lr * (parts[0][2] + parts[1][2]) / 2
+    np.testing.assert_allclose(trainer.parameters()["W"], W, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(trainer.parameters()["V"], V, rtol=1e-5, atol=1e-6)
+
+
 def test_placement_parser_reads_both_forms():
     lines = ["@@session a/m.onnx",
              "[V:onnxruntime:, session_state.cc:1377 VerifyEachNodeIsAssignedToAnEp] Node placements",
@@ -262,8 +354,9 @@ def test_webgpu_artifacts_run_every_compute_node_on_the_gpu(tmp_path, capsys):
     site.mkdir()
     (site / "js").symlink_to(ROOT / "js", target_is_directory=True)
     (site / "step.html").write_text(PAGE, encoding="utf-8")
-    onnx.save(mlp(), tmp_path / "mlp.onnx")
-    onnx.save(bn_model(), tmp_path / "batchnorm.onnx")
+    models = {"mlp": mlp(), "batchnorm-dropout": bn_dropout_model()}
+    for key, model in models.items():
+        onnx.save(model, tmp_path / f"{key}.onnx")
     X, y = next(batches(1))
     targets = np.random.default_rng(5).standard_normal((X.shape[0], OUT)).astype(np.float32)  # for l1
     expected = {}
@@ -271,15 +364,16 @@ def test_webgpu_artifacts_run_every_compute_node_on_the_gpu(tmp_path, capsys):
                CONTROL: CONFIGS["sgd"]}
     for name, options in configs.items():
         directory = site / name
-        model = tmp_path / ("batchnorm.onnx" if "batchnorm" in name else "mlp.onnx")
+        model = tmp_path / f"{MODEL_OF.get(name, 'mlp')}.onnx"
         assert main(["artifacts", str(model), "-o", str(directory), "--checkpoint-format", "safetensors", *options]) == 0
         labels = targets if "--loss" in options else y
-        batch = {"dims": list(X.shape), "X": X.ravel().tolist(), "labels": labels.ravel().tolist()}
+        plan = PLANS.get(name, [1] * STEPS)
+        batch = {"dims": list(X.shape), "X": X.ravel().tolist(), "labels": labels.ravel().tolist(), "plan": plan}
         if labels.dtype == np.float32:
             batch["labelDims"] = list(labels.shape)
         (directory / "batch.json").write_text(json.dumps(batch))
         trainer = Trainer(str(directory))
-        expected[name] = [trainer.step((X, labels)) for _ in range(STEPS)] + [float(trainer.evaluate((X, labels))["loss"])]
+        expected[name] = run_plan(trainer, (X, labels), plan) + [float(trainer.evaluate((X, labels))["loss"])]
     capsys.readouterr()
     results, console = check.open_page(executable, site, f"step.html?bundle={BUNDLE}&dirs={','.join(configs)}",
                                        str(tmp_path / "page.png"), 240, webgpu=True)
@@ -297,7 +391,8 @@ def test_webgpu_artifacts_run_every_compute_node_on_the_gpu(tmp_path, capsys):
             placed = placements.get(f"{name}/{model}")
             assert placed and placed.get("WebGpuExecutionProvider", {}).get("count"), f"{name}/{model}: no placement logged"
             cpu = placed.get("CPUExecutionProvider", {"count": 0, "nodes": []})
-            figures.append(f"{name}/{model}: {cpu['count']} CPU, {placed['WebGpuExecutionProvider']['count']} WebGPU")
+            figures.append(f"{name}/{model}: {cpu['count']} CPU, {placed['WebGpuExecutionProvider']['count']} WebGPU"
+                           + (f" ({got['seconds']:.1f} s for the directory)" if model == MODELS[0] else ""))
             if name == CONTROL:
                 continue
             allowed = shape_computations(onnx.load(site / name / model, load_external_data=False))

@@ -43,6 +43,7 @@ from onnx_autodiff.passes.opsets import OpsetError, convert_proto, default_opset
 from onnx_autodiff.passes.parameters import default_parameters
 from onnx_autodiff.passes.recovery import RecoverParametersPass, is_torch_export
 from onnx_autodiff.passes.rewrite_rules import lowering_rules
+from onnx_autodiff.passes.rewrite_rules.webgpu import dropout_key, dropout_tables, hashed_dropout
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, shapes
 from onnx_autodiff.training.losses import LossSpec, attach_loss
 from onnx_autodiff.training.optimizers import (
@@ -474,16 +475,62 @@ def _training_batchnorm_in_standard_ops(model: ir.Model, namer: Namer, updates: 
         new_mean = op.Add(op.Mul(mean, float(momentum)), op.Mul(op.reshape(batch_mean, [-1]), float(1 - momentum)))
         new_var = op.Add(op.Mul(var, float(momentum)), op.Mul(op.reshape(batch_var, [-1]), float(1 - momentum)))
         graph.insert_before(node, op.nodes)
-        for old, new in zip(node.outputs, (y, new_mean, new_var)):
-            if old.is_graph_output():
-                graph.outputs[:] = [new if out is old else out for out in graph.outputs]
-            old.replace_all_uses_with(new)
-            if old.name:  # the names of the node's outputs kept
-                name, old.name = old.name, None
-                new.name = name
-            replaced[old] = new
-        graph.remove(node, safe=True)
+        replaced.update(_replace_node(graph, node, (y, new_mean, new_var)))
     return {name: replaced.get(value, value) for name, value in updates.items()}
+
+
+def _replace_node(graph: ir.Graph, node: ir.Node, values) -> dict[ir.Value, ir.Value]:
+    """Removes ``node``, its outputs replaced by ``values`` (already in the graph), under their
+    names; returns {old output: its replacement}."""
+    replaced = {}
+    for old, new in zip(node.outputs, values):
+        if old.is_graph_output():
+            graph.outputs[:] = [new if out is old else out for out in graph.outputs]
+        old.replace_all_uses_with(new)
+        if old.name:  # the names of the node's outputs kept
+            name, old.name = old.name, None
+            new.name = name
+        replaced[old] = new
+    graph.remove(node, safe=True)
+    return replaced
+
+
+# The scalar inputs of the hashed Dropout, by layout key, and how the trainer computes them from
+# the step it takes and the micro-batch it accumulates (0 for a train step)
+DROPOUT_SEEDS = {"dropout_step": "step", "dropout_micro_batch": "micro_batch"}
+
+
+def _training_dropout_by_hash(model: ir.Model, namer: Namer) -> dict[str, ir.Value]:
+    """Each Dropout in training mode as :func:`.webgpu.hashed_dropout`, for the targets whose
+    kernels lack the mode (:data:`FORWARD_LOWERED`); returns the uint32 scalar inputs its masks
+    read, by key (:data:`DROPOUT_SEEDS`), already graph inputs; none without such a Dropout.
+    Every runtime then draws the same masks: the Python Trainer's on onnxruntime's CPU are the
+    browser's."""
+    graph = model.graph
+    dropouts = [node for node in graph if node.op_type == "Dropout" and node.domain in ("", "ai.onnx")
+                and len(node.inputs) > 2 and _constant_true(node.inputs[2])]
+    if not dropouts:
+        return {}
+    for node in dropouts:
+        if node.inputs[0].dtype is None:
+            raise TrainingError(f"Dropout '{node.name}': the type of its input is unknown (declare it in the model)")
+    seeds = {key: fresh_value(namer, key, ir.DataType.UINT32, []) for key in DROPOUT_SEEDS}
+    graph.inputs.extend(seeds.values())
+    tables = [_constant(graph, namer, table, "dropout_table") for table in dropout_tables()]
+    op = OpBuilder(default_opset(model), namer, dict(model.opset_imports))
+    key = dropout_key(op, seeds["dropout_step"], seeds["dropout_micro_batch"], tables)
+    graph.insert_before(dropouts[0], op.nodes)
+    for salt, node in enumerate(dropouts):
+        op = OpBuilder(default_opset(model), namer, dict(model.opset_imports))
+        y, mask = hashed_dropout(op, node.inputs[0], node.inputs[1], key, salt, tables)
+        graph.insert_before(node, op.nodes)
+        _replace_node(graph, node, (y, mask))
+    return seeds
+
+
+def _constant_true(value: ir.Value | None) -> bool:
+    fixed = shapes.constant_input(value) if value is not None else None
+    return fixed is not None and bool(fixed.item())
 
 
 def _constant(graph: ir.Graph, namer: Namer, array: np.ndarray, hint: str) -> ir.Value:
@@ -801,10 +848,12 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     from onnx_autodiff.passes import AutodiffPass, cleanup_passes
 
     model, namer, updates = _prepare(proto, roles, training=True)
+    seeds: dict[str, ir.Value] = {}
     if target in FORWARD_LOWERED:
         updates = _training_batchnorm_in_standard_ops(model, namer, updates)
+        seeds = _training_dropout_by_hash(model, namer)
     graph = model.graph
-    batch = [v for v in graph.inputs if v.name not in roles.state]
+    batch = [v for v in graph.inputs if v.name not in roles.state and v not in seeds.values()]
     loss, labels, _ = attach_loss(model, namer, loss_spec)
     graph.outputs.clear()
     graph.outputs.append(loss)
@@ -885,7 +934,8 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
         model.opset_imports.setdefault(domain, version)
     buffers = set(roles.buffers)
     buffer_inputs = [v for v in graph.inputs if v.name in buffers]
-    inputs = [*batch, *labels, *params, *extra_inputs, *buffer_inputs, *tail]
+    scalars.update({key: value.name for key, value in seeds.items()})
+    inputs = [*batch, *labels, *params, *extra_inputs, *buffer_inputs, *tail, *seeds.values()]
     loss_name, kept_name = loss_out.name, outputs[-1].name  # (before the lowering, as the eval model's)
     proto_out = _finish(model, inputs, outputs, f"{kind} model", cleaned=True, target=target)
     layout = {
@@ -896,8 +946,9 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
         "loss": loss_name,
         "kept": kept_name,
     }
-    if coefficients:  # how the runner computes the scalar inputs other than lr and step
-        layout["coefficients"] = {key: coefficient_formulas(spec)[key] for key in coefficients}
+    if coefficients or seeds:  # how the runner computes the scalar inputs other than lr and step
+        layout["coefficients"] = {**{key: coefficient_formulas(spec)[key] for key in coefficients},
+                                  **{key: DROPOUT_SEEDS[key] for key in seeds}}
     return {"model": proto_out, "layout": layout, "labels": [v.name for v in labels], "state": state_layout}
 
 

@@ -28,6 +28,7 @@ _ORT_TYPES = {
     "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
     "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
     "tensor(bool)": np.bool_, "tensor(int16)": np.int16, "tensor(uint16)": np.uint16,
+    "tensor(uint32)": np.uint32, "tensor(uint64)": np.uint64,
 }
 
 
@@ -311,8 +312,9 @@ class _Runner:
 
     def run(self, batch, scalars: Mapping[str, float]) -> tuple[float | None, bool]:
         """Runs the model; keeps its new values only when the loss and they are finite.
-        Returns the loss and whether they were. ``scalars``: lr and step (and grad_scale), from
-        which the layout's coefficients are computed."""
+        Returns the loss and whether they were. ``scalars``: lr, step, micro_batch (and
+        grad_scale), those the model takes fed as they are, the layout's coefficients computed
+        from them (the hashed Dropout's seeds among them)."""
         from onnxruntime import OrtValue
 
         feeds = self.feeds(batch) if self.batch else []
@@ -323,7 +325,7 @@ class _Runner:
             value = OrtValue.ortvalue_from_numpy(array, device, 0)
             alive.append((array, value))
             binding.bind_ortvalue_input(name, value)
-        numbers = dict(scalars)
+        numbers = {key: number for key, number in scalars.items() if key in self.scalars}
         for key, compute in self.coefficients.items():  # in float64, then in the input's dtype
             numbers[key] = compute(scalars)
         for key, number in numbers.items():
@@ -495,7 +497,7 @@ class Trainer:
             self._apply(lr, share=rows * len(counts) / sum(counts))
             return sum(n * value for n, value in zip(counts, self.comm.allgather(loss))) / sum(counts)
         runner, number = self._runner("train"), self.step_count + 1
-        loss, finite = runner.run(batch, {"lr": self.lr if lr is None else lr, "step": number})
+        loss, finite = runner.run(batch, {"lr": self.lr if lr is None else lr, "step": number, "micro_batch": 0})
         if finite:
             self.step_count += 1
         elif self.nonfinite == "skip":
@@ -509,7 +511,7 @@ class Trainer:
         runner = self._runner("accumulate")
         if self._micro_batches == 0:
             self._zero_accumulators()
-        loss, finite = runner.run(batch, {})
+        loss, finite = runner.run(batch, {"step": self.step_count + 1, "micro_batch": self._micro_batches})
         if not finite and self.nonfinite == "raise" and self.comm is None:  # with ranks: all decide in apply()
             raise self._not_finite(f"micro-batch {self._micro_batches + 1} of step {self.step_count + 1}", loss, runner, batch)
         if not finite and self.comm is not None and not self._poisoned:

@@ -34,6 +34,15 @@ that nothing in the graph would say what the labels' values are.
 The target "webgpu" (:data:`.lowering.TARGETS`) applies these rules, then onnxruntime's own
 lowerings (:mod:`.lowering`): Gemm, the bias sums as products with ones, Max and Cast of the masks
 all run on the WebGPU provider.
+
+Dropout in training mode has no WebGPU kernel either (session creation fails), and its random mask
+differs between runtimes. :func:`hashed_dropout` builds it from a hash of each element's index, the
+step and the micro-batch instead, in uint32 Add, Sub, Mul, Div, Cast and Gather (the provider has
+no bitwise ops, and the multiply-add mixers that stand in for their XORs were measured to leave
+strong correlations; a tabulation hash has none measurable). The train models of this target
+apply it before differentiating, as they do BatchNormalization's training mode, with the step and
+micro-batch as inputs (:mod:`onnx_autodiff.training.artifacts`): every runtime then draws the
+same masks, bit for bit.
 """
 
 from __future__ import annotations
@@ -358,3 +367,69 @@ def webgpu_rules() -> list[RewriteRule]:
         RewriteRule(_sum, _chain_of_adds, remove_nodes=False, name="webgpu_sum_as_adds"),
         RewriteRule(_sign, _sign_by_comparisons, remove_nodes=False, name="webgpu_sign_by_comparisons"),
     ]
+
+
+# Dropout in training mode: masks from a hash of each element's index, the step and the micro-batch
+
+DROPOUT_TABLE_SIZE = 1 << 16  # the hash reads a uint32 as two 16-bit halves, one table each
+_KEPT_BITS = 24  # the hash's top 24 bits, a float32 integer exactly, decide whether an element is kept
+
+
+def dropout_tables() -> tuple[np.ndarray, np.ndarray]:
+    """The hash's two tables of 2^16 uint32: the top halves of splitmix64(1), splitmix64(2), ...
+    (computed here, not drawn from numpy's generators, whose streams may change between versions:
+    the models, and their masks, stay the same bytes)."""
+    with np.errstate(over="ignore"):
+        z = np.arange(1, 2 * DROPOUT_TABLE_SIZE + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    words = (z >> np.uint64(32)).astype(np.uint32)
+    return words[:DROPOUT_TABLE_SIZE], words[DROPOUT_TABLE_SIZE:]
+
+
+def _uint32(op, number: int) -> ir.Value:
+    return _const(op, np.array(number, np.uint32))
+
+
+def _tabulated(op, x: ir.Value, tables) -> ir.Value:
+    """H(x) = T_low[x mod 2^16] + T_high[x div 2^16] (mod 2^32) of uint32 ``x``: tabulation
+    hashing, with sums for its XORs, Div and Sub for its shifts and masks."""
+    low_table, high_table = tables
+    high = op.Div(x, _uint32(op, DROPOUT_TABLE_SIZE))
+    low = op.Sub(x, op.Mul(high, _uint32(op, DROPOUT_TABLE_SIZE)))
+    int32 = int(ir.DataType.INT32)  # Gather's indices (the provider reads no int64 but as indices)
+    return op.Add(op.Gather(low_table, op.Cast(low, to=int32), axis=0),
+                  op.Gather(high_table, op.Cast(high, to=int32), axis=0))
+
+
+def dropout_key(op, step: ir.Value, micro_batch: ir.Value, tables) -> ir.Value:
+    """The key of one micro-batch's masks, H(H(step) + micro_batch), from uint32 scalars: a train
+    step's masks are those of its step's micro-batch 0."""
+    return _tabulated(op, op.Add(_tabulated(op, step, tables), micro_batch), tables)
+
+
+def hashed_dropout(op, x: ir.Value, ratio: ir.Value, key: ir.Value, salt: int, tables) -> tuple[ir.Value, ir.Value]:
+    """(y, mask) of Dropout(x, ratio) in training mode: element i of ``x`` (row-major) is kept when
+    u_i >= ratio, y = x·mask/(1 − ratio) (the kernel's scale, in float32). u_i = (h_i div 2^8)/2^24
+    with h_i = H(H(i + k1) + k2), k1 = H(key + salt), k2 = H(k1 + 1): ``salt`` (the node's number)
+    gives each Dropout its own masks. One round of H leaves the masks of blocks of 2^16 elements
+    shifted copies of each other, two do not. P(kept) = 1 − ⌈ratio·2^24⌉/2^24.
+
+    The gradient rules see y = x·m, m = Where(mask, scale, 0): dx = dy·m, through the same mask."""
+    float32, uint32, int32 = (int(t) for t in (ir.DataType.FLOAT, ir.DataType.UINT32, ir.DataType.INT32))
+    k1 = _tabulated(op, op.Add(key, _uint32(op, salt)), tables)
+    k2 = _tabulated(op, op.Add(k1, _uint32(op, 1)), tables)
+    count = op.Cast(op.Size(x), to=int32)  # int32: the provider's Range; a shape computation on the CPU
+    positions = op.Range(_const(op, np.array(0, np.int32)), count, _const(op, np.array(1, np.int32)))
+    index = op.Reshape(op.Cast(positions, to=uint32), op.Shape(x))
+    h = _tabulated(op, op.Add(_tabulated(op, op.Add(index, k1), tables), k2), tables)
+    draw = op.Cast(op.Div(h, _uint32(op, 1 << (32 - _KEPT_BITS))), to=float32)  # exact: below 2^24
+    rate = ratio if ratio.dtype == ir.DataType.FLOAT else op.Cast(ratio, to=float32)
+    mask = op.GreaterOrEqual(draw, op.Mul(rate, _const(op, np.array(2.0**_KEPT_BITS, np.float32))))
+    one = _const(op, np.array(1, np.float32))
+    scale = op.Div(one, op.Sub(one, rate))
+    zero = _const(op, np.array(0, np.float32))
+    if x.dtype != ir.DataType.FLOAT:
+        scale, zero = op.Cast(scale, to=int(x.dtype)), op.Cast(zero, to=int(x.dtype))
+    return op.Mul(x, op.Where(mask, scale, zero)), mask

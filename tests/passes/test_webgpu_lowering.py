@@ -7,14 +7,17 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from helpers import make_model, rng
+from helpers import make_model, numpy_dropout_mask, rng
 from onnx import helper
 from test_lowering import cleaned, ops, run
 
 from onnx_autodiff import autodiff_pass
 from onnx_autodiff.passes.cleanup import CleanupPass, LoweringPass
 from onnx_autodiff.passes.rewrite_rules import lowering_rules
-from onnx_autodiff.passes.rewrite_rules.webgpu import IGNORED_ID, NEVER_ID, label_ids, label_table
+from onnx_autodiff.passes.rewrite_rules.webgpu import (
+    IGNORED_ID, NEVER_ID, dropout_key, dropout_tables, hashed_dropout, label_ids, label_table,
+)
+from onnx_autodiff.toolkit import Namer, OpBuilder
 
 R = rng(23)
 # ops the WebGPU provider has no kernel for (it also has none for int64 compute, see int64_readers)
@@ -217,3 +220,101 @@ def test_a_mean_over_no_label_is_nan_as_the_kernel_gives(weighted):
     feeds["labels"][:] = -100
     lowered = cleaned(model, target="webgpu")
     assert np.isnan(run(model, feeds)["loss"]) and np.isnan(run(lowered, feeds)["loss"])
+
+
+# Dropout in training mode, hashed (hashed_dropout, dropout_key)
+
+WEBGPU_OPS = {"Add", "Sub", "Mul", "Div", "Cast", "Gather", "Size", "Shape", "Range", "Reshape", "GreaterOrEqual",
+              "Where", "Constant"}  # what the hashed dropout may use: ops the provider runs (measured)
+
+
+def splitmix64(k: int) -> int:
+    """The k-th output of splitmix64 seeded with 0, in Python integers (an oracle for the tables)."""
+    mask = (1 << 64) - 1
+    z = (k * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+def hashed_dropout_model(shape, ratio=None, salt=0, dtype=np.float32, opset=18) -> onnx.ModelProto:
+    """x, step, micro_batch (and ratio, unless a constant is given) in; y and mask out."""
+    op = OpBuilder(opset, Namer([], prefix="t"))
+    elem = ir.DataType.from_numpy(np.dtype(dtype))
+    x = ir.Value(name="x", type=ir.TensorType(elem), shape=ir.Shape(shape))
+    seeds = [ir.Value(name=name, type=ir.TensorType(ir.DataType.UINT32), shape=ir.Shape([]))
+             for name in ("step", "micro_batch")]
+    inputs = [x, *seeds]
+    if ratio is None:
+        rate = ir.Value(name="ratio", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]))
+        inputs.append(rate)
+    else:
+        rate = op.Constant(value=ir.tensor(np.array(ratio, np.float32)))
+    tables = [op.Constant(value=ir.tensor(table)) for table in dropout_tables()]
+    y, mask = hashed_dropout(op, x, rate, dropout_key(op, *seeds, tables), salt, tables)
+    y.name, mask.name = "y", "mask"
+    y.type, y.shape, mask.type, mask.shape = ir.TensorType(elem), ir.Shape(shape), ir.TensorType(ir.DataType.BOOL), ir.Shape(shape)
+    graph = ir.Graph(inputs, [y, mask], nodes=op.nodes, opset_imports={"": opset}, name="dropout")
+    model = ir.to_proto(ir.Model(graph, ir_version=9))
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def test_dropout_tables_are_splitmix64():
+    low, high = dropout_tables()
+    assert low.dtype == high.dtype == np.uint32 and low.shape == high.shape == (1 << 16,)
+    for k in (0, 1, 12345, (1 << 16) - 1):
+        assert low[k] == splitmix64(k + 1) >> 32 and high[k] == splitmix64(k + (1 << 16) + 1) >> 32
+
+
+@pytest.mark.parametrize("shape, ratio, salt, step, micro_batch", [
+    ((6, 7), 0.5, 0, 1, 0), ((2, 3, 4), 0.1, 3, 2, 1), ((), 0.5, 0, 5, 2), ((5,), None, 1, 7, 0),
+    ((3, 70000), 0.25, 2, 2**32 - 1, 9),  # past 2^16 elements (the index's high half), the largest step
+])
+def test_hashed_dropout_draws_the_numpy_masks(shape, ratio, salt, step, micro_batch):
+    """y = x·mask/(1 − ratio) with the mask of the hash's definition, bit for bit, in ops the
+    WebGPU provider runs (no bitwise op, which it lacks; no int64 compute)."""
+    model = hashed_dropout_model(shape, ratio, salt)
+    assert {n.op_type for n in model.graph.node} <= WEBGPU_OPS
+    rate = 0.3 if ratio is None else ratio
+    x = R.standard_normal(shape).astype(np.float32)
+    feeds = {"x": x, "step": np.array(step, np.uint32), "micro_batch": np.array(micro_batch, np.uint32)}
+    if ratio is None:
+        feeds["ratio"] = np.array(rate, np.float32)
+    got = run(model, feeds)
+    want = numpy_dropout_mask(shape, rate, step, micro_batch, salt)
+    np.testing.assert_array_equal(got["mask"], want)
+    scale = np.float32(1) / (np.float32(1) - np.float32(rate))  # the kernel's, in float32
+    np.testing.assert_array_equal(got["y"], x * np.where(want, scale, np.float32(0)))
+
+
+def test_hashed_dropout_in_float16_scales_in_its_type():
+    model = hashed_dropout_model((4, 5), 0.2, dtype=np.float16)
+    x = R.standard_normal((4, 5)).astype(np.float16)
+    got = run(model, {"x": x, "step": np.array(3, np.uint32), "micro_batch": np.array(0, np.uint32)})
+    assert got["y"].dtype == np.float16
+    want = numpy_dropout_mask((4, 5), 0.2, 3)
+    np.testing.assert_array_equal(got["y"], x * np.where(want, np.float16(1.25), np.float16(0)))
+
+
+def test_hashed_masks_keep_one_minus_ratio_independently():
+    """On 2^18 elements: the share kept is 1 − ratio, and the masks of neighbouring elements, of
+    the next step, of another micro-batch and of another Dropout (salt) agree as independent
+    draws do (p² + (1 − p)²), each within 5 standard deviations."""
+    shape, ratio = (256, 1024), 0.3
+    n = 256 * 1024
+    masks = {}
+    for key, (step, micro_batch, salt) in {"base": (4, 0, 0), "step": (5, 0, 0), "micro": (4, 1, 0), "salt": (4, 0, 1)}.items():
+        model = hashed_dropout_model(shape, ratio, salt)
+        feeds = {"x": np.ones(shape, np.float32), "step": np.array(step, np.uint32), "micro_batch": np.array(micro_batch, np.uint32)}
+        masks[key] = run(model, feeds)["mask"].ravel()
+    kept = masks["base"].mean()
+    assert abs(kept - (1 - ratio)) < 5 * np.sqrt(ratio * (1 - ratio) / n), kept
+    agree = ratio**2 + (1 - ratio) ** 2
+    bound = 5 * np.sqrt(agree * (1 - agree) / n)
+    base = masks["base"]
+    pairs = {"neighbours": (base[1:], base[:-1]), "next row": (base[1024:], base[:-1024]),
+             "2^16 apart": (base[1 << 16:], base[:-(1 << 16)]),
+             **{key: (base, masks[key]) for key in ("step", "micro", "salt")}}
+    for what, (a, b) in pairs.items():
+        assert abs((a == b).mean() - agree) < bound, (what, (a == b).mean(), agree)
