@@ -11,7 +11,9 @@
 import { parse, serialize } from "./safetensors.mjs";
 
 export const FORMAT_VERSION = 2;
-export const READABLE_FORMATS = [1, 2]; // 1: the coefficients computed in the graph, in float64
+// 1: the coefficients computed in the graph, in float64; 3: the step and micro-batch fed as uint32
+// inputs (the webgpu target's hashed Dropout)
+export const READABLE_FORMATS = [1, 2, 3];
 export const STEP_KEY = "__step__"; // the int64 scalar a checkpoint stores the number of steps taken in
 
 export const EXTERNAL_DATA = "training_model.onnx.data";

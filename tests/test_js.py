@@ -135,7 +135,7 @@ def test_nonfinite_step_raises_or_skips_and_keeps_nothing(artifacts_dir, batch, 
     ("no safetensors checkpoint", 1, "checkpoint_format=\"safetensors\""),
     ("damaged data", 2, "not a safetensors file"),
     ("zero steps", 2, "--steps must be a whole number >= 1"),
-    ("unknown format", 1, "unsupported artifacts format 99 (this trainer reads formats 1, 2)"),
+    ("unknown format", 1, "unsupported artifacts format 99 (this trainer reads formats 1, 2, 3)"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(case, status, message, batch, tmp_path):
     directory = tmp_path / "artifacts"

@@ -200,5 +200,19 @@ def test_older_format_loads_and_an_unknown_one_is_refused(tmp_path):
     trainer = Trainer(str(directory))
     assert np.isfinite(trainer.step(next(batches(1))))
     path.write_text(json.dumps({**layout, "format": 99}))
-    with pytest.raises(TrainingError, match=r"unsupported artifacts format 99 \(this version of onnx-autodiff reads formats 1, 2\)"):
+    with pytest.raises(TrainingError, match=r"unsupported artifacts format 99 \(this version of onnx-autodiff reads formats 1, 2, 3\)"):
         TrainingArtifacts.load(directory)
+
+
+@pytest.mark.parametrize("target", ["onnxruntime", "webgpu"])
+def test_artifacts_that_feed_the_step_to_a_hashed_dropout_say_format_3(tmp_path, target):
+    """The webgpu target's Dropout reads the step and micro-batch as uint32 inputs, which a
+    trainer of format 2 would not feed: only those artifacts say 3 (the rest stay readable by it),
+    and they load and train here."""
+    artifacts = generate_artifacts(bn_dropout_model(), optimizer="sgd", target=target)
+    artifacts.save(tmp_path / "artifacts")
+    layout = json.loads((tmp_path / "artifacts" / "artifacts.json").read_text())
+    assert layout["format"] == (3 if target == "webgpu" else 2)
+    assert ("dropout_step" in layout["train"].get("coefficients", {})) == (target == "webgpu")
+    trainer = Trainer(str(tmp_path / "artifacts"), providers=["CPUExecutionProvider"])
+    assert np.isfinite(trainer.step(next(batches(1))))

@@ -64,8 +64,11 @@ from onnx_autodiff.training.values import (
 
 # 2: Adam's and AdamW's per-step coefficients are scalar inputs that the runner computes (the
 # models' layouts' "coefficients"), no longer float64 nodes of the graph; 1 still loads and runs.
+# 3: a model also takes the trainer's step and micro-batch as uint32 inputs (the webgpu target's
+# hashed Dropout), which a trainer reading format 2 would not feed; only such artifacts say 3.
 FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)
+SEEDED_FORMAT = 3
+READABLE_FORMATS = (1, 2, 3)
 CHECKPOINT_FILES = {"npz": "checkpoint.npz", "safetensors": "checkpoint.safetensors"}
 
 
@@ -774,6 +777,8 @@ def generate_artifacts(
         artifacts.apply_model = apply_model
         layout["accumulate"] = accumulate["layout"]
         layout["apply"] = apply_layout
+    if any(set(DROPOUT_SEEDS) & set(layout[kind].get("coefficients", {})) for kind in ("train", "accumulate") if kind in layout):
+        layout["format"] = SEEDED_FORMAT
     return artifacts
 
 
