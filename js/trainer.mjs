@@ -198,7 +198,9 @@ export class Trainer {
     }
     const model = await read(MODEL_FILES.train);
     if (!model) throw new TrainingError(`the artifacts have no ${MODEL_FILES.train}`);
-    const sessionOptions = { graphOptimizationLevel: "all", ...options.sessionOptions };
+    // errors only: onnxruntime warns once per overridable initializer, which the frozen half-float
+    // weights are on purpose (not folded into float copies)
+    const sessionOptions = { graphOptimizationLevel: "all", logSeverityLevel: 3, ...options.sessionOptions };
     // tensors the build made (a base quantized anew) are saved in the train model's data file, which
     // the other models read too: onnxruntime-web mounts it from these bytes (a model given as bytes
     // has no folder to find it in)

@@ -237,6 +237,54 @@ def test_large_frozen_weights_are_read_in_place_and_held_once(lead, tmp_path, mo
     assert own.step(batch) == pytest.approx(losses[0][0], rel=1e-6)
 
 
+
+def _float_initializer_sizes(model_path: str, folder: str) -> list[int]:
+    """The element counts of the float32 initializers onnxruntime holds once it created a session of
+    the model (its optimised graph, constants folded)."""
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(folder / "optimized.onnx")
+    options.log_severity_level = 3
+    ort.InferenceSession(model_path, options, providers=["CPUExecutionProvider"])
+    optimized = onnx.load(str(folder / "optimized.onnx"), load_external_data=False)
+    return [int(np.prod(t.dims)) for t in optimized.graph.initializer if t.data_type == TensorProto.FLOAT]
+
+
+@pytest.mark.parametrize("kind", ["float16", "int8"])
+def test_frozen_bases_of_other_types_become_floats_where_each_node_reads_them(kind, tmp_path, monkeypatch):
+    """A frozen base weight stored as float16 (read through Cast) or int8 (DequantizeLinear) whose
+    floats are over FROZEN_IN_PLACE: onnxruntime folds no float copy of it when it creates the
+    session (the Cast's weight is an overridable input), each node reading the Cast has a Cast of
+    its own that common-subexpression elimination cannot merge, and the reads come first in the
+    graph; the steps are those of the artifacts written without this."""
+    path = str(tmp_path / "linear.onnx")
+    onnx.save_model(linear_model([2, 3]), path, save_as_external_data=True, location="weights.bin", size_threshold=1024)
+    options = {"loss": "mse", "optimizer": "adamw", "optimizer_options": {"lr": 0.01},
+               "lora": LoraConfig(rank=2, quantize_base=kind)}
+    artifacts = generate_artifacts(path, **options)
+    with monkeypatch.context() as patch:
+        patch.setattr(artifacts_module, "_frozen_bases_read_at_use", lambda model: None)
+        as_written = generate_artifacts(path, **options)
+    model, read = artifacts.train_model, "Cast" if kind == "float16" else "DequantizeLinear"
+    reads = [n for n in model.graph.node if n.op_type == read and n.input[0] in ("W1", *(o for m in model.graph.node
+             if m.op_type == "Reshape" and m.input[0] == "W1" for o in m.output))]
+    assert len(reads) == (2 if kind == "float16" else 1)  # the forward's and the backward's reads
+    first = {o for n in list(model.graph.node)[: 3 * len(reads)] for o in n.output}
+    assert all(n.output[0] in first for n in reads)
+    if kind == "float16":
+        assert "W1" in [i.name for i in model.graph.input]  # overridable: onnxruntime does not fold it
+        assert len({tuple(n.input) for n in reads}) == 2  # two different reads of W1
+    weight = 384 * 256
+    for proto, folded in ((artifacts, False), (as_written, kind == "float16")):
+        directory = tmp_path / f"{kind}-{folded}"
+        proto.save(directory)
+        sizes = _float_initializer_sizes(str(directory / "training_model.onnx"), directory)
+        assert (weight in sizes) == folded
+    trainer, reference = Trainer(artifacts), Trainer(as_written)
+    batch = linear_batch([2, 3])
+    losses = [(trainer.step(batch), reference.step(batch)) for _ in range(4)]
+    assert [a for a, _ in losses] == [b for _, b in losses]
+    assert losses[-1][0] < losses[0][0]
+
 def test_fill_reads_a_tensor_whole_only_when_its_first_elements_agree():
     from onnx_autodiff.passes.rewrite_rules.analysis import fill
 

@@ -577,6 +577,8 @@ def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], wh
         passes = [RemoveUnusedNodesPass()]
     model = ir.passes.PassManager(passes)(model).model
     _frozen_read_in_place(model)
+    if target is not None:
+        _frozen_bases_read_at_use(model)
     if any(v.shape is None or v.type is None for v in graph.outputs):
         ShapeInferencePass(strict_mode=False)(model)
     untyped = [v.name for v in graph.outputs if v.shape is None or v.type is None]
@@ -652,6 +654,64 @@ def _frozen_read_in_place(model: ir.Model) -> None:
             ir.convenience.replace_nodes_and_values(graph, user, [user], nodes, [out], [result])
         if not transposed.uses() and not transposed.is_graph_output():
             graph.remove(node, safe=True)
+
+
+_HALF_TYPES = frozenset({ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+
+
+def _frozen_bases_read_at_use(model: ir.Model) -> None:
+    """Frozen base weights stored in another type (read through a Cast from float16/bfloat16 or a
+    DequantizeLinear, at least :data:`FROZEN_IN_PLACE` bytes as floats) become floats where each node
+    uses them, one reader's floats at a time, never a whole model's at once. Left as written,
+    onnxruntime folds a Cast of a constant into a float copy of the weight when it creates the
+    session (a float16 Llama's train step then peaks above its float32 base's), and runs reads
+    that depend on no other node before the first layer, holding their floats until used.
+
+    - A Cast's weight becomes an overridable graph input (its initializer the default), which
+      onnxruntime does not fold; each node reading the Cast gets a Cast of its own, the second and
+      later ones through a Reshape of a shape of their own, so that the common-subexpression
+      elimination at session creation cannot merge them back into one copy alive from the forward
+      to the backward (onnxruntime gives each reader of a DequantizeLinear a copy itself).
+    - The reads come first in the graph: onnxruntime's order visits a node's later inputs first,
+      so a read that comes first runs just before the node that uses it."""
+    graph = model.graph
+    inputs = set(graph.inputs)
+    reads, namer = [], None
+    for node in list(graph):
+        stored = node.inputs[0] if node.inputs and node.domain in ("", "ai.onnx") else None
+        tensor = stored.const_value if stored is not None and stored.is_initializer() else None
+        floats = node.outputs[0].dtype
+        if (tensor is None or floats is None or tensor.size * floats.itemsize < FROZEN_IN_PLACE
+                or not all(v is None or v.is_initializer() for v in node.inputs)):
+            continue
+        if node.op_type == "DequantizeLinear":
+            reads.append(node)
+        elif node.op_type == "Cast" and tensor.dtype in _HALF_TYPES:
+            namer = namer or Namer.for_graph(graph, prefix="frozen")
+            if stored not in inputs:
+                graph.inputs.append(stored)
+                inputs.add(stored)
+            reads.append(node)
+            out = node.outputs[0]
+            readers = list(dict.fromkeys(user for user, _ in out.uses()))
+            dims = _constant(graph, namer, np.array(tensor.shape.dims, np.int64), "dims") if len(readers) > 1 else None
+            for rank, reader in enumerate(readers[1:], start=1):
+                flat = _constant(graph, namer, np.array([1] * (rank - 1) + [-1], np.int64), "flat")
+                copy = [ir.node("Reshape", [stored, flat])]
+                copy.append(ir.node("Cast", [copy[0].outputs[0]], attributes={"to": node.attributes["to"].value}))
+                copy.append(ir.node("Reshape", [copy[1].outputs[0], dims]))
+                for value in (c.outputs[0] for c in copy):
+                    value.name = namer.fresh(f"{stored.name}.read")
+                copy[-1].outputs[0].type, copy[-1].outputs[0].shape = out.type, out.shape
+                for index, value in enumerate(reader.inputs):
+                    if value is out:
+                        reader.replace_input_with(index, copy[-1].outputs[0])
+                graph.extend(copy)
+                reads.extend(copy)
+    if reads:
+        graph.remove(reads)
+        first = graph.node(0) if len(graph) else None
+        graph.insert_before(first, reads) if first is not None else graph.extend(reads)
 
 
 def generate_artifacts(

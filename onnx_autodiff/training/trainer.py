@@ -396,6 +396,9 @@ class Trainer:
             # the memory pattern adds a planned block of every activation beside the arena's
             # (GPT benchmark: a step's peak +100 MB) and no measurable speed
             session_options.enable_mem_pattern = False
+            # warnings only about the models' form, which is ours: frozen weights stored as half
+            # floats are overridable inputs on purpose (one warning per weight otherwise)
+            session_options.log_severity_level = 3
             # onnxruntime's arena would keep one step's gradient buffers and take new ones for the
             # next (4x the parameters' memory where 3x will do): large models allocate directly
             if sum(a.nbytes for a in artifacts.checkpoint.values()) >= LARGE_STATE:
