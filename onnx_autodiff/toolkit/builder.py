@@ -173,7 +173,8 @@ class OpBuilder:
             value = clone.initializers.pop(name)
             constant = ir.node("Constant", [], attributes={"value": value.const_value})
             value.replace_all_uses_with(constant.outputs[0], replace_graph_outputs=True)
-            constant.outputs[0].type, constant.outputs[0].shape = value.type, value.shape
+            out = constant.outputs[0]
+            out.name, out.type, out.shape = name, value.type, value.shape  # (renamed fresh below)
             constants.append(constant)
         outputs = list(clone.outputs)
         copied = list(clone)
