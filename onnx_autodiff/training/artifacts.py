@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass
+from onnx_ir.passes.common import ShapeInferencePass
 
 from onnx_autodiff.files import write_atomically
 from onnx_autodiff.errors import (
@@ -28,6 +28,7 @@ from onnx_autodiff.modelfile import (
     check_model,
     external_files,
     from_proto,
+    full_output_check,
     reading_written,
     over_limit,
     save_model,
@@ -38,9 +39,9 @@ from onnx_autodiff.modelfile import (
 from onnx_autodiff.toolkit.inference import onnx_inferred
 from onnx_autodiff.passes.lora import LoraConfig, adapted, quantize_bases
 from onnx_autodiff.passes.quantize import INT4_OPSET, STORED_INPUT
-from onnx_autodiff.passes.autodiff import backward_trial
-from onnx_autodiff.passes.opsets import OpsetError, convert_proto, default_opset, upgraded_for
+from onnx_autodiff.passes.opsets import OpsetError, build_proto_upgrading, convert_proto, default_opset
 from onnx_autodiff.passes.parameters import default_parameters
+from onnx_autodiff.passes.progress import collector_paused
 from onnx_autodiff.passes.recovery import RecoverParametersPass, is_torch_export
 from onnx_autodiff.passes.rewrite_rules import lowering_rules
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, shapes
@@ -306,7 +307,10 @@ class _Roles:
         return frozenset(self.params) | frozenset(self.buffers)
 
 
-def _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=None, base_dir=None) -> _Roles:
+def _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=None, base_dir=None,
+             model: ir.Model | None = None) -> _Roles:
+    """The parameters, buffers and opset of ``proto`` (``model``: it as onnx-ir, when the caller
+    has it, which this leaves as it is)."""
     graph = proto.graph
     inits = {t.name: t for t in graph.initializer}
     inputs = {v.name for v in graph.input}
@@ -341,7 +345,7 @@ def _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=Non
     frozen = set(check(frozen_params, "frozen parameter"))
     left_out: list[str] = []
     if requires_grad is None:
-        default = default_parameters(from_proto(proto, base_dir), registry)
+        default = default_parameters(model if model is not None else from_proto(proto, base_dir), registry)
         left_out = [n for n in default.left_out if n not in stats and n not in frozen]
         params = [v.name for v in default.parameters if v.name not in frozen and v.name not in stats]
     else:
@@ -391,12 +395,13 @@ def _stored_inputs(proto: onnx.ModelProto) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def _prepare(proto, roles: _Roles, training: bool):
-    """The forward model as onnx-ir with parameters and buffers as inputs and layers in the right mode.
+def _prepare(proto, roles: _Roles, training: bool, model: ir.Model | None = None):
+    """The forward model as onnx-ir with parameters and buffers as inputs and layers in the right mode
+    (``model``: ``proto`` as onnx-ir already, changed in place).
 
     Returns (model, namer, buffer_updates {buffer name: new-statistic value}).
     """
-    model = from_proto(proto, roles.base_dir)
+    model = model if model is not None else from_proto(proto, roles.base_dir)
     graph = model.graph
     namer = Namer.for_graph(graph, prefix="train")
     updates: dict[str, ir.Value] = {}
@@ -507,12 +512,13 @@ def _publish(op: OpBuilder, namer: Namer, value: ir.Value, hint: str, taken: set
 
 
 def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], what: str,
-            cleaned: bool = False, target: str | None = "onnxruntime") -> onnx.ModelProto:
+            cleaned: bool = False, target: str | None = "onnxruntime", check_output: bool = False) -> onnx.ModelProto:
     """The model with these inputs and outputs, cleaned up and lowered for ``target`` unless
     ``cleaned`` says its nodes already are (then only unused ones are removed, and the nodes added
-    since the cleanup lowered where the target needs it), checked, as a proto."""
+    since the cleanup lowered where the target needs it), checked (onnx.checker's structural check;
+    its full check where :func:`~onnx_autodiff.modelfile.full_output_check` says), as a proto."""
     from onnx_autodiff.passes import cleanup_passes
-    from onnx_autodiff.passes.cleanup import LoweringPass
+    from onnx_autodiff.passes.cleanup import LoweringPass, RemoveUnusedPass
 
     graph = model.graph
     graph.inputs.clear()
@@ -522,9 +528,9 @@ def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], wh
     if not cleaned:
         passes = cleanup_passes(target=target)
     elif target in OPTIMIZER_LOWERED:
-        passes = [RemoveUnusedNodesPass(), LoweringPass(target)]
+        passes = [RemoveUnusedPass(), LoweringPass(target)]
     else:
-        passes = [RemoveUnusedNodesPass()]
+        passes = [RemoveUnusedPass()]
     model = ir.passes.PassManager(passes)(model).model
     _frozen_read_in_place(model)
     if any(v.shape is None or v.type is None for v in graph.outputs):
@@ -534,8 +540,8 @@ def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], wh
         raise TrainingError(f"the shapes of {untyped} are unknown: declare them in the model's outputs or value_info")
     proto = ir.to_proto(model)  # external tensors stay references to their files
     try:
-        check_model(proto)
-    except onnx.checker.ValidationError as error:
+        check_model(proto, full=full_output_check(check_output))
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
         first = str(error).strip().splitlines()[0]
         raise TrainingError(f"the generated {what} fails the ONNX checker (a bug, please report): {first}") from error
     return proto
@@ -621,6 +627,7 @@ def generate_artifacts(
     upgrade_opset: bool = True,
     lora=None,
     target: str | None = "onnxruntime",
+    check_output: bool = False,
 ) -> TrainingArtifacts:
     """The training artifacts of ``model`` (an onnx.ModelProto, onnx_ir.Model or path).
 
@@ -655,7 +662,22 @@ def generate_artifacts(
     cleanup's ``target``): "onnxruntime" (default), "webgpu" (onnxruntime-web's WebGPU provider runs
     every compute node, see :mod:`onnx_autodiff.passes.rewrite_rules.webgpu`) or None (canonical
     standard forms). The inference model is the input model's, whatever the target.
+    check_output: check each generated model with onnx.checker's full check (strict shape inference
+    of the whole graph) instead of the structural one (see
+    :func:`~onnx_autodiff.modelfile.full_output_check`).
     """
+    # Python's collector would rescan the ever larger graphs many times while they are built (the
+    # optimiser's nodes of 10,000 parameters: 7.6 s with it, 1.8 s without); what the build leaves
+    # is collected once, afterwards.
+    with collector_paused():
+        return _generate_artifacts(model, requires_grad, frozen_params, loss, optimizer, optimizer_options, output,
+                                   labels, max_grad_norm, gradient_accumulation, freeze_batchnorm, registry,
+                                   upgrade_opset, lora, target, check_output)
+
+
+def _generate_artifacts(model, requires_grad, frozen_params, loss, optimizer, optimizer_options, output, labels,
+                        max_grad_norm, gradient_accumulation, freeze_batchnorm, registry, upgrade_opset, lora,
+                        target, check_output) -> TrainingArtifacts:
     if target is not None:
         lowering_rules(target)  # an unknown target fails here, naming the known ones, before the work
     spec = make_optimizer(optimizer, **dict(optimizer_options or {}))
@@ -679,18 +701,24 @@ def generate_artifacts(
         frozen = {frozen_params} if isinstance(frozen_params, str) else set(frozen_params or [])
         adapters = [name for a in injected.adapters for name in (a.A, a.B)]
         requires_grad = list(dict.fromkeys([*adapters, *(n for n in injected.extra if n not in frozen), *extra]))
-    # Once here, so that every model built from the forward graph has the opset its rules need.
-    of = [output] if output is not None else [v.name for v in proto.graph.output]
-    proto = upgraded_for(proto, backward_trial(of, requires_grad, registry), upgrade_opset, base_dir)
-    proto = onnx_inferred(proto) or proto
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise TrainingError(f"max_grad_norm must be > 0, not {max_grad_norm}")
-    roles = _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry, base_dir)
     loss_spec = LossSpec(loss, output, labels)
-    batch_inputs = [v.name for v in proto.graph.input if v.name not in {t.name for t in proto.graph.initializer}]
 
-    train = _build_train(proto, roles, loss_spec, spec, max_grad_norm, "train", registry, target)
-    eval_model, eval_layout = _build_eval(proto, roles, loss_spec, target)
+    def build_train(candidate: onnx.ModelProto):
+        candidate = onnx_inferred(candidate) or candidate
+        # converted once where the default parameters are analysed on onnx-ir: that model, which
+        # the analysis leaves as it is, is then the one prepared for training
+        model = from_proto(candidate, base_dir) if requires_grad is None else None
+        roles = _analyse(candidate, requires_grad, frozen_params, freeze_batchnorm, registry, base_dir, model)
+        return candidate, roles, _build_train(candidate, roles, loss_spec, spec, max_grad_norm, "train", registry,
+                                              target, check_output, model)
+
+    # The train model's build finds the opset its rules need (converting the forward model where a
+    # rule asks for a newer one), and every other model is built from that forward model.
+    proto, roles, train = build_proto_upgrading(proto, build_train, upgrade_opset)
+    batch_inputs = [v.name for v in proto.graph.input if v.name not in {t.name for t in proto.graph.initializer}]
+    eval_model, eval_layout = _build_eval(proto, roles, loss_spec, target, check_output)
     layout = {
         "format": FORMAT_VERSION,
         "inputs": batch_inputs,
@@ -719,10 +747,11 @@ def generate_artifacts(
     artifacts = TrainingArtifacts(train["model"], eval_model, forward, checkpoint, layout, left_out=roles.left_out,
                                   base_dir=base_dir)
     if gradient_accumulation:
-        accumulate = _build_train(proto, roles, loss_spec, spec, max_grad_norm, "accumulate", registry, target)
+        accumulate = _build_train(proto, roles, loss_spec, spec, max_grad_norm, "accumulate", registry, target,
+                                  check_output)
         accumulators = [key for key, _, _ in accumulate["layout"]["carry"][: len(roles.params)]]
         apply_model, apply_layout = _build_apply(proto, roles, spec, max_grad_norm, train["state"], accumulators,
-                                                 target)
+                                                 target, check_output)
         artifacts.accumulate_model = accumulate["model"]
         artifacts.apply_model = apply_model
         layout["accumulate"] = accumulate["layout"]
@@ -735,9 +764,9 @@ def _recovered(proto: onnx.ModelProto, forward: onnx.ModelProto, base_dir):
     initializer, tied copies read through it), the forward model in the file's own layout (what
     ``Trainer.export`` fills in), and the parameters by module name as the layout records them
     (each with the copies that export sets from it). Any other model comes back as it is, with None."""
-    model = from_proto(proto, base_dir)
-    if not is_torch_export(model):
+    if not is_torch_export(proto):  # (read off the proto: most models are not, and need no conversion)
         return proto, forward, None
+    model = from_proto(proto, base_dir)
     kept = RecoverParametersPass(tie=False)
     layout = kept(from_proto(proto, base_dir))
     tied = RecoverParametersPass(tie=True)
@@ -797,10 +826,11 @@ def _module_selection(names, proto: onnx.ModelProto, modules, role: str):
     return chosen
 
 
-def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str, registry, target="onnxruntime"):
+def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str, registry, target="onnxruntime",
+                 check_output: bool = False, model: ir.Model | None = None):
     from onnx_autodiff.passes import AutodiffPass, cleanup_passes
 
-    model, namer, updates = _prepare(proto, roles, training=True)
+    model, namer, updates = _prepare(proto, roles, training=True, model=model)
     if target in FORWARD_LOWERED:
         updates = _training_batchnorm_in_standard_ops(model, namer, updates)
     graph = model.graph
@@ -887,7 +917,7 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     buffer_inputs = [v for v in graph.inputs if v.name in buffers]
     inputs = [*batch, *labels, *params, *extra_inputs, *buffer_inputs, *tail]
     loss_name, kept_name = loss_out.name, outputs[-1].name  # (before the lowering, as the eval model's)
-    proto_out = _finish(model, inputs, outputs, f"{kind} model", cleaned=True, target=target)
+    proto_out = _finish(model, inputs, outputs, f"{kind} model", cleaned=True, target=target, check_output=check_output)
     layout = {
         "batch": [v.name for v in (*batch, *labels)],
         "carry": carry,
@@ -901,7 +931,7 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     return {"model": proto_out, "layout": layout, "labels": [v.name for v in labels], "state": state_layout}
 
 
-def _build_eval(proto, roles: _Roles, loss_spec, target="onnxruntime"):
+def _build_eval(proto, roles: _Roles, loss_spec, target="onnxruntime", check_output: bool = False):
     model, namer, _ = _prepare(proto, roles, training=False)
     graph = model.graph
     batch = [v for v in graph.inputs if v.name not in roles.state]
@@ -924,7 +954,8 @@ def _build_eval(proto, roles: _Roles, loss_spec, target="onnxruntime"):
     # the names before the cleanup, which keeps the graph outputs' names but may replace their
     # values (a lowered loss node: the old value loses its name)
     output_names = [v.name for v in outputs]
-    proto_out = _finish(model, [*batch, *labels, *reads], outputs, "eval model", target=target)
+    proto_out = _finish(model, [*batch, *labels, *reads], outputs, "eval model", target=target,
+                        check_output=check_output)
     layout = {
         "batch": [v.name for v in (*batch, *labels)],
         "reads": [[v.name, v.name] for v in reads],
@@ -935,7 +966,7 @@ def _build_eval(proto, roles: _Roles, loss_spec, target="onnxruntime"):
 
 
 def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumulators: list[str],
-                 target="onnxruntime"):
+                 target="onnxruntime", check_output: bool = False):
     inits = {t.name: t for t in proto.graph.initializer}
     reserved = [n for names in state.values() for n in names] + accumulators
     namer = Namer([v.name for v in proto.graph.input] + list(inits) + reserved, prefix="opt")
@@ -970,7 +1001,7 @@ def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumul
     graph = ir.Graph([*params, *accs, *state_inputs, lr, step, scale, *coefficients.values()], outputs, nodes=op.nodes,
                      opset_imports={"": opset}, name="apply")
     model = ir.Model(graph, ir_version=max(proto.ir_version, 8), producer_name="onnx-autodiff")
-    proto_out = _finish(model, list(graph.inputs), outputs, "apply model", target=target)
+    proto_out = _finish(model, list(graph.inputs), outputs, "apply model", target=target, check_output=check_output)
     layout = {
         "batch": [],
         "carry": carry,

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnx_autodiff.commands import NO_UPGRADE_HELP, CommandError, UsageError, note_left_out, read_model_proto
+from onnx_autodiff.commands import CHECK_OUTPUT_HELP, NO_UPGRADE_HELP, CommandError, UsageError, note_left_out, read_model_proto
 from onnx_autodiff.errors import TrainingError, names_summary
 from onnx_autodiff.passes.lora import LoraConfig
 from onnx_autodiff.passes.quantize import BLOCK_SIZES, FORMATS, KINDS
@@ -32,6 +32,7 @@ def add_arguments(parser) -> None:
                              "read with external data read its data file where it is, no copy written)")
     parser.add_argument("--checkpoint-format", choices=["npz", "safetensors"], default="npz",
                         help="checkpoint.npz (default) or checkpoint.safetensors (what the JavaScript trainer reads)")
+    parser.add_argument("--check-output", action="store_true", help=CHECK_OUTPUT_HELP)
     parser.add_argument("--target", choices=["onnxruntime", "webgpu"], default="onnxruntime",
                         help="the runtime the models are lowered for: onnxruntime (default) or webgpu "
                              "(onnxruntime-web's WebGPU provider runs every compute node)")
@@ -97,6 +98,7 @@ def artifacts_from_args(args, gradient_accumulation: bool = False) -> TrainingAr
         loss=None if loss == "none" else loss, optimizer=optimizer, optimizer_options=options,
         output=args.output_name, max_grad_norm=args.max_grad_norm, gradient_accumulation=gradient_accumulation,
         upgrade_opset=not args.no_upgrade, lora=lora, target=getattr(args, "target", "onnxruntime"),
+        check_output=getattr(args, "check_output", False),
     )
 
 
