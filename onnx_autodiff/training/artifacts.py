@@ -47,12 +47,15 @@ from onnx_autodiff.passes.rewrite_rules import lowering_rules
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, shapes
 from onnx_autodiff.training.losses import LossSpec, attach_loss
 from onnx_autodiff.training.optimizers import (
+    GROUP_LIMIT,
     coefficient_formulas,
     emit_update,
+    grouped,
     make_optimizer,
     optimizer_from_json,
     optimizer_to_json,
     step_kept,
+    update_groups,
     when_kept,
 )
 from onnx_autodiff.training.values import (
@@ -551,6 +554,15 @@ def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], wh
 # cleanup: they are emitted in forms that onnxruntime runs as they are, but the WebGPU provider
 # lacks some (the Sum of the step's finite check).
 OPTIMIZER_LOWERED = frozenset({"webgpu"})
+# Targets whose optimiser updates parameters one by one, not in groups (optimizers.GROUP_LIMIT):
+# the grouped form's Concat of thousands of inputs is not known to run on the WebGPU provider.
+UNGROUPED = frozenset({"webgpu"})
+
+
+def _group_limit(target: str | None) -> int | None:
+    return None if target in UNGROUPED else GROUP_LIMIT
+
+
 # Targets whose kernels lack a forward op's training mode: the train models compute it in standard
 # ops (onnxruntime-web's WebGPU BatchNormalization: "trainingMode is not supported yet").
 FORWARD_LOWERED = frozenset({"webgpu"})
@@ -877,7 +889,8 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
         lr = fresh_value(namer, "lr", ir.DataType.FLOAT, [])
         step = fresh_value(namer, "step", ir.DataType.INT64, [])
         states, new_params, new_states, kept = emit_update(op, spec, params, grads, lr, step, namer, max_grad_norm,
-                                                           loss=loss, coefficients=coefficients)
+                                                           loss=loss, coefficients=coefficients,
+                                                           group_limit=_group_limit(target))
         for p, new_p in zip(params, new_params):
             outputs.append(_publish(op, namer, new_p, f"{p.name}.new", taken, like=p))
             carry.append([p.name, p.name, outputs[-1].name])
@@ -895,7 +908,9 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
         accs = [fresh_value(namer, f"{p.name}.grad_acc", g.dtype or p.dtype, [dim_value(x) for x in p.shape])
                 for p, g in zip(params, grads)]
         extra_inputs.extend(accs)
-        sums = when_kept(op, kept, lambda op: [op.Add(acc, g) for acc, g in zip(accs, grads)], accs)
+        groups = update_groups(params, _group_limit(target))
+        sums = when_kept(op, kept, lambda op: grouped(op, groups, [accs, grads], lambda op, a, g: [op.Add(a, g)])[0],
+                         accs, keep=lambda op: grouped(op, groups, [accs], lambda op, a: [a])[0])
         for acc, new_acc in zip(accs, sums):
             outputs.append(_publish(op, namer, new_acc, f"{acc.name}.new", taken, like=acc))
             carry.append([acc.name, acc.name, outputs[-1].name])
@@ -985,7 +1000,7 @@ def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumul
     coefficients: dict = {}
     states, new_params, new_states, kept = emit_update(op, spec, params, grads, lr, step, namer, max_grad_norm,
                                                         [state.get(p, []) for p in roles.params],
-                                                        coefficients=coefficients)
+                                                        coefficients=coefficients, group_limit=_group_limit(target))
     taken: set = set()
     outputs, carry = [], []
     for p, new_p in zip(params, new_params):
