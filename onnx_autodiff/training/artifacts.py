@@ -36,7 +36,7 @@ from onnx_autodiff.modelfile import (
     uses_external_data,
     with_small_tensors_inline,
 )
-from onnx_autodiff.toolkit.inference import onnx_inferred
+from onnx_autodiff.toolkit.inference import fully_shaped, onnx_inferred
 from onnx_autodiff.passes.lora import LoraConfig, adapted, quantize_bases
 from onnx_autodiff.passes.quantize import INT4_OPSET, STORED_INPUT
 from onnx_autodiff.passes.opsets import OpsetError, build_proto_upgrading, convert_proto, default_opset
@@ -132,7 +132,15 @@ class TrainingArtifacts:
         os.makedirs(directory, exist_ok=True)
         written = {}
         models = {attribute: getattr(self, attribute) for attribute in self.FILES}
-        models, referenced = self._referencing(directory, models, external_data)
+        found: dict[int, tuple[onnx.ModelProto, bool]] = {}
+
+        def external(proto: onnx.ModelProto) -> bool:
+            """uses_external_data, once per model (each call walks every node's attributes)."""
+            if id(proto) not in found:
+                found[id(proto)] = proto, uses_external_data(proto)  # (held: the id stays its)
+            return found[id(proto)][1]
+
+        models, referenced = self._referencing(directory, models, external_data, external)
         first = None  # the first model written here with a data file: the others read its tensors
         for attribute, filename in self.FILES.items():
             proto = models[attribute]
@@ -144,7 +152,7 @@ class TrainingArtifacts:
                     with contextlib.suppress(FileNotFoundError):  # an earlier save's own data file
                         os.remove(path + ".data")
                 elif referenced is None and (external_data or external_data is None and (
-                        uses_external_data(proto) or _holds_large_tensors(proto))):
+                        external(proto) or _holds_large_tensors(proto))):
                     if save_model(from_proto(proto, self.base_dir), path, True) and first is None:
                         first = onnx.load(path, load_external_data=False)
                 else:
@@ -170,12 +178,13 @@ class TrainingArtifacts:
         written["layout"] = path
         return written
 
-    def _referencing(self, directory: str, models: dict, external_data: bool | None) -> tuple[dict, dict | None]:
+    def _referencing(self, directory: str, models: dict, external_data: bool | None,
+                     external=uses_external_data) -> tuple[dict, dict | None]:
         """The models to write and what ``artifacts.json`` records of the data files they read from
         where they are (see :meth:`save`; their tensors under 1 KB read into them), or the models
         as they are and None where they are written with their tensors."""
         protos = [p for p in models.values() if p is not None]
-        if external_data is not None or not self.base_dir or not any(uses_external_data(p) for p in protos):
+        if external_data is not None or not self.base_dir or not any(external(p) for p in protos):
             return models, None
         if any(over_limit(p.ByteSize()) for p in protos):  # the tensors held in the models need a data file too
             return models, None
@@ -189,7 +198,7 @@ class TrainingArtifacts:
                 for f in (*self.FILES.values(), *CHECKPOINT_FILES.values(), "artifacts.json")}
         if any(os.path.normpath(os.path.join(folder, f)) in ours for f in files):  # named like a file written here
             return models, None
-        models = {a: with_small_tensors_inline(p, folder) if p is not None and uses_external_data(p) else p
+        models = {a: with_small_tensors_inline(p, folder) if p is not None and external(p) else p
                   for a, p in models.items()}
         files = list(dict.fromkeys(f for p in models.values() if p is not None for f in external_files(p)))
         if not files:
@@ -851,9 +860,12 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     graph.outputs.clear()
     graph.outputs.append(loss)
     graph.inputs.extend(labels)
-    # upgrade_opset=False: the opset was fixed once at load, for every model built here
+    # upgrade_opset=False: build_proto_upgrading converts the forward model where a rule asks.
+    # The forward model's shapes are onnx's inference of it (onnx_inferred): where the preparation
+    # and the loss added no value, the pass's own inference would only find them again (0.55 s of
+    # a 20,001-node chain's build), so it runs only where some value lacks a shape.
     autodiff = AutodiffPass(of=loss.name, wrt=roles.params, registry=registry, seed="ones", unreachable="raise",
-                            upgrade_opset=False)
+                            upgrade_opset=False, infer_shapes=not fully_shaped(graph))
     try:
         autodiff(model)
     except (ir.passes.PassError, AutodiffError) as error:
