@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from onnx_autodiff.training import Trainer, generate_artifacts
 from onnx_autodiff.training import artifacts as artifacts_module
