@@ -1,14 +1,26 @@
-"""Build time of the autodiff pass and of the cleanup against forward node count.
+"""Build time of the autodiff pass, the cleanup, the ``grad`` command and the training artifacts against graph size.
 
-Run: python benchmarks/build_time.py [--models gpt8 res1000 res5000 res20001 blocks64 ...] [--repeat 3] [--cli]
+Run: python benchmarks/build_time.py [--models gpt8 res1000 res5000 res20001 resb20001 blocks64 ...] [--repeat 3]
+[--cli] [--artifacts] [--ort-training-python /tmp/ortt/bin/python]
 Models: ``gptN`` (the GPT-style decoder of benchmarks/models.py with N blocks, 224 nodes for N = 8),
 ``resN`` (a residual chain x + tanh(x·W_i) of N nodes: MatMul, Tanh, Add per layer, then the
-mean) and ``blocksN`` (N stacked transformer-style blocks). Prints one row per model: forward
-nodes, backward nodes without and with cleanup, seconds for the pass alone (``--no-cleanup``), for
-the cleanup and for both, and microseconds per forward node (flat when growth is linear); the best
-of ``--repeat`` runs, each on a fresh copy of the model. ``--cli`` adds the wall-clock seconds of
-``onnx-autodiff grad MODEL -o OUT`` (loading, checking and writing included), with and without
-cleanup, best of ``--repeat`` runs.
+mean; a 16×16 parameter per three nodes), ``resbN`` (x + tanh(x·W_i + b_i): MatMul, Add, Tanh, Add,
+two parameters per four nodes) and ``blocksN`` (N stacked transformer-style blocks). Prints one row
+per model: forward nodes, float parameters, backward nodes without and with cleanup, seconds for
+the pass alone (``pass s``), for the cleanup and for both (``total s``, in process), and
+microseconds per forward node (flat when growth is linear); the best of ``--repeat`` runs, each on
+a fresh copy of the model. Columns of the options:
+
+- ``--cli``: ``cli s``, the wall-clock seconds of ``onnx-autodiff grad MODEL -o OUT`` (a process:
+  loading, checking and writing included), ``cli raw s`` the same with ``--no-cleanup``, and
+  ``cli art s``, ``onnx-autodiff artifacts MODEL -o DIR --loss none`` (AdamW, every parameter).
+- ``--artifacts``: ``artifacts s``, the seconds of ``generate_artifacts(MODEL, loss=None,
+  optimizer="adamw")`` and ``save(DIR)`` in a fresh process per run (import and exit left out), and
+  ``us/param art``, those microseconds per parameter.
+- ``--ort-training-python PY``: ``ortt art s``, onnxruntime-training 1.19.2's ``generate_artifacts``
+  (AdamW, every float initializer, the model's output as the loss, which writes the directory) on the
+  same model file, timed the same way by benchmarks/ort_training_build.py run with ``PY``, the
+  python of its own venv (see that script).
 """
 
 from __future__ import annotations
@@ -78,17 +90,23 @@ def transformer_stack(blocks: int, seed: int = 0):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
-def residual_chain(nodes: int, width: int = 16, batch: int = 8, seed: int = 0) -> onnx.ModelProto:
+def residual_chain(nodes: int, width: int = 16, batch: int = 8, seed: int = 0, bias: bool = False) -> onnx.ModelProto:
     """x ← x + tanh(x·W_i) (MatMul, Tanh, Add) until ``nodes`` nodes with the final mean (Tanh
-    nodes fill up what three do not divide)."""
+    nodes fill up what three do not divide); ``bias``: x ← x + tanh(x·W_i + b_i) (MatMul, Add,
+    Tanh, Add: two parameters per four nodes)."""
     rng = np.random.default_rng(seed)
-    layers, extra = divmod(nodes - 1, 3)
+    layers, extra = divmod(nodes - 1, 4 if bias else 3)
     graph_nodes, inits, x = [], [], "x"
     for i in range(layers):
         array = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
         inits.append(numpy_helper.from_array(array, f"w{i}"))
-        graph_nodes += [helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]),
-                        helper.make_node("Tanh", [f"m{i}"], [f"t{i}"]),
+        graph_nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]))
+        product = f"m{i}"
+        if bias:
+            inits.append(numpy_helper.from_array((rng.standard_normal(width) * 0.1).astype(np.float32), f"b{i}"))
+            graph_nodes.append(helper.make_node("Add", [product, f"b{i}"], [f"a{i}"]))
+            product = f"a{i}"
+        graph_nodes += [helper.make_node("Tanh", [product], [f"t{i}"]),
                         helper.make_node("Add", [x, f"t{i}"], [f"r{i}"])]
         x = f"r{i}"
     for j in range(extra):
@@ -107,6 +125,8 @@ def build(name: str) -> onnx.ModelProto:
         import models
 
         return models.helper_model(models.GPTConfig(layers=int(name[3:])))
+    if name.startswith("resb"):
+        return residual_chain(int(name[4:]), bias=True)
     if name.startswith("res"):
         return residual_chain(int(name[3:]))
     if name.startswith("blocks"):
@@ -146,27 +166,90 @@ def cli_seconds(path: str, repeat: int, *options: str) -> float:
     return best
 
 
+def cli_artifacts_seconds(path: str, repeat: int) -> float:
+    """Best wall-clock seconds of ``onnx-autodiff artifacts path -o DIR --loss none``."""
+    best = float("inf")
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(repeat):
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "onnx_autodiff", "artifacts", path, "-o", os.path.join(tmp, f"art{i}"),
+                            "--loss", "none", "--optimizer", "adamw"],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp)
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def artifacts_once(path: str) -> float:
+    """Seconds of generate_artifacts (AdamW, the output as the loss, every float initializer) and save."""
+    from onnx_autodiff.training import generate_artifacts
+
+    proto = onnx.load(path)
+    params = [t.name for t in proto.graph.initializer if t.data_type in FLOATS]
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        generate_artifacts(proto, requires_grad=params, loss=None, optimizer="adamw").save(tmp)
+        return time.perf_counter() - start
+
+
+def process_seconds(command: list[str], repeat: int) -> float:
+    """Best of the seconds that ``command`` prints on its last line, a fresh process per run."""
+    best = float("inf")
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(repeat):
+            done = subprocess.run(command, check=True, capture_output=True, text=True, cwd=tmp)
+            best = min(best, float(done.stdout.strip().splitlines()[-1]))
+    return best
+
+
+FLOATS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["gpt8", "res1000", "res5000", "res20001"])
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--cli", action="store_true", help="also time the command line (a process per run)")
+    parser.add_argument("--cli", action="store_true", help="also time the commands (a process per run)")
+    parser.add_argument("--artifacts", action="store_true", help="also time generate_artifacts and save")
+    parser.add_argument("--ort-training-python", metavar="PY",
+                        help="also time onnxruntime-training's generate_artifacts with this python (its venv)")
+    parser.add_argument("--no-pass", action="store_true", help="leave out the in-process pass and cleanup columns")
+    parser.add_argument("--artifacts-worker", help=argparse.SUPPRESS)  # a model file: print artifacts_once's seconds
     args = parser.parse_args()
-    header = (f"{'model':>10} {'fwd nodes':>9} {'bwd raw':>8} {'bwd clean':>9} {'pass s':>7} {'cleanup s':>9} "
-              f"{'total s':>7} {'us/node pass':>12} {'us/node total':>13}")
-    print(header + (f" {'cli s':>6} {'cli raw s':>9}" if args.cli else ""))
+    if args.artifacts_worker:
+        print(f"{artifacts_once(args.artifacts_worker):.3f}")
+        return
+    header = f"{'model':>10} {'fwd nodes':>9} {'params':>6}"
+    if not args.no_pass:
+        header += (f" {'bwd raw':>8} {'bwd clean':>9} {'pass s':>7} {'cleanup s':>9} "
+                   f"{'total s':>7} {'us/node pass':>12} {'us/node total':>13}")
+    header += f" {'cli s':>6} {'cli raw s':>9} {'cli art s':>9}" if args.cli else ""
+    header += f" {'artifacts s':>11} {'us/param art':>12}" if args.artifacts else ""
+    header += f" {'ortt art s':>10}" if args.ort_training_python else ""
+    print(header)
     for name in args.models:
         proto = build(name)
-        row = measure(proto, args.repeat)
-        forward = row["forward"]
-        line = (f"{name:>10} {forward:>9} {row['raw']:>8} {row['cleaned']:>9} {row['pass']:>7.2f} "
-                f"{row['cleanup']:>9.2f} {row['total']:>7.2f} {1e6 * row['pass'] / forward:>12.0f} "
-                f"{1e6 * row['total'] / forward:>13.0f}")
-        if args.cli:
-            with tempfile.TemporaryDirectory() as tmp:
-                path = os.path.join(tmp, "model.onnx")
-                onnx.save(proto, path)
-                line += f" {cli_seconds(path, args.repeat):>6.2f} {cli_seconds(path, args.repeat, '--no-cleanup'):>9.2f}"
+        forward = len(proto.graph.node)
+        params = sum(t.data_type in FLOATS for t in proto.graph.initializer)
+        line = f"{name:>10} {forward:>9} {params:>6}"
+        if not args.no_pass:
+            row = measure(proto, args.repeat)
+            line += (f" {row['raw']:>8} {row['cleaned']:>9} {row['pass']:>7.2f} "
+                     f"{row['cleanup']:>9.2f} {row['total']:>7.2f} {1e6 * row['pass'] / forward:>12.0f} "
+                     f"{1e6 * row['total'] / forward:>13.0f}")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "model.onnx")
+            onnx.save(proto, path)
+            if args.cli:
+                line += (f" {cli_seconds(path, args.repeat):>6.2f} {cli_seconds(path, args.repeat, '--no-cleanup'):>9.2f}"
+                         f" {cli_artifacts_seconds(path, args.repeat):>9.2f}")
+            if args.artifacts:
+                seconds = process_seconds([sys.executable, os.path.abspath(__file__), "--artifacts-worker", path],
+                                          args.repeat)
+                line += f" {seconds:>11.2f} {1e6 * seconds / max(params, 1):>12.0f}"
+            if args.ort_training_python:
+                script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ort_training_build.py")
+                seconds = process_seconds([args.ort_training_python, script, path, "--repeat", "1"], args.repeat)
+                line += f" {seconds:>10.2f}"
         print(line, flush=True)
 
 

@@ -15,12 +15,14 @@ import onnx_ir as ir
 
 from onnx_autodiff.errors import AutodiffError, names_summary
 from onnx_autodiff.files import write_atomically
-from onnx_autodiff.modelfile import check_model, from_proto, save_model
+from onnx_autodiff.modelfile import check_model, from_proto, full_output_check, save_model
 from onnx_autodiff.passes import progress
 
 NO_UPGRADE_HELP = ("refuse, instead of converting with onnx.version_converter, a model whose gradient "
                    "rules need a newer opset than it imports")
 PROGRESS_DELAY = 2.0  # seconds of building before a progress bar shows (on a terminal)
+CHECK_OUTPUT_HELP = ("check the written model with onnx.checker's full check (strict shape inference of the "
+                     "whole graph) instead of the structural one")
 EXTERNAL_DATA_HELP = ("write the tensors to OUTPUT.data beside the model (done anyway for models over "
                       "protobuf's 2 GB limit and for models read with external data)")
 
@@ -102,22 +104,26 @@ def write_file(path: str, data: bytes | Callable[[BinaryIO], object]) -> None:
         raise CommandError(f"cannot write {path}: {error.strerror or error}") from error
 
 
-def save_output(model: ir.Model, path: str, external_data: bool = False) -> str:
-    """Check the generated ``model`` and write it to ``path`` (never half-written), its tensors in
-    ``path``.data when asked, when it is over protobuf's 2 GB or when it was read with external
-    data; returns what to add to the success line ("" or where the tensors went)."""
+def save_output(model: ir.Model, path: str, external_data: bool = False, check_output: bool = False) -> str:
+    """Check the generated ``model`` (onnx.checker's structural check; its full check when
+    ``check_output``, see :func:`~onnx_autodiff.modelfile.full_output_check`) and write it to
+    ``path`` (never half-written), its tensors in ``path``.data when asked, when it is over
+    protobuf's 2 GB or when it was read with external data; returns what to add to the success
+    line ("" or where the tensors went)."""
     check_output_path(path)
+    full = full_output_check(check_output)
     try:
-        written = save_model(model, path, True if external_data else None, check=_check_generated)
+        written = save_model(model, path, True if external_data else None,
+                             check=lambda generated: _check_generated(generated, full))
     except OSError as error:
         raise CommandError(f"cannot write {path}: {error.strerror or error}") from error
     return f" (tensors in {os.path.basename(path)}.data)" if written else ""
 
 
-def _check_generated(model: onnx.ModelProto | str) -> None:
+def _check_generated(model: onnx.ModelProto | str, full: bool = True) -> None:
     """onnx.checker on the generated model (a proto, or the path of a file with its data beside it)."""
     try:
-        check_model(model)
+        check_model(model, full=full)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
         first = str(error).strip().splitlines()[0]
         raise AutodiffError(f"the generated model fails the ONNX checker (a bug, please report): {first}")

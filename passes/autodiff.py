@@ -25,7 +25,7 @@ from onnx_autodiff.passes.parameters import default_parameters
 from onnx_autodiff.passes.patterns import Match, grouped
 from onnx_autodiff.passes.progress import collector_paused
 from onnx_autodiff.rules import GradRegistry, GradRule, default_registry
-from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, captured_values, may_be_float, shapes, subgraphs
+from onnx_autodiff.toolkit import Namer, OpBuilder, captured_values, may_be_float, shapes, subgraphs
 from onnx_autodiff.toolkit.inference import infer_output_types, infer_shapes
 
 
@@ -529,20 +529,3 @@ def autodiff_pass(
 ) -> AutodiffPass:
     """The :class:`AutodiffPass` computing the gradient of ``of`` with respect to ``wrt``."""
     return AutodiffPass(of=of, wrt=wrt, registry=registry, **options)
-
-
-def backward_trial(of: Sequence[str], wrt: Sequence[str] | None = None,
-                   registry: GradRegistry | None = None):
-    """A trial build of the gradients of ``of`` with respect to ``wrt`` (None: the default
-    parameters), for :func:`~onnx_autodiff.passes.opsets.upgraded_for` to find the opset they need."""
-    registry = registry or default_registry()
-
-    def trial(model: ir.Model) -> None:
-        _infer_shapes_stage(model)
-        graph = model.graph
-        xs, _ = choose_variables(model, wrt, registry)
-        ys = [find_value(graph, name, "of") for name in of]
-        backward = Backward(graph, registry, model.opset_imports, Namer.for_graph(graph))
-        backward.vjp([(y, shapes.ones_like(backward.op, y)) for y in ys if y.dtype in FLOAT_TYPES], xs)
-
-    return trial

@@ -18,7 +18,6 @@ import onnx
 import onnx_ir as ir
 
 from onnx_autodiff.errors import AutodiffError, OpsetTooOldError, UnsupportedModelError
-from onnx_autodiff.modelfile import from_proto
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +147,7 @@ def build_upgrading(
                     "or let the pass convert it (upgrade_opset=True)"
                 )
                 refusal.__dict__.update(vars(error))
+                refusal.reason = reason  # the rule's own message (build_proto_upgrading converts on it)
                 raise refusal from error
             try:
                 convert_in_place(model, opset, reason, original)
@@ -162,26 +162,53 @@ def build_upgrading(
     return result
 
 
-def upgraded_for(
+def build_proto_upgrading(
     proto: onnx.ModelProto,
-    trial: Callable[[ir.Model], None],
+    build: Callable[[onnx.ModelProto], object],
     upgrade: bool = True,
-    base_dir: str | None = None,
-) -> onnx.ModelProto:
-    """``proto`` converted to the opset that ``trial`` (a build run on a copy of it, such as
-    :func:`~onnx_autodiff.passes.autodiff.backward_trial`) needs; ``proto`` itself when its own
-    opset serves.
+):
+    """``build(proto)``; while it fails because a rule needs a newer default-domain opset N,
+    ``build`` again on ``proto`` converted to N by onnx.version_converter (a later rule may ask for
+    more; ``upgrade=False``: the error as the build raised it). Refuses opsets newer than onnx knows
+    before building.
 
-    For builders (training artifacts) that must fix the opset before making several models from
-    one forward graph. Errors other than an opset one are left to the real build to report.
-    ``base_dir``: where ``proto``'s external tensors are.
+    For builders that make several models from one forward graph (training artifacts): the first
+    model's build finds the opset, and the proto it was built from is the one the others start
+    from, without a trial build to find it beforehand. ``build`` returns that proto with what it
+    built. Each attempt starts from ``proto`` as given, so the result is the one of converting it
+    once to the final opset.
     """
-    model = from_proto(proto, base_dir)
-    before = default_opset(model)
-    try:
-        build_upgrading(model, trial, upgrade)
-    except AutodiffError as error:
-        if isinstance(error, OpsetError) or required_opset(error) is not None:
-            raise
-    after = default_opset(model)
-    return proto if after == before else convert_proto(proto, after, f"the gradient needs opset {after}")
+    check_known_opsets(proto)
+    first = current = _proto_opset(proto)
+    candidate, reasons = proto, []
+    while True:
+        try:
+            result = build(candidate)
+            break
+        except AutodiffError as error:
+            needed = required_opset(error)
+            if not upgrade or current is None or needed is None or needed[0] <= current:
+                raise
+            opset, reason = needed[0], _rule_message(error)
+            try:
+                candidate = convert_proto(proto, opset, reason)
+            except OpsetError as failure:  # still the rule's refusal, now with why it stands
+                raise type(error)(str(failure)) from failure
+            reasons.append(reason)
+            current = opset
+    if reasons:
+        logger.warning(
+            "converted the model from opset %s to %s with onnx.version_converter: %s",
+            first, current, "; ".join(reasons),
+        )
+    return result
+
+
+def _proto_opset(proto: onnx.ModelProto) -> int | None:
+    return next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+
+
+def _rule_message(error: BaseException) -> str:
+    """The message of the rule's own error behind ``error`` (a pass asked not to convert raises a
+    refusal that says how to convert, with the rule's message as its ``reason``)."""
+    return getattr(error, "reason", None) or str(error)

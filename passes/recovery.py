@@ -39,6 +39,7 @@ import re
 from collections.abc import Mapping
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from onnx_autodiff.passes.metadata import MODULE_NAMES, MODULE_TRANSPOSED, module_names
@@ -113,10 +114,19 @@ class _Claim:
     found_by: str
 
 
-def is_torch_export(model: ir.Model) -> bool:
+def is_torch_export(model: ir.Model | onnx.ModelProto) -> bool:
     """Written by torch.onnx.export: dynamo (its marks and node metadata) or TorchScript (its
-    ``/module/path/Op`` node names)."""
+    ``/module/path/Op`` node names). A ModelProto is read as it is (no conversion to onnx-ir)."""
     graph = model.graph
+    if isinstance(model, onnx.ModelProto):
+        def marked(entries, key):
+            return any(entry.key == key for entry in entries)
+
+        initializers = {t.name for t in graph.initializer}
+        # (onnx-ir reads an initializer's marks from its graph input or value_info entry)
+        return (any(v.name in initializers and marked(v.metadata_props, EXPORTER_KIND)
+                    for v in (*graph.input, *graph.value_info))
+                or any(marked(n.metadata_props, FX_NODE) or n.name.startswith("/") for n in graph.node))
     return _dynamo_export(graph) or any((n.name or "").startswith("/") for n in graph)
 
 

@@ -93,12 +93,15 @@ def test_build_time_runs_on_each_model_family(monkeypatch, capsys):
     build_time = load("build_time")
     monkeypatch.setattr(sys, "argv", ["build_time.py", "--models", "gpt1", "res31", "blocks2", "--repeat", "1"])
     build_time.main()
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    lines = capsys.readouterr().out.splitlines()
+    header = lines[0].split()
+    assert header[:4] == ["model", "fwd", "nodes", "params"]
+    rows = [line.split() for line in lines[1:]]
     assert [row[0] for row in rows] == ["gpt1", "res31", "blocks2"]
     for row in rows:
-        raw, cleaned = int(row[2]), int(row[3])
+        raw, cleaned = int(row[3]), int(row[4])
         assert 0 < cleaned <= raw  # the cleanup never adds nodes
-    assert int(rows[1][1]) == 31
+    assert int(rows[1][1]) == 31 and int(rows[1][2]) == 10
 
 
 def test_llama_lora_runs_at_a_toy_size(tmp_path, capsys):
@@ -115,3 +118,42 @@ def test_llama_lora_runs_at_a_toy_size(tmp_path, capsys):
     assert len(ours) == 3 and ours[-1] < ours[0]  # one batch, three steps: the loss falls
     assert ours == pytest.approx(theirs, rel=1e-5)  # onnxruntime and PyTorch + peft take the same steps
     assert not list(tmp_path.iterdir())  # the files are removed
+
+
+@pytest.mark.slow
+def test_build_time_per_node_and_per_parameter_stays_flat():
+    """Growth is linear: the pass and cleanup's microseconds per forward node on the 20,001-node
+    residual chain, and generate_artifacts' (with save) per parameter on the 20,001-node chain with
+    a weight and a bias per block (10,000 parameters), are at most 1.3 times those at 1,000 nodes
+    and 1,000 parameters. Each size is measured in turns with the other, best of three (a shared
+    machine's noise is in every run, a super-linear step in none)."""
+    build_time = load("build_time")
+    small, large = build_time.build("res1000"), build_time.build("res20001")
+    best = {"small": float("inf"), "large": float("inf")}
+    for _ in range(3):
+        for key, proto in (("small", small), ("large", large)):
+            best[key] = min(best[key], build_time.measure(proto, 1)["total"] / len(proto.graph.node))
+    print(f"pass and cleanup, µs per node at 20,001 over 1,000 nodes: {best['large'] / best['small']:.2f}")
+    assert best["large"] / best["small"] <= 1.3, best
+
+    import os
+    import tempfile
+
+    best = {}
+    with tempfile.TemporaryDirectory() as folder:
+        paths = {}
+        for key, name in (("small", "resb2001"), ("large", "resb20001")):
+            proto = build_time.build(name)
+            paths[key] = os.path.join(folder, f"{name}.onnx")
+            onnx.save(proto, paths[key])
+            params = sum(t.data_type in build_time.FLOATS for t in proto.graph.initializer)
+            assert params == (1000 if key == "small" else 10000)
+            best[key] = (params, float("inf"))
+        for _ in range(3):
+            for key in ("small", "large"):
+                seconds = build_time.process_seconds(
+                    [sys.executable, str(BENCHMARKS / "build_time.py"), "--artifacts-worker", paths[key]], 1)
+                best[key] = (best[key][0], min(best[key][1], seconds))
+    per_param = {key: seconds / params for key, (params, seconds) in best.items()}
+    print(f"artifacts, µs per parameter at 10,000 over 1,000 parameters: {per_param['large'] / per_param['small']:.2f}")
+    assert per_param["large"] / per_param["small"] <= 1.3, per_param

@@ -61,6 +61,19 @@ def test_grad_writes_model_with_gradient_outputs(scaled_model, tmp_path, capsys)
     np.testing.assert_array_equal(grad, x)
 
 
+def test_output_check_structural_by_default_full_when_asked(scaled_model, tmp_path, monkeypatch):
+    from onnx_autodiff import commands
+
+    levels = []
+    monkeypatch.setattr(commands, "_check_generated", lambda model, full=True: levels.append(full))
+    monkeypatch.delenv("ONNX_AUTODIFF_CHECK_OUTPUT", raising=False)
+    assert main(["grad", scaled_model, "-o", str(tmp_path / "a.onnx")]) == 0
+    assert main(["grad", scaled_model, "-o", str(tmp_path / "b.onnx"), "--check-output"]) == 0
+    monkeypatch.setenv("ONNX_AUTODIFF_CHECK_OUTPUT", "1")  # as the test suite sets it
+    assert main(["grad", scaled_model, "-o", str(tmp_path / "c.onnx")]) == 0
+    assert levels == [False, True, True]
+
+
 def test_grad_with_explicit_of_wrt_and_no_cleanup(scaled_model, tmp_path):
     out = tmp_path / "g.onnx"
     assert main(["grad", scaled_model, "-o", str(out), "--of", "y", "--wrt", "x", "W", "--no-cleanup"]) == 0

@@ -29,7 +29,7 @@ import onnx_ir as ir
 from onnx_autodiff.toolkit import shapes
 from onnx_autodiff.toolkit.graphs import captured_values, graph_and_subgraphs, proto_graphs, subgraphs
 
-__all__ = ["infer_shapes", "infer_node_shapes"]
+__all__ = ["infer_shapes", "infer_node_shapes", "fully_shaped"]
 
 _INDEX_TYPES = frozenset({ir.DataType.INT64, ir.DataType.INT32})
 # Values without a shape up to which each one's node is inferred alone first, whatever the graph
@@ -328,6 +328,14 @@ def frozen_shape(kind: onnx.TypeProto, seen: dict[bytes, ir.Shape | None]) -> ir
 def _unknown(dim) -> bool:
     """A dimension nobody named: none at all, or one onnx's inference made up ("unk__3")."""
     return dim is None or (isinstance(dim, str) and dim.startswith("unk__"))
+
+
+def fully_shaped(graph: ir.Graph) -> bool:
+    """Whether every input and node output of ``graph`` and its subgraphs has a type and a shape
+    with no dimension onnx made up: then :func:`infer_shapes` of a model whose shapes onnx's
+    inference gave would only find them again."""
+    return not any(_incomplete(v) for g in graph_and_subgraphs(graph)
+                   for v in (*g.inputs, *(out for node in g for out in node.outputs)))
 
 
 def _incomplete(value: ir.Value) -> bool:

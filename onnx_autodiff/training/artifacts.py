@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx_ir.passes.common import RemoveUnusedNodesPass, ShapeInferencePass
+from onnx_ir.passes.common import ShapeInferencePass
 
 from onnx_autodiff.files import write_atomically
 from onnx_autodiff.errors import (
@@ -28,6 +28,7 @@ from onnx_autodiff.modelfile import (
     check_model,
     external_files,
     from_proto,
+    full_output_check,
     reading_written,
     over_limit,
     save_model,
@@ -35,24 +36,27 @@ from onnx_autodiff.modelfile import (
     uses_external_data,
     with_small_tensors_inline,
 )
-from onnx_autodiff.toolkit.inference import onnx_inferred
+from onnx_autodiff.toolkit.inference import fully_shaped, onnx_inferred
 from onnx_autodiff.passes.lora import LoraConfig, adapted, quantize_bases
 from onnx_autodiff.passes.quantize import INT4_OPSET, STORED_INPUT
-from onnx_autodiff.passes.autodiff import backward_trial
-from onnx_autodiff.passes.opsets import OpsetError, convert_proto, default_opset, upgraded_for
+from onnx_autodiff.passes.opsets import OpsetError, build_proto_upgrading, convert_proto, default_opset
 from onnx_autodiff.passes.parameters import default_parameters
+from onnx_autodiff.passes.progress import collector_paused
 from onnx_autodiff.passes.recovery import RecoverParametersPass, is_torch_export
 from onnx_autodiff.passes.rewrite_rules import lowering_rules
 from onnx_autodiff.passes.rewrite_rules.webgpu import dropout_key, dropout_tables, hashed_dropout
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, shapes
 from onnx_autodiff.training.losses import LossSpec, attach_loss
 from onnx_autodiff.training.optimizers import (
+    GROUP_LIMIT,
     coefficient_formulas,
     emit_update,
+    grouped,
     make_optimizer,
     optimizer_from_json,
     optimizer_to_json,
     step_kept,
+    update_groups,
     when_kept,
 )
 from onnx_autodiff.training.values import (
@@ -132,7 +136,15 @@ class TrainingArtifacts:
         os.makedirs(directory, exist_ok=True)
         written = {}
         models = {attribute: getattr(self, attribute) for attribute in self.FILES}
-        models, referenced = self._referencing(directory, models, external_data)
+        found: dict[int, tuple[onnx.ModelProto, bool]] = {}
+
+        def external(proto: onnx.ModelProto) -> bool:
+            """uses_external_data, once per model (each call walks every node's attributes)."""
+            if id(proto) not in found:
+                found[id(proto)] = proto, uses_external_data(proto)  # (held: the id stays its)
+            return found[id(proto)][1]
+
+        models, referenced = self._referencing(directory, models, external_data, external)
         first = None  # the first model written here with a data file: the others read its tensors
         for attribute, filename in self.FILES.items():
             proto = models[attribute]
@@ -144,7 +156,7 @@ class TrainingArtifacts:
                     with contextlib.suppress(FileNotFoundError):  # an earlier save's own data file
                         os.remove(path + ".data")
                 elif referenced is None and (external_data or external_data is None and (
-                        uses_external_data(proto) or _holds_large_tensors(proto))):
+                        external(proto) or _holds_large_tensors(proto))):
                     if save_model(from_proto(proto, self.base_dir), path, True) and first is None:
                         first = onnx.load(path, load_external_data=False)
                 else:
@@ -170,12 +182,13 @@ class TrainingArtifacts:
         written["layout"] = path
         return written
 
-    def _referencing(self, directory: str, models: dict, external_data: bool | None) -> tuple[dict, dict | None]:
+    def _referencing(self, directory: str, models: dict, external_data: bool | None,
+                     external=uses_external_data) -> tuple[dict, dict | None]:
         """The models to write and what ``artifacts.json`` records of the data files they read from
         where they are (see :meth:`save`; their tensors under 1 KB read into them), or the models
         as they are and None where they are written with their tensors."""
         protos = [p for p in models.values() if p is not None]
-        if external_data is not None or not self.base_dir or not any(uses_external_data(p) for p in protos):
+        if external_data is not None or not self.base_dir or not any(external(p) for p in protos):
             return models, None
         if any(over_limit(p.ByteSize()) for p in protos):  # the tensors held in the models need a data file too
             return models, None
@@ -189,7 +202,7 @@ class TrainingArtifacts:
                 for f in (*self.FILES.values(), *CHECKPOINT_FILES.values(), "artifacts.json")}
         if any(os.path.normpath(os.path.join(folder, f)) in ours for f in files):  # named like a file written here
             return models, None
-        models = {a: with_small_tensors_inline(p, folder) if p is not None and uses_external_data(p) else p
+        models = {a: with_small_tensors_inline(p, folder) if p is not None and external(p) else p
                   for a, p in models.items()}
         files = list(dict.fromkeys(f for p in models.values() if p is not None for f in external_files(p)))
         if not files:
@@ -310,7 +323,10 @@ class _Roles:
         return frozenset(self.params) | frozenset(self.buffers)
 
 
-def _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=None, base_dir=None) -> _Roles:
+def _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=None, base_dir=None,
+             model: ir.Model | None = None) -> _Roles:
+    """The parameters, buffers and opset of ``proto`` (``model``: it as onnx-ir, when the caller
+    has it, which this leaves as it is)."""
     graph = proto.graph
     inits = {t.name: t for t in graph.initializer}
     inputs = {v.name for v in graph.input}
@@ -345,7 +361,7 @@ def _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=Non
     frozen = set(check(frozen_params, "frozen parameter"))
     left_out: list[str] = []
     if requires_grad is None:
-        default = default_parameters(from_proto(proto, base_dir), registry)
+        default = default_parameters(model if model is not None else from_proto(proto, base_dir), registry)
         left_out = [n for n in default.left_out if n not in stats and n not in frozen]
         params = [v.name for v in default.parameters if v.name not in frozen and v.name not in stats]
     else:
@@ -395,12 +411,13 @@ def _stored_inputs(proto: onnx.ModelProto) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def _prepare(proto, roles: _Roles, training: bool):
-    """The forward model as onnx-ir with parameters and buffers as inputs and layers in the right mode.
+def _prepare(proto, roles: _Roles, training: bool, model: ir.Model | None = None):
+    """The forward model as onnx-ir with parameters and buffers as inputs and layers in the right mode
+    (``model``: ``proto`` as onnx-ir already, changed in place).
 
     Returns (model, namer, buffer_updates {buffer name: new-statistic value}).
     """
-    model = from_proto(proto, roles.base_dir)
+    model = model if model is not None else from_proto(proto, roles.base_dir)
     graph = model.graph
     namer = Namer.for_graph(graph, prefix="train")
     updates: dict[str, ir.Value] = {}
@@ -557,12 +574,13 @@ def _publish(op: OpBuilder, namer: Namer, value: ir.Value, hint: str, taken: set
 
 
 def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], what: str,
-            cleaned: bool = False, target: str | None = "onnxruntime") -> onnx.ModelProto:
+            cleaned: bool = False, target: str | None = "onnxruntime", check_output: bool = False) -> onnx.ModelProto:
     """The model with these inputs and outputs, cleaned up and lowered for ``target`` unless
     ``cleaned`` says its nodes already are (then only unused ones are removed, and the nodes added
-    since the cleanup lowered where the target needs it), checked, as a proto."""
+    since the cleanup lowered where the target needs it), checked (onnx.checker's structural check;
+    its full check where :func:`~onnx_autodiff.modelfile.full_output_check` says), as a proto."""
     from onnx_autodiff.passes import cleanup_passes
-    from onnx_autodiff.passes.cleanup import LoweringPass
+    from onnx_autodiff.passes.cleanup import LoweringPass, RemoveUnusedPass
 
     graph = model.graph
     graph.inputs.clear()
@@ -572,9 +590,9 @@ def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], wh
     if not cleaned:
         passes = cleanup_passes(target=target)
     elif target in OPTIMIZER_LOWERED:
-        passes = [RemoveUnusedNodesPass(), LoweringPass(target)]
+        passes = [RemoveUnusedPass(), LoweringPass(target)]
     else:
-        passes = [RemoveUnusedNodesPass()]
+        passes = [RemoveUnusedPass()]
     model = ir.passes.PassManager(passes)(model).model
     _frozen_read_in_place(model)
     if target is not None:
@@ -586,8 +604,8 @@ def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], wh
         raise TrainingError(f"the shapes of {untyped} are unknown: declare them in the model's outputs or value_info")
     proto = ir.to_proto(model)  # external tensors stay references to their files
     try:
-        check_model(proto)
-    except onnx.checker.ValidationError as error:
+        check_model(proto, full=full_output_check(check_output))
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
         first = str(error).strip().splitlines()[0]
         raise TrainingError(f"the generated {what} fails the ONNX checker (a bug, please report): {first}") from error
     return proto
@@ -597,6 +615,15 @@ def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], wh
 # cleanup: they are emitted in forms that onnxruntime runs as they are, but the WebGPU provider
 # lacks some (the Sum of the step's finite check).
 OPTIMIZER_LOWERED = frozenset({"webgpu"})
+# Targets whose optimiser updates parameters one by one, not in groups (optimizers.GROUP_LIMIT):
+# the grouped form's Concat of thousands of inputs is not known to run on the WebGPU provider.
+UNGROUPED = frozenset({"webgpu"})
+
+
+def _group_limit(target: str | None) -> int | None:
+    return None if target in UNGROUPED else GROUP_LIMIT
+
+
 # Targets whose kernels lack a forward op's training mode: the train models compute it in standard
 # ops (onnxruntime-web's WebGPU BatchNormalization: "trainingMode is not supported yet").
 FORWARD_LOWERED = frozenset({"webgpu"})
@@ -731,6 +758,7 @@ def generate_artifacts(
     upgrade_opset: bool = True,
     lora=None,
     target: str | None = "onnxruntime",
+    check_output: bool = False,
 ) -> TrainingArtifacts:
     """The training artifacts of ``model`` (an onnx.ModelProto, onnx_ir.Model or path).
 
@@ -765,7 +793,22 @@ def generate_artifacts(
     cleanup's ``target``): "onnxruntime" (default), "webgpu" (onnxruntime-web's WebGPU provider runs
     every compute node, see :mod:`onnx_autodiff.passes.rewrite_rules.webgpu`) or None (canonical
     standard forms). The inference model is the input model's, whatever the target.
+    check_output: check each generated model with onnx.checker's full check (strict shape inference
+    of the whole graph) instead of the structural one (see
+    :func:`~onnx_autodiff.modelfile.full_output_check`).
     """
+    # Python's collector would rescan the ever larger graphs many times while they are built (the
+    # optimiser's nodes of 10,000 parameters: 7.6 s with it, 1.8 s without); what the build leaves
+    # is collected once, afterwards.
+    with collector_paused():
+        return _generate_artifacts(model, requires_grad, frozen_params, loss, optimizer, optimizer_options, output,
+                                   labels, max_grad_norm, gradient_accumulation, freeze_batchnorm, registry,
+                                   upgrade_opset, lora, target, check_output)
+
+
+def _generate_artifacts(model, requires_grad, frozen_params, loss, optimizer, optimizer_options, output, labels,
+                        max_grad_norm, gradient_accumulation, freeze_batchnorm, registry, upgrade_opset, lora,
+                        target, check_output) -> TrainingArtifacts:
     if target is not None:
         lowering_rules(target)  # an unknown target fails here, naming the known ones, before the work
     spec = make_optimizer(optimizer, **dict(optimizer_options or {}))
@@ -789,18 +832,24 @@ def generate_artifacts(
         frozen = {frozen_params} if isinstance(frozen_params, str) else set(frozen_params or [])
         adapters = [name for a in injected.adapters for name in (a.A, a.B)]
         requires_grad = list(dict.fromkeys([*adapters, *(n for n in injected.extra if n not in frozen), *extra]))
-    # Once here, so that every model built from the forward graph has the opset its rules need.
-    of = [output] if output is not None else [v.name for v in proto.graph.output]
-    proto = upgraded_for(proto, backward_trial(of, requires_grad, registry), upgrade_opset, base_dir)
-    proto = onnx_inferred(proto) or proto
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise TrainingError(f"max_grad_norm must be > 0, not {max_grad_norm}")
-    roles = _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry, base_dir)
     loss_spec = LossSpec(loss, output, labels)
-    batch_inputs = [v.name for v in proto.graph.input if v.name not in {t.name for t in proto.graph.initializer}]
 
-    train = _build_train(proto, roles, loss_spec, spec, max_grad_norm, "train", registry, target)
-    eval_model, eval_layout = _build_eval(proto, roles, loss_spec, target)
+    def build_train(candidate: onnx.ModelProto):
+        candidate = onnx_inferred(candidate) or candidate
+        # converted once where the default parameters are analysed on onnx-ir: that model, which
+        # the analysis leaves as it is, is then the one prepared for training
+        model = from_proto(candidate, base_dir) if requires_grad is None else None
+        roles = _analyse(candidate, requires_grad, frozen_params, freeze_batchnorm, registry, base_dir, model)
+        return candidate, roles, _build_train(candidate, roles, loss_spec, spec, max_grad_norm, "train", registry,
+                                              target, check_output, model)
+
+    # The train model's build finds the opset its rules need (converting the forward model where a
+    # rule asks for a newer one), and every other model is built from that forward model.
+    proto, roles, train = build_proto_upgrading(proto, build_train, upgrade_opset)
+    batch_inputs = [v.name for v in proto.graph.input if v.name not in {t.name for t in proto.graph.initializer}]
+    eval_model, eval_layout = _build_eval(proto, roles, loss_spec, target, check_output)
     layout = {
         "format": FORMAT_VERSION,
         "inputs": batch_inputs,
@@ -829,10 +878,11 @@ def generate_artifacts(
     artifacts = TrainingArtifacts(train["model"], eval_model, forward, checkpoint, layout, left_out=roles.left_out,
                                   base_dir=base_dir)
     if gradient_accumulation:
-        accumulate = _build_train(proto, roles, loss_spec, spec, max_grad_norm, "accumulate", registry, target)
+        accumulate = _build_train(proto, roles, loss_spec, spec, max_grad_norm, "accumulate", registry, target,
+                                  check_output)
         accumulators = [key for key, _, _ in accumulate["layout"]["carry"][: len(roles.params)]]
         apply_model, apply_layout = _build_apply(proto, roles, spec, max_grad_norm, train["state"], accumulators,
-                                                 target)
+                                                 target, check_output)
         artifacts.accumulate_model = accumulate["model"]
         artifacts.apply_model = apply_model
         layout["accumulate"] = accumulate["layout"]
@@ -847,9 +897,9 @@ def _recovered(proto: onnx.ModelProto, forward: onnx.ModelProto, base_dir):
     initializer, tied copies read through it), the forward model in the file's own layout (what
     ``Trainer.export`` fills in), and the parameters by module name as the layout records them
     (each with the copies that export sets from it). Any other model comes back as it is, with None."""
-    model = from_proto(proto, base_dir)
-    if not is_torch_export(model):
+    if not is_torch_export(proto):  # (read off the proto: most models are not, and need no conversion)
         return proto, forward, None
+    model = from_proto(proto, base_dir)
     kept = RecoverParametersPass(tie=False)
     layout = kept(from_proto(proto, base_dir))
     tied = RecoverParametersPass(tie=True)
@@ -909,10 +959,11 @@ def _module_selection(names, proto: onnx.ModelProto, modules, role: str):
     return chosen
 
 
-def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str, registry, target="onnxruntime"):
+def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str, registry, target="onnxruntime",
+                 check_output: bool = False, model: ir.Model | None = None):
     from onnx_autodiff.passes import AutodiffPass, cleanup_passes
 
-    model, namer, updates = _prepare(proto, roles, training=True)
+    model, namer, updates = _prepare(proto, roles, training=True, model=model)
     seeds: dict[str, ir.Value] = {}
     if target in FORWARD_LOWERED:
         updates = _training_batchnorm_in_standard_ops(model, namer, updates)
@@ -923,9 +974,12 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     graph.outputs.clear()
     graph.outputs.append(loss)
     graph.inputs.extend(labels)
-    # upgrade_opset=False: the opset was fixed once at load, for every model built here
+    # upgrade_opset=False: build_proto_upgrading converts the forward model where a rule asks.
+    # The forward model's shapes are onnx's inference of it (onnx_inferred): where the preparation
+    # and the loss added no value, the pass's own inference would only find them again (0.55 s of
+    # a 20,001-node chain's build), so it runs only where some value lacks a shape.
     autodiff = AutodiffPass(of=loss.name, wrt=roles.params, registry=registry, seed="ones", unreachable="raise",
-                            upgrade_opset=False)
+                            upgrade_opset=False, infer_shapes=not fully_shaped(graph))
     try:
         autodiff(model)
     except (ir.passes.PassError, AutodiffError) as error:
@@ -961,7 +1015,8 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
         lr = fresh_value(namer, "lr", ir.DataType.FLOAT, [])
         step = fresh_value(namer, "step", ir.DataType.INT64, [])
         states, new_params, new_states, kept = emit_update(op, spec, params, grads, lr, step, namer, max_grad_norm,
-                                                           loss=loss, coefficients=coefficients)
+                                                           loss=loss, coefficients=coefficients,
+                                                           group_limit=_group_limit(target))
         for p, new_p in zip(params, new_params):
             outputs.append(_publish(op, namer, new_p, f"{p.name}.new", taken, like=p))
             carry.append([p.name, p.name, outputs[-1].name])
@@ -979,7 +1034,9 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
         accs = [fresh_value(namer, f"{p.name}.grad_acc", g.dtype or p.dtype, [dim_value(x) for x in p.shape])
                 for p, g in zip(params, grads)]
         extra_inputs.extend(accs)
-        sums = when_kept(op, kept, lambda op: [op.Add(acc, g) for acc, g in zip(accs, grads)], accs)
+        groups = update_groups(params, _group_limit(target))
+        sums = when_kept(op, kept, lambda op: grouped(op, groups, [accs, grads], lambda op, a, g: [op.Add(a, g)])[0],
+                         accs, keep=lambda op: grouped(op, groups, [accs], lambda op, a: [a])[0])
         for acc, new_acc in zip(accs, sums):
             outputs.append(_publish(op, namer, new_acc, f"{acc.name}.new", taken, like=acc))
             carry.append([acc.name, acc.name, outputs[-1].name])
@@ -1002,7 +1059,7 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     scalars.update({key: value.name for key, value in seeds.items()})
     inputs = [*batch, *labels, *params, *extra_inputs, *buffer_inputs, *tail, *seeds.values()]
     loss_name, kept_name = loss_out.name, outputs[-1].name  # (before the lowering, as the eval model's)
-    proto_out = _finish(model, inputs, outputs, f"{kind} model", cleaned=True, target=target)
+    proto_out = _finish(model, inputs, outputs, f"{kind} model", cleaned=True, target=target, check_output=check_output)
     layout = {
         "batch": [v.name for v in (*batch, *labels)],
         "carry": carry,
@@ -1017,7 +1074,7 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     return {"model": proto_out, "layout": layout, "labels": [v.name for v in labels], "state": state_layout}
 
 
-def _build_eval(proto, roles: _Roles, loss_spec, target="onnxruntime"):
+def _build_eval(proto, roles: _Roles, loss_spec, target="onnxruntime", check_output: bool = False):
     model, namer, _ = _prepare(proto, roles, training=False)
     graph = model.graph
     batch = [v for v in graph.inputs if v.name not in roles.state]
@@ -1040,7 +1097,8 @@ def _build_eval(proto, roles: _Roles, loss_spec, target="onnxruntime"):
     # the names before the cleanup, which keeps the graph outputs' names but may replace their
     # values (a lowered loss node: the old value loses its name)
     output_names = [v.name for v in outputs]
-    proto_out = _finish(model, [*batch, *labels, *reads], outputs, "eval model", target=target)
+    proto_out = _finish(model, [*batch, *labels, *reads], outputs, "eval model", target=target,
+                        check_output=check_output)
     layout = {
         "batch": [v.name for v in (*batch, *labels)],
         "reads": [[v.name, v.name] for v in reads],
@@ -1051,7 +1109,7 @@ def _build_eval(proto, roles: _Roles, loss_spec, target="onnxruntime"):
 
 
 def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumulators: list[str],
-                 target="onnxruntime"):
+                 target="onnxruntime", check_output: bool = False):
     inits = {t.name: t for t in proto.graph.initializer}
     reserved = [n for names in state.values() for n in names] + accumulators
     namer = Namer([v.name for v in proto.graph.input] + list(inits) + reserved, prefix="opt")
@@ -1070,7 +1128,7 @@ def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumul
     coefficients: dict = {}
     states, new_params, new_states, kept = emit_update(op, spec, params, grads, lr, step, namer, max_grad_norm,
                                                         [state.get(p, []) for p in roles.params],
-                                                        coefficients=coefficients)
+                                                        coefficients=coefficients, group_limit=_group_limit(target))
     taken: set = set()
     outputs, carry = [], []
     for p, new_p in zip(params, new_params):
@@ -1086,7 +1144,7 @@ def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumul
     graph = ir.Graph([*params, *accs, *state_inputs, lr, step, scale, *coefficients.values()], outputs, nodes=op.nodes,
                      opset_imports={"": opset}, name="apply")
     model = ir.Model(graph, ir_version=max(proto.ir_version, 8), producer_name="onnx-autodiff")
-    proto_out = _finish(model, list(graph.inputs), outputs, "apply model", target=target)
+    proto_out = _finish(model, list(graph.inputs), outputs, "apply model", target=target, check_output=check_output)
     layout = {
         "batch": [],
         "carry": carry,

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from onnx_autodiff.errors import TrainingError, UnknownValueError
+from onnx_autodiff.errors import OpsetTooOldError, TrainingError, UnknownValueError
 from onnx_autodiff.passes.opsets import default_opset
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, shapes
 from onnx_autodiff.training.values import dim_value, fresh_value, shape_text
@@ -22,6 +22,11 @@ class LossSpec:
     loss: str | Callable | onnx.FunctionProto | None
     output: str | None
     labels: object
+
+
+class LossOpsetError(TrainingError, OpsetTooOldError):
+    """A loss needs a newer default-domain opset than the model imports: an OpsetTooOldError too, so
+    that generate_artifacts converts the model where its upgrade_opset allows, as it does for a rule."""
 
 
 def attach_loss(model: ir.Model, namer: Namer, spec: LossSpec):
@@ -58,7 +63,8 @@ def attach_loss(model: ir.Model, namer: Namer, spec: LossSpec):
             if rank is None or rank < 2:
                 raise TrainingError(f"cross_entropy needs logits of shape [N, C, ...]; output '{y.name}' has shape {y.shape}")
             if op.opset < 13:
-                raise TrainingError("cross_entropy uses SoftmaxCrossEntropyLoss, which needs opset >= 13; convert the model")
+                raise LossOpsetError("cross_entropy uses SoftmaxCrossEntropyLoss, which needs opset >= 13; convert "
+                                     "the model", 13)
             dims = [dim_value(d) for i, d in enumerate(y.shape) if i != 1]
             labels = [fresh_value(namer, label_name, ir.DataType.INT64, dims)]
             loss = op.SoftmaxCrossEntropyLoss(y, labels[0], reduction="mean", ignore_index=-100)

@@ -88,7 +88,8 @@ _ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Where", "Max", "Min", "Identity"}
 
 def in_place_keys(proto: onnx.ModelProto, carry: Sequence[tuple[str, str, str]]) -> set[str]:
     """The carried keys whose new value may be written over the old one in a run of ``proto``:
-    the node writing the new value is elementwise, or an If each of whose branches writes it so,
+    the node writing the new value is elementwise, a Split that reads no view of the old value (a
+    grouped update's), or an If each of whose branches writes it so,
     and every other node reading the old value is one of its ancestors, so it has run before
     (onnxruntime runs nodes in a dependency order, and an If's branch once the If may run)."""
     safe = _writable(proto.graph, {out: name for _, name, out in carry})
@@ -124,6 +125,10 @@ def _writable(graph: onnx.GraphProto, writes: Mapping[str, str]) -> set[str]:
         node = graph.node[writer]
         if node.op_type in _ELEMENTWISE:
             safe.add(out)
+        elif node.op_type == "Split" and node.domain in ("", "ai.onnx") and not set(node.input) & _views(graph, name):
+            # a grouped update's (optimizers.grouped): it reads a copy of the old values (their
+            # Concat), never their buffers, which its readers, all ancestors, are done with
+            safe.add(out)
         elif node.op_type == "If" and node.domain in ("", "ai.onnx"):
             by_if.setdefault(writer, {})[out] = name
     for writer, outs in by_if.items():  # each branch must write the value in place itself
@@ -137,6 +142,19 @@ def _writable(graph: onnx.GraphProto, writes: Mapping[str, str]) -> set[str]:
             outs = {out: name for out, n, name in zip(outs, inner, outs.values()) if n in ok}
         safe.update(outs)
     return safe
+
+
+# Kernels whose output may be a view of their input's buffer in onnxruntime (no copy).
+_VIEWS = {"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"}
+
+
+def _views(graph: onnx.GraphProto, name: str) -> set[str]:
+    """``name`` and the values of ``graph`` that may share its buffer (views of it, transitively)."""
+    found = {name}
+    for node in graph.node:
+        if node.op_type in _VIEWS and node.input and node.input[0] in found:
+            found.update(node.output)
+    return found
 
 
 def _reads(node: onnx.NodeProto) -> set[str]:

@@ -25,7 +25,7 @@ from onnx_autodiff import (
 )
 from onnx_autodiff.toolkit import shapes
 from onnx_autodiff.rules.math import cos
-from onnx_autodiff.training import Trainer, generate_artifacts
+from onnx_autodiff.training import Trainer, TrainingError, generate_artifacts
 
 LIGHT = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
 LOGGER = "onnx_autodiff.passes.opsets"
@@ -210,6 +210,24 @@ def test_training_artifacts_of_an_old_opset_model(caplog):
         np.testing.assert_array_equal(params[name], want[name])
     with pytest.raises(RuleError, match="needs opset 16"):
         generate_artifacts(model, loss="mse", optimizer="sgd", upgrade_opset=False)
+
+
+def test_training_artifacts_converted_for_the_loss(caplog):
+    """cross_entropy's SoftmaxCrossEntropyLoss needs opset 13: the train build asks for it as a
+    rule does, and every model is built from the converted forward model."""
+    from test_training import batches, mlp
+
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        artifacts = generate_artifacts(mlp(opset=12), loss="cross_entropy", optimizer="sgd")
+    assert len([r for r in caplog.records if r.name == LOGGER]) == 1
+    assert default_opset(artifacts.train_model) == default_opset(artifacts.eval_model) == 13
+    want = generate_artifacts(onnx.version_converter.convert_version(mlp(opset=12), 13), loss="cross_entropy",
+                              optimizer="sgd")
+    X, y = next(batches(1))
+    trainers = [Trainer(a, providers=["CPUExecutionProvider"]) for a in (artifacts, want)]
+    assert trainers[0].step({"X": X, "labels": y}) == trainers[1].step({"X": X, "labels": y})
+    with pytest.raises(TrainingError, match="needs opset >= 13"):
+        generate_artifacts(mlp(opset=12), loss="cross_entropy", optimizer="sgd", upgrade_opset=False)
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from onnx_autodiff.passes.recovery import (
     NAME_SCOPES,
     ORIGINAL_NAME,
     RecoverParametersPass,
+    is_torch_export,
     recover_parameters,
 )
 from onnx_autodiff.training import Trainer, generate_artifacts
@@ -202,6 +203,22 @@ def test_plain_models_keep_the_plain_rules():
     assert not recovery.torch_export
     assert {p.name for p in recovery.parameters} == {"onnx::MatMul_7", "onnx::MatMul_8", "head.weight", "norm1.weight"}
     assert {v.name for v in default_parameters(model).parameters} == {p.name for p in recovery.parameters}
+
+
+def test_torch_export_told_from_the_proto_as_from_onnx_ir():
+    """generate_artifacts reads the marks off the proto, without converting it."""
+    plain = torchscript_like()
+    for node in plain.graph.node:
+        node.name = node.name.strip("/").replace("/", "_")
+    marked_initializer = onnx.ModelProto()
+    marked_initializer.CopyFrom(plain)
+    name = marked_initializer.graph.initializer[0].name
+    info = helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
+    _meta(info, **{EXPORTER_KIND: "PARAMETER"})
+    marked_initializer.graph.value_info.append(info)
+    for proto, want in ((dynamo_like(), True), (torchscript_like(), True), (plain, False), (marked_initializer, True)):
+        assert is_torch_export(proto) is want
+        assert is_torch_export(ir.from_proto(proto)) is want
 
 
 def test_parameter_rows():
