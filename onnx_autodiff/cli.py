@@ -270,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     params.add_argument("--json", action="store_true", help="one JSON list instead of the table")
     params.set_defaults(run=cmd_params)
     ops = commands.add_parser("ops", help="list the operators that have gradient rules (Markdown)")
-    ops.add_argument("--update", metavar="FILE", help="rewrite the operator section of FILE (README.md)")
+    ops.add_argument("--update", metavar="FILE", help="rewrite the operator section of FILE (docs/operators.md)")
     ops.set_defaults(run=cmd_ops)
     demo = commands.add_parser("demo", help="differentiate, check and train an embedded classifier")
     demo.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
