@@ -5,8 +5,8 @@
 For each case it differentiates one forward op, cleans the graph up with ``target=None``
 (canonical) and with ``target="onnxruntime"`` (lowered), and prints both node counts and
 onnxruntime milliseconds (median of ``--runs``, the two sessions taking turns) and their ratio. A
-ratio at or above 1 says the rule no longer pays off on this onnxruntime (see README.md, "Why the
-onnxruntime lowering").
+ratio at or above 1 says the rule no longer pays off on this onnxruntime (see benchmarks/README.md,
+"Why the onnxruntime lowering").
 """
 
 from __future__ import annotations

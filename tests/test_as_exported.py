@@ -291,7 +291,7 @@ def test_artifacts_command_lora_targets_by_module_name(tmp_path, capsys):
 
 
 def test_a_dynamic_sequence_length_keeps_the_position_embeddings():
-    """What the README advises for the embeddings a static export folds: with the sequence
+    """What docs/training.md advises for the embeddings a static export folds: with the sequence
     length dynamic, optimize=True keeps every parameter recoverable."""
     import onnx_ir as ir
 

@@ -183,7 +183,7 @@ def when_kept(op: OpBuilder, kept: ir.Value, build, olds: list[ir.Value], keep=N
     """The values ``build(branch)`` returns, one per old value and typed like it, when ``kept``;
     the old values otherwise (``keep(branch)``'s copies of them, else an Identity of each). One If:
     a failed step changes nothing, and a step that counts pays no gate per value (a Where(kept, g,
-    0) per gradient costs a full pass over each: the figures are in the README's training section)."""
+    0) per gradient costs a full pass over each: the figures are in benchmarks/README.md, "Training")."""
     update = op.child()
     then_branch = update.graph([], build(update), name="update")
     unchanged = op.child()
