@@ -107,9 +107,9 @@ def _check_report_path(path: str) -> None:
 
 
 class _Progress:
-    def __init__(self, stream=sys.stderr) -> None:
-        self.stream = stream
-        self.tty = stream.isatty()
+    def __init__(self, stream=None) -> None:
+        self.stream = sys.stderr if stream is None else stream  # the stream of the time it runs
+        self.tty = self.stream.isatty()
         self.started = time.perf_counter()
         self.counts = {s: 0 for s in STATUSES}
         self.last = 0.0
