@@ -83,8 +83,6 @@ from onnx_autodiff.conformance.judge import (
     run_case,
     with_constants,
 )
-from onnx_autodiff.conformance.judge import _forward_trouble as _forward_trouble  # checked directly by the tests
-from onnx_autodiff.conformance.judge import _objective as _objective  # checked directly by the tests
 from onnx_autodiff.conformance.order2 import ORDER2_PREFIX, first_order_case, order2_verdicts, run_case_order2
 from onnx_autodiff.conformance.references import (
     DEFAULT_REFERENCES,
@@ -93,7 +91,6 @@ from onnx_autodiff.conformance.references import (
     References,
     StoredOracle,
 )
-from onnx_autodiff.conformance.references import is_stale as _stale  # noqa: F401 - checked directly by the tests
 from onnx_autodiff.conformance.report import case_status, eligible_line, format_table, summarize, totals, write_reports
 from onnx_autodiff.conformance.sweep import run_cases
 

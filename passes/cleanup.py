@@ -36,7 +36,7 @@ from onnx_autodiff.passes.metadata import DIFFERENTIATED_KEY, differentiated, ke
 from onnx_autodiff.passes.outline import OutlinePass
 from onnx_autodiff.passes.progress import collector_paused
 from onnx_autodiff.passes.rewrite_rules import RuleIndex, analysis, cleanup_rules, lowering_rules
-from onnx_autodiff.toolkit import FLOAT_TYPES, all_graphs, detach, subgraphs
+from onnx_autodiff.toolkit import FLOAT_TYPES, all_graphs, detach, shapes, subgraphs
 from onnx_autodiff.toolkit.inference import infer_shapes
 from onnx_ir.passes import common
 from onnxscript.optimizer import FOLDED_FROM_KEY, fold_constants
@@ -156,11 +156,11 @@ class CleanupPass(ir.passes.InPlacePass):
         if len(node.outputs) != 1:
             return False
         if node.domain == "" and node.op_type == "Transpose":
-            shape = analysis.dims(node.inputs[0])
+            shape = shapes.dims(node.inputs[0])
             if not analysis.static(shape) or analysis.size(shape) > self.fold_limit:
                 return False
         if node.domain == "" and node.op_type in ("ConstantOfShape", "Expand"):
-            out = analysis.dims(node.outputs[0])
+            out = shapes.dims(node.outputs[0])
             if not analysis.static(out) or analysis.size(out) > analysis.SMALL:
                 return False
         return None
@@ -201,12 +201,6 @@ class RemoveUnusedPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         return ir.passes.PassResult(model, modified=_remove_unused(model))
-
-
-def infer_missing_shapes(model: ir.Model) -> None:
-    """``infer_shapes(model, missing_only=True)`` (:func:`onnx_autodiff.toolkit.inference.infer_shapes`),
-    under the name it had here."""
-    infer_shapes(model, missing_only=True)
 
 
 def _hide(values: list[ir.Value]) -> dict[ir.Value, ir.TensorProtocol | None]:
@@ -422,7 +416,7 @@ def _lift_constants(model: ir.Model) -> bool:
         if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.attributes) != 1:
             continue
         out = node.outputs[0]
-        tensor = analysis.literal(out)
+        tensor = shapes.literal(out)
         if out.is_graph_output() or tensor is None or not out.name or out.name in graph.initializers:
             continue
         if out.const_value is not None:

@@ -1,4 +1,4 @@
-"""Gradient rules: the registry and the shipped rule families, with the toolkit's op builder and shape helpers."""
+"""Gradient rules: the registry and the shipped rule families (their op builder is the toolkit's)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ from collections.abc import Callable, Sequence
 
 import onnx_ir as ir
 
-from onnx_autodiff.rules import shapes
 from onnx_autodiff.rules.registry import _DEFAULT, Backward, GradRegistry, GradRule
 from onnx_autodiff.toolkit import OpBuilder
 
@@ -17,7 +16,6 @@ __all__ = [
     "OpBuilder",
     "default_registry",
     "register_gradient",
-    "shapes",
 ]
 
 _FAMILIES = (

@@ -16,7 +16,6 @@ from onnx_autodiff.toolkit.builder import CONSTANT_TYPES_BEFORE_9, FLOAT_TYPES
 Dims = tuple
 SMALL = 16  # a zero tensor at most this large becomes a Constant, a larger one a ConstantOfShape
 _FILL_HEAD = 64  # elements fill() compares before the whole tensor
-dims, rank, literal = shapes.dims, shapes.rank, shapes.literal  # the cleanup's rules read them from here with the rest
 
 _CASTABLE = {*FLOAT_TYPES, ir.DataType.BOOL,
              *(t for t in ir.DataType if t.name.startswith(("INT", "UINT")) and t.bitwidth >= 8)}
@@ -71,7 +70,7 @@ def fill(value: ir.Value | None) -> float | None:
     ConstantOfShape, and Expand, Identity or Cast of one."""
     node = None if value is None else value.producer()
     if value is not None and value.const_value is not None or node is not None and node.op_type == "Constant":
-        array = literal(value)
+        array = shapes.literal(value)
         if array is None or array.size == 0 or array.dtype.kind not in "biuf":
             return None
         flat = array.reshape(-1)
@@ -100,7 +99,7 @@ def fill(value: ir.Value | None) -> float | None:
 def axes(node: ir.Node, index: int = 1) -> list[int] | None:
     """A node's axes: its input ``index`` from opset 13 (Reduce*: 18) on, else the attribute."""
     if len(node.inputs) > index and node.inputs[index] is not None:
-        array = literal(node.inputs[index])
+        array = shapes.literal(node.inputs[index])
         return None if array is None else [int(a) for a in np.asarray(array).reshape(-1)]
     value = shapes.attr(node, "axes")
     return None if value is None else [int(a) for a in value]
@@ -130,7 +129,7 @@ def produced_by(value: ir.Value | None, op_type: str) -> ir.Node | None:
 def concat_axis(node: ir.Node, opset_: int) -> int | None:
     """A Concat's axis made non-negative where its rewrites apply: opset 5 on (their Reshape
     takes its shape as an input), a known output rank, two inputs or more."""
-    out, axis = dims(node.outputs[0]), shapes.attr(node, "axis")
+    out, axis = shapes.dims(node.outputs[0]), shapes.attr(node, "axis")
     if opset_ < 5 or not out or len(node.inputs) < 2 or axis is None:
         return None
     return axis % len(out)
@@ -152,7 +151,7 @@ def renamable(value: ir.Value, graph: ir.Graph | ir.Function) -> bool:
 def zeros_fit(like: ir.Value, opset_: int) -> bool:
     """Whether :func:`zeros` can make zeros like ``like``: a static shape and a numeric dtype;
     before opset 9 (no ConstantOfShape, Constant of float tensors only) a small float tensor."""
-    shape = dims(like)
+    shape = shapes.dims(like)
     if not static(shape) or like.dtype is None or like.dtype.numpy().kind not in "biuf":
         return False
     return opset_ >= 9 or size(shape) <= SMALL and like.dtype in CONSTANT_TYPES_BEFORE_9
@@ -160,7 +159,7 @@ def zeros_fit(like: ir.Value, opset_: int) -> bool:
 
 def zeros(op, like: ir.Value) -> ir.Value:
     """Zeros of ``like``'s static shape and dtype: a Constant when small, else ConstantOfShape."""
-    shape, dtype = dims(like), like.dtype.numpy()
+    shape, dtype = shapes.dims(like), like.dtype.numpy()
     if size(shape) <= SMALL:
         return constant(op, np.zeros(shape, dtype))
     return op.ConstantOfShape(constant(op, np.array(shape, np.int64)), value=ir.tensor(np.zeros([1], dtype)))

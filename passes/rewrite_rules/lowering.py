@@ -27,9 +27,8 @@ import onnx_ir as ir
 from onnxscript.rewriter import RewriteRule, RewriteRuleSet
 
 from onnx_autodiff.passes.metadata import GRAD_OF
-from onnx_autodiff.passes.rewrite_rules.analysis import (
-    axes, dims, fill, normalized, opset, perm, produced_by, rank, static, verdict,
-)
+from onnx_autodiff.passes.rewrite_rules.analysis import axes, fill, normalized, opset, perm, produced_by, static, verdict
+from onnx_autodiff.toolkit.shapes import dims, rank
 from onnx_autodiff.passes.rewrite_rules.webgpu import webgpu_rules
 from onnx_autodiff.toolkit import FLOAT_TYPES
 

@@ -19,9 +19,9 @@ from onnxscript.rewriter import RewriteRule
 from onnxscript.rewriter._basics import MatchResult
 
 from onnx_autodiff.passes.rewrite_rules.analysis import (
-    axes, broadcast, dims, fill, literal, normalized, produced_by, rank, renamable, same, static, verdict,
+    axes, broadcast, fill, normalized, produced_by, renamable, same, static, verdict,
 )
-from onnx_autodiff.toolkit.shapes import attr
+from onnx_autodiff.toolkit.shapes import attr, dims, literal, rank
 
 # The neutral operand of each binary op, and whether it may stand first.
 _NEUTRAL = {"Mul": (1.0, True), "Div": (1.0, False), "Add": (0.0, True), "Sub": (0.0, False)}

@@ -14,10 +14,8 @@ import onnx_ir as ir
 from onnxscript.rewriter import RewriteRule
 from onnxscript.rewriter._basics import MatchResult
 
-from onnx_autodiff.passes.rewrite_rules.analysis import (
-    concat_axis, constant, dims, literal, only_use, opset, produced_by, same, verdict,
-)
-from onnx_autodiff.toolkit.shapes import attr
+from onnx_autodiff.passes.rewrite_rules.analysis import concat_axis, constant, only_use, opset, produced_by, same, verdict
+from onnx_autodiff.toolkit.shapes import attr, dims, literal
 
 
 def _reshape_of_reshape(op, x, first, shape):

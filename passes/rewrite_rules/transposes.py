@@ -15,10 +15,8 @@ from onnxscript.rewriter import RewriteRule
 from onnxscript.rewriter._basics import MatchResult
 
 from onnx_autodiff.passes.metadata import GRAD_OF
-from onnx_autodiff.passes.rewrite_rules.analysis import (
-    concat_axis, dims, only_use, opset, perm, produced_by, rank, verdict,
-)
-from onnx_autodiff.toolkit.shapes import attr
+from onnx_autodiff.passes.rewrite_rules.analysis import concat_axis, only_use, opset, perm, produced_by, verdict
+from onnx_autodiff.toolkit.shapes import attr, dims, rank
 
 
 def _identity_perm(context, node: ir.Node) -> MatchResult:

@@ -51,7 +51,8 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import RewriteRule
 
-from onnx_autodiff.passes.rewrite_rules.analysis import constant, dims, literal, opset, rank, verdict
+from onnx_autodiff.passes.rewrite_rules.analysis import constant, opset, verdict
+from onnx_autodiff.toolkit.shapes import dims, literal, rank
 from onnx_autodiff.toolkit import shapes
 
 _FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16})

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import pytest
 
-from onnx_autodiff.conformance import runner
+from onnx_autodiff.conformance import judge, references, runner
 from onnx_autodiff.errors import RuleError
 from onnx_autodiff.rules import GradRegistry, default_registry
 
@@ -254,7 +254,7 @@ def test_forward_agreement_ignores_non_finite_elements_only(cases):
     assert result.status == "pass" and result.oracle == "onnxruntime-float64"
     out = np.array([1.0, np.nan, np.finfo(np.float32).min, 2.0], np.float32)
     r = np.array([1.0, 5.0, 7.0, 3.0], np.float32)
-    assert runner._objective([out], [r]) == 7.0
+    assert judge._objective([out], [r]) == 7.0
 
 
 def test_inputs_are_not_moved_by_a_runtime_writing_into_them(cases):
@@ -355,10 +355,10 @@ def test_half_precision_references_from_the_old_fallback_are_stale():
     stored = runner.StoredOracle("f", backend="float32", weak=True)
     half = {"x": np.ones(2, np.float16)}
     single = {"x": np.ones(2, np.float32)}
-    assert runner._stale(stored, runner.References(), half)
-    assert not runner._stale(stored, runner.References(meta={"oracle_revision": 2}), half)
-    assert not runner._stale(stored, runner.References(), single)
-    assert not runner._stale(runner.StoredOracle("f", backend="reference-float64"), runner.References(), half)
+    assert references.is_stale(stored, runner.References(), half)
+    assert not references.is_stale(stored, runner.References(meta={"oracle_revision": 2}), half)
+    assert not references.is_stale(stored, runner.References(), single)
+    assert not references.is_stale(runner.StoredOracle("f", backend="reference-float64"), runner.References(), half)
 
 
 def test_exporter_style_forward_must_run_where_the_case_ran(cases):
@@ -369,7 +369,7 @@ def test_exporter_style_forward_must_run_where_the_case_ran(cases):
         outputs = Evaluator(case.proto(), backends=("onnxruntime",))(case.inputs)
         cotangents = cotangents_for(case.proto(), outputs)
         exported = runner.with_constants(case.proto(), case.inputs, constants)
-        return runner._forward_trouble(exported, "onnxruntime", cotangents, runner._objective(outputs, cotangents))
+        return judge._forward_trouble(exported, "onnxruntime", cotangents, judge._objective(outputs, cotangents))
 
     assert trouble("test_expand_dim_changed", ["new_shape"]) == ""
     # onnxruntime folds AffineGrid's body once size is constant and rejects its Range inputs

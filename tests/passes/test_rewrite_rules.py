@@ -150,7 +150,8 @@ def test_an_output_replaced_by_a_value_keeps_its_name_without_an_identity_where_
 
 
 def test_fills_are_read_through_constant_of_shape_expand_and_cast():
-    from onnx_autodiff.passes.rewrite_rules.analysis import fill, literal
+    from onnx_autodiff.passes.rewrite_rules.analysis import fill
+    from onnx_autodiff.toolkit.shapes import literal
 
     three = ir.Value(name="three", shape=ir.Shape([3]), type=ir.TensorType(ir.DataType.INT64),
                      const_value=ir.tensor(np.array([2, 3, 4], np.int64)))
