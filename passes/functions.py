@@ -15,7 +15,7 @@ from onnx_autodiff.passes.autodiff import (
     gradient_outputs,
 )
 from onnx_autodiff.rules import GradRegistry, default_registry
-from onnx_autodiff.toolkit import Namer, captured_values, infer_shapes
+from onnx_autodiff.toolkit import Namer, captured_values, infer_shapes, initializers_to_constants
 
 DOMAIN = "onnx_autodiff"
 
@@ -77,7 +77,7 @@ def gradient_of_function(
         _check_differentiable(x, "xs")
     others = [find_value(graph, z, "zs") for z in zs]
     output = find_value(graph, y, "y")
-    _initializers_to_constants(graph, keep=set(xs) | set(zs))
+    initializers_to_constants(graph, keep=set(xs) | set(zs))  # functions hold no initializers
     namer = Namer.for_graph(graph)
     backward = Backward(graph, registry or default_registry(), opsets, namer)
     op = backward.op
@@ -121,20 +121,6 @@ def _as_ir_model(fn) -> ir.Model:
     if isinstance(fn, onnx.ModelProto):
         return ir.serde.deserialize_model(fn)
     raise TypeError(f"expected a FunctionProto, GraphProto or ModelProto, not {type(fn).__name__}")
-
-
-def _initializers_to_constants(graph: ir.Graph, keep: set[str]) -> None:
-    """Functions hold no initializers: the ones not fed as inputs become Constant nodes."""
-    for name in list(graph.initializers):
-        value = graph.initializers.pop(name)
-        if name in keep:
-            continue
-        constant = ir.node("Constant", [], attributes={"value": value.const_value})
-        value.replace_all_uses_with(constant.outputs[0])
-        constant.outputs[0].name = name
-        constant.outputs[0].type = value.type
-        constant.outputs[0].shape = value.shape
-        graph.insert_before(graph.node(0), constant) if len(graph) else graph.append(constant)
 
 
 def _needed_nodes(nodes: list[ir.Node], results, inputs) -> list[ir.Node]:

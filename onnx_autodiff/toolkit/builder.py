@@ -9,6 +9,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from onnx_autodiff.toolkit.graphs import initializers_to_constants
+
 FLOAT_TYPES = frozenset(
     {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
 )
@@ -168,19 +170,11 @@ class OpBuilder:
         for inner, outer in zip(clone.inputs, bindings):
             if outer is not None:
                 inner.replace_all_uses_with(outer, replace_graph_outputs=True)
-        constants = []
-        for name in list(clone.initializers):
-            value = clone.initializers.pop(name)
-            constant = ir.node("Constant", [], attributes={"value": value.const_value})
-            value.replace_all_uses_with(constant.outputs[0], replace_graph_outputs=True)
-            out = constant.outputs[0]
-            out.name, out.type, out.shape = name, value.type, value.shape  # (renamed fresh below)
-            constants.append(constant)
+        initializers_to_constants(clone)
         outputs = list(clone.outputs)
-        copied = list(clone)
+        nodes = list(clone)
         clone.outputs.clear()
-        clone.remove(copied)
-        nodes = constants + copied
+        clone.remove(nodes)
         for node in nodes:
             self._rename(node)
         self.nodes.extend(nodes)

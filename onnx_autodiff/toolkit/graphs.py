@@ -79,3 +79,21 @@ def detach(*nodes: ir.Node) -> None:
         for i, value in enumerate(node.inputs):
             if value is not None:
                 node.replace_input_with(i, None)
+
+
+def initializers_to_constants(graph: ir.Graph, keep: frozenset[str] | set[str] = frozenset()) -> None:
+    """The graph's initializers, but those named in ``keep``, as Constant nodes at its start under
+    the same names (a function, or a graph whose nodes are copied into another, holds none); a
+    kept one stops being an initializer and is left for the caller to feed."""
+    constants = []
+    for name in list(graph.initializers):
+        value = graph.initializers.pop(name)
+        if name in keep:
+            continue
+        constant = ir.node("Constant", [], attributes={"value": value.const_value})
+        value.replace_all_uses_with(constant.outputs[0], replace_graph_outputs=True)
+        out = constant.outputs[0]
+        out.name, out.type, out.shape = name, value.type, value.shape
+        constants.append(constant)
+    if constants:
+        graph.insert_before(graph.node(0), constants) if len(graph) else graph.extend(constants)
