@@ -733,12 +733,10 @@ def _frozen_bases_read_at_use(model: ir.Model) -> None:
                 for index, value in enumerate(reader.inputs):
                     if value is out:
                         reader.replace_input_with(index, copy[-1].outputs[0])
-                graph.extend(copy)
                 reads.extend(copy)
     if reads:
-        graph.remove(reads)
-        first = graph.node(0) if len(graph) else None
-        graph.insert_before(first, reads) if first is not None else graph.extend(reads)
+        graph.remove([node for node in reads if node.graph is graph])  # (the copies are not in it yet)
+        graph.insert_before(graph.node(0), reads) if len(graph) else graph.extend(reads)
 
 
 def generate_artifacts(
@@ -887,7 +885,7 @@ def _generate_artifacts(model, requires_grad, frozen_params, loss, optimizer, op
         artifacts.apply_model = apply_model
         layout["accumulate"] = accumulate["layout"]
         layout["apply"] = apply_layout
-    if any(set(DROPOUT_SEEDS) & set(layout[kind].get("coefficients", {})) for kind in ("train", "accumulate") if kind in layout):
+    if set(DROPOUT_SEEDS) & set(layout["train"].get("coefficients", {})):  # (the accumulate model's are the same)
         layout["format"] = SEEDED_FORMAT
     return artifacts
 
