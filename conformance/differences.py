@@ -410,10 +410,10 @@ def _sample_differences(objective: _Objective, values, h1: float, h2: float, max
     rng = np.random.default_rng(seed)
     started = time.perf_counter()  # the budget covers sampling, not choosing the backend
     for name, k in _sample(sizes, max_coords, rng):
-        elapsed = time.perf_counter() - started
-        # past the budget, stop once a coordinate is done (or at three times the budget)
-        if time_budget is not None and elapsed > time_budget:
-            if elapsed > 3 * time_budget or any(s.evaluated.any() for s in samples.values()):
+        # past the budget, stop once a coordinate is done: the check comes before each one, so a
+        # pause before the first (the collector's) must not leave the oracle with none at all
+        if time_budget is not None and time.perf_counter() - started > time_budget:
+            if any(s.evaluated.any() for s in samples.values()):
                 break
         _difference_at(objective, name, flats[name], k, h1, h2, samples[name])
     return samples
