@@ -136,7 +136,7 @@ class Backward:
             if rule is None:  # stand-in gradients, so that the walk reaches the subgraphs before it
                 for value in (*node.inputs, *captured_values(node)):
                     if value is not None and value in reached:
-                        contributions.setdefault(value, []).append((shapes.zeros_like(self.op, value), None))
+                        contributions.setdefault(value, []).append((shapes.zeros(self.op, value), None))
                 continue
             dys = [total(out) for out in node.outputs]
             if all(g is None for g in dys):
@@ -509,7 +509,7 @@ def gradient_outputs(op: OpBuilder, namer: Namer, xs, grads) -> list[ir.Value]:
     outputs: list[ir.Value] = []
     for x, grad in zip(xs, grads):
         if grad is None:
-            grad = shapes.zeros_like(op, x)
+            grad = shapes.zeros(op, x)
             produced.update(op.nodes[-1].outputs)
         if grad not in produced:
             grad = shapes.alias(op, grad)

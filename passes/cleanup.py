@@ -416,7 +416,7 @@ def _lift_constants(model: ir.Model) -> bool:
         if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or len(node.attributes) != 1:
             continue
         out = node.outputs[0]
-        tensor = shapes.literal(out)
+        tensor = shapes.constant(out, computed=False)
         if out.is_graph_output() or tensor is None or not out.name or out.name in graph.initializers:
             continue
         if out.const_value is not None:

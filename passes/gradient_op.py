@@ -50,7 +50,7 @@ class GradientOpLoweringPass(ir.passes.InPlacePass):
         grads = backward.gradients(y, xs, shapes.ones_like(op, y))
         results = []
         for x, grad, out in zip(xs, grads, node.outputs):
-            grad = shapes.zeros_like(op, x) if grad is None else grad
+            grad = shapes.zeros(op, x) if grad is None else grad
             results.append((out, grad, x))
         graph.extend(op.nodes)
         for out, grad, x in results:

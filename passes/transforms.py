@@ -111,12 +111,12 @@ class JvpPass(_TransformPass):
 
     def build(self, backward, graph, y, xs, namer):
         op = backward.op
-        placeholder = shapes.zeros_like(op, y)  # the VJP is linear in its seed: any value will do
+        placeholder = shapes.zeros(op, y)  # the VJP is linear in its seed: any value will do
         grads = backward.gradients(y, xs, placeholder)
         tangents = [self._input_like(namer, "t", x) for x in xs]
         s = _inner_product(op, zip(grads, tangents))
         (jvp,) = _second_sweep(self.model, backward, s, [placeholder], tangents)
-        jvp = shapes.zeros_like(op, y) if jvp is None else jvp
+        jvp = shapes.zeros(op, y) if jvp is None else jvp
         return tangents, [self._output(op, namer, y.name, f"jvp_{y.name}", jvp, y)]
 
 
@@ -136,7 +136,7 @@ class HvpPass(_TransformPass):
         hvps = _second_sweep(self.model, backward, s, xs, directions)
         outputs = []
         for x, h in zip(xs, hvps):
-            h = shapes.zeros_like(op, x) if h is None else h
+            h = shapes.zeros(op, x) if h is None else h
             outputs.append(self._output(op, namer, x.name, f"hvp_{x.name}", h, x))
         return directions, outputs
 
@@ -173,7 +173,7 @@ class JacobianPass(_TransformPass):
             seed = _reshape(body, body.Cast(hot, to=int(y.dtype)) if bfloat16 else hot, body.Shape(y))
             inner = Backward(list(graph), backward.registry, backward.opsets, namer, body)
             for row, x, g in zip(rows, xs, inner.gradients(y, xs, seed)):
-                g = shapes.zeros_like(body, x) if g is None else g
+                g = shapes.zeros(body, x) if g is None else g
                 row.append(body.unsqueeze(g, [0]))
         stacked = [r[0] if len(r) == 1 else body.Concat(*r, axis=0) for r in rows]
         loop_body = body.graph([step, go], [body.const(np.array(True)), *stacked], name="jacobian_rows")

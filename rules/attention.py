@@ -228,7 +228,7 @@ def rotary_embedding(op, node, dY):
     dsin = op.ReduceSum(op.Sub(op.Mul(g2, x1), op.Mul(g1, x2)), [2], keepdims=0)
     for name, cache, grad in (("cos_cache", cos, dcos), ("sin_cache", sin, dsin)):
         if pos is not None:  # rows of the cache gathered by position: scatter-add back
-            grads[name] = op.ScatterND(shapes.zeros_like(op, cache), op.unsqueeze(pos, [-1]), grad,
+            grads[name] = op.ScatterND(shapes.zeros(op, cache), op.unsqueeze(pos, [-1]), grad,
                                        reduction="add")
         else:
             d = shapes.dims(X)

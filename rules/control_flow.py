@@ -20,7 +20,7 @@ def _branch_vjp(op, branch, dYs, wanted, name):
     body = op.child()
     outputs, nodes = body.inline(branch, [])
     grads = body.differentiate(nodes, list(zip(outputs, dYs)), wanted)
-    grads = [shapes.zeros_like(body, w) if g is None else g for g, w in zip(grads, wanted)]
+    grads = [shapes.zeros(body, w) if g is None else g for g, w in zip(grads, wanted)]
     graph = body.graph([], grads, name=name)
     shapes.typed_like(graph.outputs, wanted)
     return graph
@@ -30,7 +30,7 @@ def _branch_vjp(op, branch, dYs, wanted, name):
 def if_(op, node, *dYs, captures):
     """Y = then_branch() if cond else else_branch(); the backward is an If of the branches' VJPs."""
     wanted = list(captures)
-    cond = shapes.constant_input(node.inputs[0])
+    cond = shapes.constant(node.inputs[0])
     if cond is not None and cond.size == 1:
         # Known before run time: only the branch taken is differentiated (the other one may not
         # even be shaped consistently with it, as in function bodies written for several ranks).
@@ -88,15 +88,15 @@ def loop(op, node, *dYs, captures):
               for j, dY in enumerate(dYs[carried:]) if dY is not None]
     xs = [values[1 + k] for k in floats] + wanted
     grads = reverse.differentiate(nodes, seeds, xs)
-    dv_out = [g if g is not None else shapes.zeros_like(reverse, v) for g, v in zip(grads, xs)]
+    dv_out = [g if g is not None else shapes.zeros(reverse, v) for g, v in zip(grads, xs)]
     acc_out = [a if g is None else reverse.Add(a, g) for a, g in zip(acc_in, grads[len(floats):])]
     reverse_graph = reverse.graph(
         [step, keep_going, *dv_in, *acc_in],
         [reverse.const(np.array(True)), *dv_out[: len(floats)], *acc_out],
         name="loop_grad",
     )
-    dv_init = [dYs[k] if dYs[k] is not None else shapes.zeros_like(op, node.outputs[k]) for k in floats]
-    acc_init = [shapes.zeros_like(op, w) for w in wanted]
+    dv_init = [dYs[k] if dYs[k] is not None else shapes.zeros(op, node.outputs[k]) for k in floats]
+    acc_init = [shapes.zeros(op, w) for w in wanted]
     results = op.Loop(count, None, *dv_init, *acc_init, body=reverse_graph, _outputs=len(floats) + len(wanted))
     results = results if isinstance(results, tuple) else (results,)
     shapes.typed_like(results, [*(node.inputs[2 + k] for k in floats), *wanted])
@@ -191,7 +191,7 @@ def scan(op, node, *dYs, captures):
     seeds += [(recomputed[n_state + m], reverse.Gather(d, index)) for m, d in enumerate(d_outs) if d is not None]
     targets = [step_states[k] for k in floats_s] + [step_xs[j] for j in floats_x] + wanted
     grads = reverse.differentiate(nodes, seeds, targets)
-    grads = [g if g is not None else shapes.zeros_like(reverse, t) for g, t in zip(grads, targets)]
+    grads = [g if g is not None else shapes.zeros(reverse, t) for g, t in zip(grads, targets)]
     n_s, n_x = len(floats_s), len(floats_x)
     acc_out = [reverse.Add(a, g) for a, g in zip(acc_in, grads[n_s + n_x:])]
     reverse_graph = reverse.graph(
@@ -199,8 +199,8 @@ def scan(op, node, *dYs, captures):
         [reverse.const(np.array(True)), *grads[:n_s], *acc_out, *grads[n_s:n_s + n_x]],
         name="scan_grad",
     )
-    ds_init = [dYs[k] if dYs[k] is not None else shapes.zeros_like(op, node.outputs[k]) for k in floats_s]
-    acc_init = [shapes.zeros_like(op, w) for w in wanted]
+    ds_init = [dYs[k] if dYs[k] is not None else shapes.zeros(op, node.outputs[k]) for k in floats_s]
+    acc_init = [shapes.zeros(op, w) for w in wanted]
     results = op.Loop(count, None, *ds_init, *acc_init, body=reverse_graph, _outputs=n_s + len(wanted) + n_x)
     results = results if isinstance(results, tuple) else (results,)
     shapes.typed_like(results[: n_s + len(wanted)], [*(states[k] for k in floats_s), *wanted])

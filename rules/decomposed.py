@@ -58,7 +58,7 @@ def rms_norm(op, x, two, eps):
 def _number(value) -> float | None:
     """The one number a value holds before run time: a constant, or one computed from constants
     (a Cast of one, as exporters write some)."""
-    array = shapes.constant_input(value)
+    array = shapes.constant(value)
     return None if array is None or array.size != 1 else float(array.reshape(()))
 
 
@@ -84,7 +84,7 @@ def _axes_numbers(axes: ir.Value | tuple[int, ...], rank: int | None) -> tuple[i
     """The axes as sorted numbers (non-negative where the rank is known), also when computed from
     constants (torch.onnx.export writes a Reshape of one); None where not known before the run."""
     if isinstance(axes, ir.Value):
-        array = shapes.constant_input(axes)
+        array = shapes.constant(axes)
         if array is None:
             return None
         axes = tuple(int(a) for a in array.reshape(-1))

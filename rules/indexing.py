@@ -45,12 +45,12 @@ def _scatter_grads(op, node, dY, gather, scatter):
     Y = node.outputs[0]
     reduction = shapes.attr(node, "reduction", "none")
     if reduction == "none":
-        return {"data": scatter(dY, shapes.zeros_like(op, updates), None), "updates": gather(dY)}
+        return {"data": scatter(dY, shapes.zeros(op, updates), None), "updates": gather(dY)}
     if reduction == "add":
         return {"data": dY, "updates": gather(dY)}
     if reduction == "mul":
         # Y = data·Πu: dData = dY·Πu; du = dY·data·Π(other u), just dY·data when u writes alone.
-        writes = gather(scatter(shapes.zeros_like(op, data), shapes.ones_like(op, updates), "add"))
+        writes = gather(scatter(shapes.zeros(op, data), shapes.ones_like(op, updates), "add"))
         alone = op.Equal(writes, 1.0)
         shared = op.Div(gather(op.Mul(dY, Y)), select(op, alone, 1.0, updates))
         return {"data": scatter(dY, updates, "mul"),
@@ -58,7 +58,7 @@ def _scatter_grads(op, node, dY, gather, scatter):
     if reduction in ("max", "min"):
         data_wins = shapes.cast_like(op, op.Equal(data, Y), data)
         update_wins = shapes.cast_like(op, op.Equal(updates, gather(Y)), updates)
-        winners = op.Add(data_wins, scatter(shapes.zeros_like(op, data), update_wins, "add"))
+        winners = op.Add(data_wins, scatter(shapes.zeros(op, data), update_wins, "add"))
         share = op.Div(dY, winners)
         return {"data": op.Mul(share, data_wins), "updates": op.Mul(gather(share), update_wins)}
     raise RuleError(f"{node.op_type} with reduction '{reduction}' has no gradient rule")
@@ -128,7 +128,7 @@ def tensor_scatter(op, node, dY):
     write = node.inputs[2] if len(node.inputs) > 2 else None
     r = shapes.known_rank(past, "past_cache")
     axis = shapes.normalize_axis(shapes.attr(node, "axis", -2), r)
-    d_past = op.TensorScatter(dY, shapes.zeros_like(op, update), write, axis=axis,
+    d_past = op.TensorScatter(dY, shapes.zeros(op, update), write, axis=axis,
                               mode=shapes.attr(node, "mode", "linear"))
     length = shapes.extent(op, update, axis)
     steps = (op.const(np.arange(length, dtype=np.int64)) if isinstance(length, int)
@@ -164,7 +164,7 @@ def topk(op, node, dValues, dIndices=None):
         raise RuleError(f"the TopK gradient needs a scatter, which appears at opset 9 (the model "
                         f"has {op.opset}): convert it with onnx.version_converter")
     put = op.Scatter if op.opset < 11 else op.ScatterElements
-    return {"X": put(shapes.zeros_like(op, X), I, dValues, axis=axis)}
+    return {"X": put(shapes.zeros(op, X), I, dValues, axis=axis)}
 
 
 @rule("Unique", differentiable=("X",))
@@ -181,13 +181,13 @@ def unique(op, node, dY, *unused):
     else:
         first = op.Unique(X, axis=axis, sorted=sorted_, _outputs=2)[1]
     if axis is None:
-        flat = op.Reshape(shapes.zeros_like(op, X), [-1])
+        flat = op.Reshape(shapes.zeros(op, X), [-1])
         dX = op.ScatterElements(flat, first, dY, axis=0)
         return {"X": op.Reshape(dX, op.Shape(X))}
     r = shapes.known_rank(X, "X")
     axis = shapes.normalize_axis(axis, r)
     index = op.Expand(op.Reshape(first, [1] * axis + [-1] + [1] * (r - axis - 1)), op.Shape(dY))
-    return {"X": op.ScatterElements(shapes.zeros_like(op, X), index, dY, axis=axis)}
+    return {"X": op.ScatterElements(shapes.zeros(op, X), index, dY, axis=axis)}
 
 
 @rule("OneHot", differentiable=("values",))

@@ -91,7 +91,7 @@ def hardmax(op, node, dY):
     A rule returning zeros (not a non-differentiable declaration), so a gradient requested through
     Hardmax is zeros of the input's shape and never an "unreachable" error.
     """
-    return {"input": shapes.zeros_like(op, node.inputs[0])}
+    return {"input": shapes.zeros(op, node.inputs[0])}
 
 
 def _class_ids(op, scores, r: int):

@@ -62,7 +62,7 @@ def _times(op, dY, a):
 
 def zeros(op, x):
     """Zeros shaped like ``x`` (ConstantOfShape appears at opset 9; before it, x·0, NaN where x is inf)."""
-    return shapes.zeros_like(op, x) if op.opset >= 9 else op.Mul(x, 0.0)
+    return shapes.zeros(op, x) if op.opset >= 9 else op.Mul(x, 0.0)
 
 
 def needs_opset7(op, node, *dYs):

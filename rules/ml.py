@@ -18,7 +18,7 @@ ML = "ai.onnx.ml"
 def array_feature_extractor(op, node, dY):
     """Z = X[..., Y]: the selected features along the last axis; dX scatter-adds dZ back."""
     X, indices = node.inputs
-    zeros = shapes.zeros_like(op, X)
+    zeros = shapes.zeros(op, X)
     index = op.Expand(op.Reshape(indices, [-1]), op.Shape(dY))
     return {"X": op.ScatterElements(zeros, index, dY, axis=-1, reduction="add")}
 
@@ -39,7 +39,7 @@ def linear_regressor(op, node, dY):
 
 
 def _zero(op, node, *dYs):
-    return {"X": shapes.zeros_like(op, node.inputs[0])}
+    return {"X": shapes.zeros(op, node.inputs[0])}
 
 
 for _op_type in ("Binarizer", "TreeEnsemble", "TreeEnsembleRegressor", "TreeEnsembleClassifier"):

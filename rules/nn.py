@@ -433,7 +433,7 @@ def max_pool(op, node, dY, dIndices=None):
     why = "MaxPool's gradient (ScatterElements, with reduction='add' when windows overlap)"
     shapes.require_opset(op, 16 if overlapping else 11, why)
     # Indices are offsets into X flattened whole (batch and channel included).
-    zeros = shapes.zeros_like(op, op.Reshape(X, [-1]))
+    zeros = shapes.zeros(op, op.Reshape(X, [-1]))
     flat = op.ScatterElements(zeros, op.Reshape(indices, [-1]), op.Reshape(dY, [-1]), axis=0,
                               reduction="add" if op.opset >= 16 else None)
     return {"X": op.Reshape(flat, op.Shape(X))}
@@ -461,7 +461,7 @@ def global_max_pool(op, node, dY):
     shapes.require_opset(op, 11, "GlobalMaxPool's gradient (ScatterElements)")
     rows = op.reshape(X, [0, 0, -1])
     first = op.ArgMax(rows, axis=2, keepdims=1)
-    dX = op.ScatterElements(shapes.zeros_like(op, rows), first, op.reshape(dY, [0, 0, 1]), axis=2)
+    dX = op.ScatterElements(shapes.zeros(op, rows), first, op.reshape(dY, [0, 0, 1]), axis=2)
     return {"X": op.Reshape(dX, op.Shape(X))}
 
 
@@ -473,7 +473,7 @@ def _may_train(node: ir.Node) -> bool:
     mode = node.inputs[2] if len(node.inputs) > 2 else None
     if mode is None:
         return False
-    fixed = shapes.constant_input(mode)
+    fixed = shapes.constant(mode)
     return fixed is None or bool(fixed.item())
 
 
@@ -486,8 +486,8 @@ def dropout(op, node, dY, dMask=None):
     if op.opset >= 12:
         ratio = node.inputs[1] if len(node.inputs) > 1 else None
         mode = node.inputs[2] if len(node.inputs) > 2 else None
-        fixed_mode = None if mode is None else shapes.constant_input(mode)
-        fixed_ratio = 0.5 if ratio is None else shapes.constant_input(ratio)
+        fixed_mode = None if mode is None else shapes.constant(mode)
+        fixed_ratio = 0.5 if ratio is None else shapes.constant(ratio)
         if mode is None or (fixed_mode is not None and not fixed_mode.item()):
             return {"data": dY}
     else:
@@ -587,7 +587,7 @@ def global_lp_pool(op, node, dY):
 def col2im(op, node, dY):
     """Y = Σ of the column blocks at their image positions; dinput = Im2Col(dY): a Conv of each
     channel of dY with a one-hot kernel per block position."""
-    block = shapes.constant_input(node.inputs[2])
+    block = shapes.constant(node.inputs[2])
     if block is None:
         raise RuleError("Col2Im's gradient needs a constant block_shape")
     block = [int(b) for b in block]
@@ -669,7 +669,7 @@ def deform_conv(op, node, dY):
         grads["mask"] = op.Reshape(d_mask, op.Shape(mask))
         d_cols = op.Mul(d_cols, m)
     updates = [op.Mul(d_cols, op.Mul(w, v)) for w, v in zip(weights, (m00, m01, m10, m11))]
-    dX = op.ScatterElements(shapes.zeros_like(op, planes), op.Concat(i00, i01, i10, i11, axis=3),
+    dX = op.ScatterElements(shapes.zeros(op, planes), op.Concat(i00, i01, i10, i11, axis=3),
                             op.Concat(*updates, axis=3), axis=3, reduction="add")
     grads["X"] = op.Reshape(dX, op.Shape(X))
     slope_y = op.Add(op.Mul(hx, op.Sub(v10, v00)), op.Mul(lx, op.Sub(v11, v01)))

@@ -87,7 +87,7 @@ def _sequence_lens(node, steps):
     lens = _input(node, 4)
     if lens is None:
         return None
-    constant = shapes.constant_input(lens)
+    constant = shapes.constant(lens)
     if constant is not None and isinstance(steps, int) and np.all(constant == steps):
         return None
     return lens

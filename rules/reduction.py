@@ -26,7 +26,7 @@ def _axes(node):
     keepdims = shapes.attr(node, "keepdims", 1)
     noop = shapes.attr(node, "noop_with_empty_axes", 0)
     if len(node.inputs) > 1 and node.inputs[1] is not None:
-        constant = shapes.constant_input(node.inputs[1])
+        constant = shapes.constant(node.inputs[1])
         if constant is None:
             return node.inputs[1], keepdims, noop
         axes = [int(a) for a in constant.reshape(-1)]

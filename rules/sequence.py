@@ -54,12 +54,12 @@ def _map(op, seq: ir.Value, body_fn, name: str) -> ir.Value:
 
 def _zeros_like_seq(op, seq: ir.Value) -> ir.Value:
     """A sequence of zeros shaped like each element of ``seq``."""
-    return _map(op, seq, shapes.zeros_like, "zeros_like")
+    return _map(op, seq, shapes.zeros, "zeros_like")
 
 
 def _index(op, position: ir.Value, seq: ir.Value) -> ir.Value:
     """``position`` as a non-negative int64 index: a negative one counts back from len(seq)."""
-    value = shapes.constant_input(position)
+    value = shapes.constant(position)
     if value is not None and int(value) >= 0:
         return position
     p = op.Cast(position, to=int(ir.DataType.INT64))
@@ -86,7 +86,7 @@ def split_to_sequence(op, node, dS):
     keepdims = shapes.attr(node, "keepdims", 1)
     if split is None:
         return {"input": op.ConcatFromSequence(dS, axis=axis, new_axis=int(keepdims == 0))}
-    size = shapes.constant_input(split)
+    size = shapes.constant(split)
     scalar = shapes.rank(split) == 0 or (size is not None and size.ndim == 0)
     if scalar and keepdims == 0 and (size is None or int(size) == 1):
         # The spec ignores keepdims when split is given, onnxruntime removes the axis (what
@@ -148,7 +148,7 @@ def sequence_erase(op, node, dOut):
     """Out = S without the element at position (the last when absent)."""
     seq, position = node.inputs[0], (node.inputs[1] if len(node.inputs) > 1 else None)
     erased = op.SequenceAt(seq, position if position is not None else _int(op, -1))
-    zeros = shapes.zeros_like(op, _typed(erased, seq))
+    zeros = shapes.zeros(op, _typed(erased, seq))
     if position is None:
         return {"input_sequence": op.SequenceInsert(dOut, zeros)}
     return {"input_sequence": op.SequenceInsert(dOut, zeros, _index(op, position, seq))}
@@ -185,7 +185,7 @@ def sequence_map(op, node, *dOuts, captures):
     outputs, nodes = grad.inline(body, xs)
     targets = [xs[k] for k in floats] + wanted
     grads = grad.differentiate(nodes, [(outputs[k], d) for k, d in zip(seeded, ds)], targets)
-    grads = [shapes.zeros_like(grad, t) if g is None else g for g, t in zip(grads, targets)]
+    grads = [shapes.zeros(grad, t) if g is None else g for g, t in zip(grads, targets)]
     graph = grad.graph([*xs, *ds], grads, name="sequence_map_grad")
     for out, t in zip(graph.outputs, targets):
         out.type, out.shape = t.type, t.shape

@@ -115,7 +115,7 @@ def _constant(node, index: int, what: str):
     """A constant optional input (None when absent or empty); refuse run-time values."""
     if index >= len(node.inputs) or node.inputs[index] is None:
         return None
-    value = shapes.constant_input(node.inputs[index])
+    value = shapes.constant(node.inputs[index])
     if value is None:
         raise RuleError(f"{node.op_type}: the gradient needs '{what}' as a constant, but "
                         f"'{node.inputs[index].name}' is only known at run time (a graph input or a "
@@ -383,7 +383,7 @@ def grid_sample(op, node, dY):
                 term = op.Mul(term, flat(dw))
             grad_terms[d].append(term)
 
-    zeros = shapes.zeros_like(op, X_flat)
+    zeros = shapes.zeros(op, X_flat)
     dX_flat = op.ScatterElements(zeros, op.Concat(*indices, axis=2), op.Concat(*updates, axis=2),
                                  axis=2, reduction="add")
     grads = {"X": op.Reshape(dX_flat, op.Shape(X))}
@@ -396,7 +396,7 @@ def grid_sample(op, node, dY):
         dgrid = parts[0] if D == 1 else op.Concat(*parts, axis=-1)
         grads["grid"] = op.Cast(dgrid, to=int(grid.dtype)) if mixed else dgrid
     else:
-        grads["grid"] = shapes.zeros_like(op, grid)
+        grads["grid"] = shapes.zeros(op, grid)
     return grads
 
 
@@ -413,7 +413,7 @@ def _base_coords(n: int, align: bool) -> np.ndarray:
 @rule("AffineGrid", differentiable=("theta",), since=20)
 def affine_grid(op, node, dgrid):
     """grid[n, p] = θ[n] · (x_p, y_p(, z_p), 1); dθ[n] = Σ_p dgrid[n, p] ⊗ (x_p, y_p(, z_p), 1)"""
-    size = shapes.constant_input(node.inputs[1])
+    size = shapes.constant(node.inputs[1])
     if size is None:
         out = shapes.dims(node.outputs[0])
         if out is None or not all(isinstance(d, int) for d in out[1:-1]):
@@ -501,7 +501,7 @@ def roi_align(op, node, dY):
         samples_h = samples_w = ratio
         count_h = count_w = shapes.fill_like(op, roi_h, float(ratio))
     else:
-        boxes = shapes.constant_input(rois)
+        boxes = shapes.constant(rois)
         if boxes is None:
             raise RuleError("RoiAlign with sampling_ratio=0 samples a box-dependent number of points; "
                             "the gradient needs constant rois (or sampling_ratio > 0)")

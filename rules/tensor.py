@@ -109,7 +109,7 @@ def _scatter_axis(op, g, idx, d, axis: int, rank: int, add: bool):
 
 def _flat_index(op, indices, d):
     """indices flattened to 1-D int64 with negatives wrapped by d."""
-    known = shapes.constant_input(indices)
+    known = shapes.constant(indices)
     if known is not None and (isinstance(d, int) or np.all(known >= 0)):
         flat = known.reshape(-1).astype(np.int64)
         return op.const(np.where(flat < 0, flat + (d if isinstance(d, int) else 0), flat))
@@ -129,7 +129,7 @@ def _axes_of(op, node, index: int = 1):
         return shapes.attr(node, "axes")
     if len(node.inputs) <= index or node.inputs[index] is None:
         return None
-    known = shapes.constant_input(node.inputs[index])
+    known = shapes.constant(node.inputs[index])
     return [int(a) for a in known.reshape(-1)] if known is not None else node.inputs[index]
 
 
@@ -224,7 +224,7 @@ def concat(op, node, dY):
 @rule("Split", differentiable=("input",))
 def split(op, node, *dYs):
     """Y_i = consecutive chunks of X along axis; dX = Concat(dY_i, zeros for unused outputs)"""
-    parts = [g if g is not None else shapes.zeros_like(op, y) for g, y in zip(dYs, node.outputs)]
+    parts = [g if g is not None else shapes.zeros(op, y) for g, y in zip(dYs, node.outputs)]
     return {"input": op.Concat(*parts, axis=shapes.attr(node, "axis", 0))}
 
 
@@ -235,7 +235,7 @@ def _slice_params(op, node):
         starts, ends, axes = (shapes.attr(node, k) for k in ("starts", "ends", "axes"))
         return [None] * 4, [starts, ends, axes or list(range(len(starts))), [1] * len(starts)]
     values = [node.inputs[i] if len(node.inputs) > i else None for i in range(1, 5)]
-    known = [None if v is None else shapes.constant_input(v) for v in values]
+    known = [None if v is None else shapes.constant(v) for v in values]
     known = [None if k is None else [int(i) for i in k.reshape(-1)] for k in known]
     count = (shapes.static_shape(values[0]) or [None])[0]
     if count is not None:
@@ -292,7 +292,7 @@ def pad(op, node, dY):
     if op.opset < 11:
         pads = shapes.attr(node, "pads", shapes.attr(node, "paddings"))
     else:
-        known = shapes.constant_input(node.inputs[1])
+        known = shapes.constant(node.inputs[1])
         pads = node.inputs[1] if known is None else [int(p) for p in known]
         axes = _axes_of(op, node, 3)
         if isinstance(axes, ir.Value):
@@ -338,7 +338,7 @@ def tile(op, node, dY):
     """Y = X repeated; dX = ReduceSum over r of dY reshaped to (r0, d0, r1, d1, ...)"""
     X, repeats = node.inputs
     r = shapes.known_rank(X)
-    reps, shape = shapes.constant_input(repeats), shapes.static_shape(X)
+    reps, shape = shapes.constant(repeats), shapes.static_shape(X)
     if reps is not None and shape is not None:
         target = [int(v) for pair in zip(reps.tolist(), shape) for v in pair]
     else:
@@ -390,7 +390,7 @@ def gather_elements(op, node, dY):
     X, indices = node.inputs
     axis = shapes.attr(node, "axis", 0)
     if op.opset >= 16:
-        return {"data": op.ScatterElements(shapes.zeros_like(op, X), indices, dY, axis=axis,
+        return {"data": op.ScatterElements(shapes.zeros(op, X), indices, dY, axis=axis,
                                            reduction="add")}
     # No scatter-add yet: compare each index with arange(d) on a new axis after `axis`, weigh
     # dY by that one-hot mask and sum over the gathered axis.
@@ -422,7 +422,7 @@ def gather_nd(op, node, dY):
     if not isinstance(k, int):
         raise RuleError("GatherND needs the last dimension of indices to be static")
     idx = indices
-    if shapes.constant_input(indices) is None or np.any(shapes.constant_input(indices) < 0):
+    if shapes.constant(indices) is None or np.any(shapes.constant(indices) < 0):
         extent = _dims(op, X, b, b + k)
         idx = op.Where(op.Less(indices, 0), op.Add(indices, extent), indices)
     if b:
@@ -433,7 +433,7 @@ def gather_nd(op, node, dY):
             grids.append(op.Expand(column, grid_shape))
         idx = op.Concat(*grids, idx, axis=-1)
     if op.opset >= 16:
-        return {"data": op.ScatterND(shapes.zeros_like(op, X), idx, dY, reduction="add")}
+        return {"data": op.ScatterND(shapes.zeros(op, X), idx, dY, reduction="add")}
     return {"data": _scatter_nd_add_onehot(op, X, idx, dY, b + k)}
 
 

@@ -8,7 +8,7 @@ to ``Shape(x)``. Those gaps spread to everything downstream, and rules then lack
 need. :func:`complete_shapes` therefore infers again, by its own schema's inference, each node
 whose outputs lack a shape or hold dimensions onnx made up ("unk__0"), given the types of its
 inputs and the values of its small integer inputs that are known before run time
-(``shapes.constant_input``: initializers, Constant nodes in any enclosing scope, Shape and Size of
+(``shapes.constant``: initializers, Constant nodes in any enclosing scope, Shape and Size of
 statically shaped values, the branch of an If whose condition is known, small computations over
 those).
 
@@ -228,7 +228,7 @@ def infer_node_types(node: ir.Node, schema, inputs, outer=(), imports=None) -> d
     data = {}
     for v in inputs:
         if v.dtype in _INDEX_TYPES and v.name not in data:
-            array = shapes.constant_input(v)
+            array = shapes.constant(v)
             if array is not None:
                 data[v.name] = onnx.numpy_helper.from_array(np.asarray(array, v.dtype.numpy()), v.name)
     try:
@@ -311,7 +311,7 @@ def _inference_key(node: ir.Node) -> tuple | None:
         if v is None:
             inputs.append(None)
             continue
-        data = shapes.constant_input(v) if v.dtype in _INDEX_TYPES else None
+        data = shapes.constant(v) if v.dtype in _INDEX_TYPES else None
         inputs.append((v.dtype, shapes.dims(v), None if data is None else (np.shape(data), np.asarray(data).tobytes())))
     return (node.op_type, len(node.outputs), tuple(attributes), tuple(inputs))
 

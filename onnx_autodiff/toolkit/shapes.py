@@ -104,15 +104,36 @@ def swap_last2(op: OpBuilder, x: ir.Value, rank_: int) -> ir.Value:
     return op.Transpose(x, perm=perm)
 
 
-def constant_input(value: ir.Value | None) -> np.ndarray | None:
-    """The numpy value of an input known before run time, else None.
+def constant(value: ir.Value | None, *, computed: bool = True) -> np.ndarray | None:
+    """The numpy value of ``value`` when it is known before run time, else None.
 
-    Initializers and Constant outputs, Shape and Size of a statically shaped value, the output of
-    an If whose condition is known, and small computations over those (unoptimised exports compute
-    axes, pads and shapes with Reshape/Concat/Gather of constants): evaluated here, never folded
-    into the graph.
+    Initializers and Constant outputs, and with ``computed`` (the rules' reading) also Shape and
+    Size of a statically shaped value, the output of an If whose condition is known, and small
+    computations over those (unoptimised exports compute axes, pads and shapes with
+    Reshape/Concat/Gather of constants): evaluated here, never folded into the graph. The cleanup
+    reads with ``computed=False``: it folds computed constants itself, and evaluating them in its
+    checks would cost every round.
     """
-    return _constant(value, depth=0)
+    return _computed(value, depth=0) if computed else _stored(value)
+
+
+def number(value: ir.Value | None) -> bool | int | float | None:
+    """The one number ``value`` holds before run time (a constant of one element, as
+    :func:`constant` reads it) as a Python number of its dtype's kind; None otherwise."""
+    array = constant(value)
+    return None if array is None or array.size != 1 else array.reshape(()).item()
+
+
+def axes(node: ir.Node, index: int = 1, *, computed: bool = True) -> list[int] | ir.Value | None:
+    """The axes ``node`` is given: its input ``index`` (from opset 13; Reduce* but ReduceSum: 18),
+    else its ``axes`` attribute. Ints when known before run time (read as :func:`constant`
+    reads), the input itself when only the run knows them, None when the node has neither."""
+    if len(node.inputs) > index and node.inputs[index] is not None:
+        given = node.inputs[index]
+        array = constant(given, computed=computed)
+        return given if array is None else [int(a) for a in array.reshape(-1)]
+    listed = attr(node, "axes")
+    return None if listed is None else [int(a) for a in listed]
 
 
 _MAX_FOLDED_ELEMENTS = 4096
@@ -120,7 +141,7 @@ _NEVER_FOLDED = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", 
                            "Multinomial", "Bernoulli", "Dropout"})
 
 
-def literal(value: ir.Value | None) -> np.ndarray | None:
+def _stored(value: ir.Value | None) -> np.ndarray | None:
     """The value's array when it is an initializer or a Constant's output (not one computed from
     them) and its data is there; None otherwise."""
     if value is None:
@@ -140,16 +161,16 @@ def literal(value: ir.Value | None) -> np.ndarray | None:
         return None
 
 
-def _constant(value: ir.Value | None, depth: int) -> np.ndarray | None:
+def _computed(value: ir.Value | None, depth: int) -> np.ndarray | None:
     if value is None:
         return None
     if value.const_value is not None:
-        return literal(value)
+        return _stored(value)
     producer = value.producer()
     if producer is None or producer.domain not in ("", "ai.onnx") or depth > 12:
         return None
     if producer.op_type == "Constant":
-        return literal(value)
+        return _stored(value)
     if producer.op_type == "Shape":
         shape = dims(producer.inputs[0])
         if shape is None:
@@ -161,18 +182,18 @@ def _constant(value: ir.Value | None, depth: int) -> np.ndarray | None:
         return None if shape is None else np.asarray(int(np.prod(shape, dtype=np.int64)), np.int64)
     if producer.op_type == "If":
         # A condition known before run time picks the branch whose output this is.
-        cond = _constant(producer.inputs[0], depth + 1)
+        cond = _computed(producer.inputs[0], depth + 1)
         if cond is None or cond.size != 1:
             return None
         branch = attr(producer, "then_branch" if bool(cond.reshape(())) else "else_branch")
-        return _constant(branch.outputs[list(producer.outputs).index(value)], depth + 1)
+        return _computed(branch.outputs[list(producer.outputs).index(value)], depth + 1)
     if producer.op_type in _NEVER_FOLDED or any(
         a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in producer.attributes.values()
     ):
         return None
     arrays = []
     for given in producer.inputs:
-        array = None if given is None else _constant(given, depth + 1)
+        array = None if given is None else _computed(given, depth + 1)
         if given is not None and (array is None or array.size > _MAX_FOLDED_ELEMENTS):
             return None
         arrays.append(array)
@@ -216,19 +237,26 @@ def typed_like(values: Sequence[ir.Value], likes: Sequence[ir.Value]) -> Sequenc
     return values
 
 
-def fill_like(op: OpBuilder, x: ir.Value, fill: float) -> ir.Value:
-    """A tensor of x's shape and dtype filled with ``fill``."""
-    shape = static_shape(x)
-    if x.dtype is not None and shape is not None and int(np.prod(shape)) <= 1:
-        return op.const(np.full(shape, fill), dtype=x.dtype)
+def fill_like(op: OpBuilder, x: ir.Value, fill: float, shape: ir.Value | None = None) -> ir.Value:
+    """A tensor of x's dtype filled with ``fill``, of x's shape or of ``shape`` (an int64 shape
+    value; then only ``op.<OpType>`` calls are made, which the cleanup's rewriter tape takes too)."""
+    if shape is None:
+        static = static_shape(x)
+        if x.dtype is not None and static is not None and int(np.prod(static)) <= 1:
+            return op.const(np.full(static, fill), dtype=x.dtype)
+        shape = op.Shape(x)
     if x.dtype is not None:
-        return op.ConstantOfShape(op.Shape(x), value=ir.Tensor(np.array([fill], x.dtype.numpy())))
-    filled = op.ConstantOfShape(op.Shape(x), value=ir.Tensor(np.array([fill], np.float32)))
+        return op.ConstantOfShape(shape, value=ir.Tensor(np.array([fill], x.dtype.numpy())))
+    filled = op.ConstantOfShape(shape, value=ir.Tensor(np.array([fill], np.float32)))
     return op.CastLike(filled, x)
 
 
-def zeros_like(op: OpBuilder, x: ir.Value) -> ir.Value:
-    return fill_like(op, x, 0.0)
+def zeros(op: OpBuilder, like: ir.Value, shape: ir.Value | None = None) -> ir.Value:
+    """Zeros of ``like``'s dtype, and of its shape or of ``shape`` (see :func:`fill_like`)."""
+    return fill_like(op, like, 0.0, shape)
+
+
+zeros_like = zeros  # the name the design card gives rule writers
 
 
 def ones_like(op: OpBuilder, x: ir.Value) -> ir.Value:

@@ -549,7 +549,7 @@ def _training_dropout_by_hash(model: ir.Model, namer: Namer) -> dict[str, ir.Val
 
 
 def _constant_true(value: ir.Value | None) -> bool:
-    fixed = shapes.constant_input(value) if value is not None else None
+    fixed = shapes.constant(value) if value is not None else None
     return fixed is not None and bool(fixed.item())
 
 

@@ -1,6 +1,8 @@
 """What the cleanup's rules know of values: their dims, the one number a value holds everywhere
-(its fill), literal constants, axes and permutations, broadcasting; how they make zeros and
-constants; and the MatchResult their checks return."""
+(its fill), axes and permutations, broadcasting; whether zeros fit and how they make constants;
+and the MatchResult their checks return. Constants, axes and zeros themselves come from the
+toolkit (:func:`~onnx_autodiff.toolkit.shapes.constant`, ``axes``, ``zeros``), read with
+``computed=False``: the cleanup folds computed constants itself."""
 
 from __future__ import annotations
 
@@ -70,7 +72,7 @@ def fill(value: ir.Value | None) -> float | None:
     ConstantOfShape, and Expand, Identity or Cast of one."""
     node = None if value is None else value.producer()
     if value is not None and value.const_value is not None or node is not None and node.op_type == "Constant":
-        array = shapes.literal(value)
+        array = shapes.constant(value, computed=False)
         if array is None or array.size == 0 or array.dtype.kind not in "biuf":
             return None
         flat = array.reshape(-1)
@@ -96,18 +98,10 @@ def fill(value: ir.Value | None) -> float | None:
     return None
 
 
-def axes(node: ir.Node, index: int = 1) -> list[int] | None:
-    """A node's axes: its input ``index`` from opset 13 (Reduce*: 18) on, else the attribute."""
-    if len(node.inputs) > index and node.inputs[index] is not None:
-        array = shapes.literal(node.inputs[index])
-        return None if array is None else [int(a) for a in np.asarray(array).reshape(-1)]
-    value = shapes.attr(node, "axes")
-    return None if value is None else [int(a) for a in value]
-
-
-def normalized(axes_: list[int] | None, rank: int | None) -> list[int] | None:
-    """The axes made non-negative and sorted; None when one is out of range."""
-    if axes_ is None or rank is None or any(not -rank <= a < rank for a in axes_):
+def normalized(axes_: list[int] | ir.Value | None, rank: int | None) -> list[int] | None:
+    """The axes made non-negative and sorted; None when they are not known before run time or
+    one is out of range."""
+    if not isinstance(axes_, list) or rank is None or any(not -rank <= a < rank for a in axes_):
         return None
     return sorted(a % rank for a in axes_)
 
@@ -149,7 +143,7 @@ def renamable(value: ir.Value, graph: ir.Graph | ir.Function) -> bool:
 
 
 def zeros_fit(like: ir.Value, opset_: int) -> bool:
-    """Whether :func:`zeros` can make zeros like ``like``: a static shape and a numeric dtype;
+    """Whether the cleanup can make zeros like ``like`` from constants: a static shape and a numeric dtype;
     before opset 9 (no ConstantOfShape, Constant of float tensors only) a small float tensor."""
     shape = shapes.dims(like)
     if not static(shape) or like.dtype is None or like.dtype.numpy().kind not in "biuf":
@@ -157,15 +151,7 @@ def zeros_fit(like: ir.Value, opset_: int) -> bool:
     return opset_ >= 9 or size(shape) <= SMALL and like.dtype in CONSTANT_TYPES_BEFORE_9
 
 
-def zeros(op, like: ir.Value) -> ir.Value:
-    """Zeros of ``like``'s static shape and dtype: a Constant when small, else ConstantOfShape."""
-    shape, dtype = shapes.dims(like), like.dtype.numpy()
-    if size(shape) <= SMALL:
-        return constant(op, np.zeros(shape, dtype))
-    return op.ConstantOfShape(constant(op, np.array(shape, np.int64)), value=ir.tensor(np.zeros([1], dtype)))
-
-
-def constant(op, array: np.ndarray) -> ir.Value:
+def new_constant(op, array: np.ndarray) -> ir.Value:
     """A Constant node's output that carries its tensor, type and shape (the next rules in the same
     sweep read them; a function cannot hold the initializer ``op.initializer`` would make)."""
     tensor = ir.tensor(array)

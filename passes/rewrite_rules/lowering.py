@@ -27,8 +27,8 @@ import onnx_ir as ir
 from onnxscript.rewriter import RewriteRule, RewriteRuleSet
 
 from onnx_autodiff.passes.metadata import GRAD_OF
-from onnx_autodiff.passes.rewrite_rules.analysis import axes, fill, normalized, opset, perm, produced_by, static, verdict
-from onnx_autodiff.toolkit.shapes import dims, rank
+from onnx_autodiff.passes.rewrite_rules.analysis import fill, normalized, opset, perm, produced_by, static, verdict
+from onnx_autodiff.toolkit.shapes import axes, dims, rank
 from onnx_autodiff.passes.rewrite_rules.webgpu import webgpu_rules
 from onnx_autodiff.toolkit import FLOAT_TYPES
 
@@ -122,7 +122,8 @@ def _sums_the_rows(context, node: ir.Node):
     shape = dims(x)
     if node.attributes.get_int("keepdims", 1) != 0 or x.dtype not in _COLUMN_SUM_TYPES or opset(context.model) < 5:
         return verdict(False, "not a float or double sum without keepdims")
-    if not static(shape) or len(shape) < 2 or normalized(axes(node), len(shape)) != list(range(len(shape) - 1)):
+    leading = list(range(len(shape) - 1)) if static(shape) else None
+    if not leading or normalized(axes(node, computed=False), len(shape)) != leading:
         return verdict(False, "not a sum over every axis but the last of a static shape")
     return verdict(int(np.prod(shape[:-1])) <= COLUMN_SUM_ROWS,
                    f"more than {COLUMN_SUM_ROWS} rows (the vector of ones would bloat the model)")

@@ -19,9 +19,9 @@ from onnxscript.rewriter import RewriteRule
 from onnxscript.rewriter._basics import MatchResult
 
 from onnx_autodiff.passes.rewrite_rules.analysis import (
-    axes, broadcast, fill, normalized, produced_by, renamable, same, static, verdict,
+    broadcast, fill, normalized, produced_by, renamable, same, static, verdict,
 )
-from onnx_autodiff.toolkit.shapes import attr, dims, literal, rank
+from onnx_autodiff.toolkit.shapes import attr, axes, constant, dims, rank
 
 # The neutral operand of each binary op, and whether it may stand first.
 _NEUTRAL = {"Mul": (1.0, True), "Div": (1.0, False), "Add": (0.0, True), "Sub": (0.0, False)}
@@ -118,7 +118,7 @@ def _keeps_shape(context, node: ir.Node) -> MatchResult:
     x, out = node.inputs[0], node.outputs[0]
     if static(dims(x)) and same(dims(x), dims(out)) and x.dtype == out.dtype:
         return verdict(True, "")
-    target = literal(node.inputs[1]) if node.op_type == "Expand" and len(node.inputs) > 1 else None
+    target = constant(node.inputs[1], computed=False) if node.op_type == "Expand" and len(node.inputs) > 1 else None
     ones = target is not None and dims(x) is not None and target.size <= len(dims(x)) and bool(np.all(target == 1))
     return verdict(ones, "the shape changes")
 
@@ -136,8 +136,8 @@ def _reduces_nothing(context, node: ir.Node) -> MatchResult:
     x = node.inputs[0]
     if attr(node, "keepdims", 1) != 1 or dims(x) is None:
         return verdict(False, "keepdims=0 or an unknown rank")
-    reduced = axes(node)
-    if reduced is None and len(node.inputs) > 1 and node.inputs[1] is not None:
+    reduced = axes(node, computed=False)
+    if isinstance(reduced, ir.Value):
         return verdict(False, "axes known at run time only")
     if not reduced:
         return verdict(attr(node, "noop_with_empty_axes", 0) == 1, "no axes: every axis reduces")
@@ -151,10 +151,12 @@ def _squeeze_of_unsqueeze(op, x):
 
 
 def _squeezes_what_was_unsqueezed(context, x, inner) -> MatchResult:
-    unsqueeze = produced_by(inner, "Unsqueeze")
-    r = None if rank(x) is None else rank(x) + len(axes(unsqueeze) or [])
-    squeezed = normalized(axes(context.root), r)
-    return verdict(squeezed is not None and squeezed == normalized(axes(unsqueeze), r), "other axes")
+    unsqueezed = axes(produced_by(inner, "Unsqueeze"), computed=False)
+    if not isinstance(unsqueezed, list):
+        return verdict(False, "other axes")
+    r = None if rank(x) is None else rank(x) + len(unsqueezed)
+    squeezed = normalized(axes(context.root, computed=False), r)
+    return verdict(squeezed is not None and squeezed == normalized(unsqueezed, r), "other axes")
 
 
 def _unsqueeze_of_squeeze(op, x):
@@ -163,8 +165,9 @@ def _unsqueeze_of_squeeze(op, x):
 
 def _unsqueezes_what_was_squeezed(context, x, inner) -> MatchResult:
     """An explicit Squeeze removes exactly its axes, which the Unsqueeze puts back."""
-    unsqueezed = normalized(axes(context.root), rank(x))
-    return verdict(bool(unsqueezed) and unsqueezed == normalized(axes(produced_by(inner, "Squeeze")), rank(x)),
+    unsqueezed = normalized(axes(context.root, computed=False), rank(x))
+    squeezed = axes(produced_by(inner, "Squeeze"), computed=False)
+    return verdict(bool(unsqueezed) and unsqueezed == normalized(squeezed, rank(x)),
                    "other axes")
 
 

@@ -14,8 +14,10 @@ import onnx_ir as ir
 from onnxscript.rewriter import RewriteRule
 from onnxscript.rewriter._basics import MatchResult
 
-from onnx_autodiff.passes.rewrite_rules.analysis import concat_axis, constant, only_use, opset, produced_by, same, verdict
-from onnx_autodiff.toolkit.shapes import attr, dims, literal
+from onnx_autodiff.passes.rewrite_rules.analysis import (
+    concat_axis, new_constant, only_use, opset, produced_by, same, verdict,
+)
+from onnx_autodiff.toolkit.shapes import attr, constant, dims
 
 
 def _reshape_of_reshape(op, x, first, shape):
@@ -23,7 +25,7 @@ def _reshape_of_reshape(op, x, first, shape):
 
 
 def _to_explicit_shape(context, x, first, shape) -> MatchResult:
-    target = literal(shape)
+    target = constant(shape, computed=False)
     return verdict(target is not None and not np.any(target == 0), "the shape is not a constant without zeros")
 
 
@@ -69,7 +71,7 @@ def _concat_of_reshapes(op, a):
 def _reshape_of_concat(op, a, out):
     node = out.producer()
     axis = attr(node, "axis") % len(dims(out))
-    shape = constant(op, np.array([0] * axis + [-1], np.int64))
+    shape = new_constant(op, np.array([0] * axis + [-1], np.int64))
     return op.Reshape(op.Concat(*_merged_sources(node, axis), axis=axis), shape)
 
 

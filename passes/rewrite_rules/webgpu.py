@@ -51,8 +51,8 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import RewriteRule
 
-from onnx_autodiff.passes.rewrite_rules.analysis import constant, opset, verdict
-from onnx_autodiff.toolkit.shapes import dims, literal, rank
+from onnx_autodiff.passes.rewrite_rules.analysis import new_constant, opset, verdict
+from onnx_autodiff.toolkit.shapes import constant, dims, rank
 from onnx_autodiff.toolkit import shapes
 
 _FLOATS = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16})
@@ -73,7 +73,7 @@ def _noted_opset(context, node: ir.Node) -> int:
 
 
 def _const(op, array) -> ir.Value:
-    return constant(op, np.asarray(array))
+    return new_constant(op, np.asarray(array))
 
 
 def _reduce(op, kind: str, x: ir.Value, axes: list[int] | None, keepdims: int, version: int) -> ir.Value:
@@ -237,7 +237,7 @@ def _label_lookup(op, labels: ir.Value, classes: int, ignore_index: int | None) 
     for user, index in labels.uses():
         if (user.op_type == "Gather" and user.domain == "" and index == 1 and user.graph is labels.graph
                 and shapes.attr(user, "axis", 0) == 0):
-            data = literal(user.inputs[0])
+            data = constant(user.inputs[0], computed=False)
             if data is not None and data.dtype == table.dtype and np.array_equal(data, table):
                 return user.outputs[0]
     return op.Gather(_const(op, table), labels, axis=0)
@@ -261,7 +261,7 @@ def _equal_of_labels(context, node: ir.Node):
     a, k = node.inputs
     if a is None or k is None or a.dtype != ir.DataType.INT64:
         return verdict(False, "not an Equal of int64 values")
-    values = literal(k)
+    values = constant(k, computed=False)
     if values is None or values.size > LABEL_TABLE_PADDING:
         return verdict(False, "not a comparison with a small constant")
     _noted_opset(context, node)
@@ -282,7 +282,7 @@ def _equal_of_ids(op, a, k):
     if unsqueeze is not None:
         axes = shapes.attr(unsqueeze, "axes")
         ids = op.Unsqueeze(ids, axes=axes) if axes is not None else op.Unsqueeze(ids, unsqueeze.inputs[1])
-    return op.Equal(ids, _const(op, label_ids(literal(k), classes, ignore_index)))
+    return op.Equal(ids, _const(op, label_ids(constant(k, computed=False), classes, ignore_index)))
 
 
 # SoftmaxCrossEntropyLoss and NegativeLogLikelihoodLoss

@@ -6,11 +6,13 @@ other factor is not finite, as gradients assume."""
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import RewriteRule
 from onnxscript.rewriter._basics import MatchResult
 
-from onnx_autodiff.passes.rewrite_rules.analysis import fill, opset, verdict, zeros, zeros_fit
+from onnx_autodiff.passes.rewrite_rules.analysis import SMALL, fill, new_constant, opset, size, verdict, zeros_fit
+from onnx_autodiff.toolkit.shapes import dims, zeros
 
 # Ops whose result is zero when one of the listed inputs is all zeros (ZERO_IF_ALL: every input).
 ZERO_IF_INPUT = {
@@ -37,7 +39,12 @@ def _gives_zeros(context, node: ir.Node) -> MatchResult:
 
 
 def _zeros_like(op, x, out):
-    return zeros(op, out)
+    # from out's static shape (zeros_fit holds), never Shape(out): the rewrite must not keep
+    # out's producer alive
+    shape = dims(out)
+    if size(shape) <= SMALL:
+        return new_constant(op, np.zeros(shape, out.dtype.numpy()))
+    return zeros(op, out, new_constant(op, np.array(shape, np.int64)))
 
 
 def _zero_result(op_type: str) -> RewriteRule:

@@ -182,7 +182,7 @@ def _expand_registry(wrong: bool = False, refuse_always: bool = False):
 
     @registry.register("Expand", differentiable=("input",), broadcast=True, since=8)
     def expand(op, node, dY):
-        if refuse_always or shapes.constant_input(node.inputs[1]) is None:
+        if refuse_always or shapes.constant(node.inputs[1]) is None:
             raise RuleError("Expand: the gradient needs 'shape' as a constant")
         return {"input": op.Mul(dY, 2.0) if wrong else dY}
 
@@ -337,7 +337,7 @@ def test_constants_and_default_attributes_together(cases):
 
     @registry.register("STFT", differentiable=shipped.differentiable, since=17)
     def stft(op, node, *dYs):
-        if shapes.constant_input(node.inputs[1]) is None:
+        if shapes.constant(node.inputs[1]) is None:
             raise RuleError("STFT: the gradient needs a constant frame_step")
         return shipped.backward(op, node, *dYs)
 
