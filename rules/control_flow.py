@@ -30,11 +30,11 @@ def _branch_vjp(op, branch, dYs, wanted, name):
 def if_(op, node, *dYs, captures):
     """Y = then_branch() if cond else else_branch(); the backward is an If of the branches' VJPs."""
     wanted = list(captures)
-    cond = shapes.constant(node.inputs[0])
-    if cond is not None and cond.size == 1:
+    cond = shapes.number(node.inputs[0])
+    if cond is not None:
         # Known before run time: only the branch taken is differentiated (the other one may not
         # even be shaped consistently with it, as in function bodies written for several ranks).
-        branch = shapes.attr(node, "then_branch" if bool(cond.reshape(())) else "else_branch")
+        branch = shapes.attr(node, "then_branch" if cond else "else_branch")
         outputs, nodes = op.inline(branch, [])
         grads = op.differentiate(nodes, list(zip(outputs, dYs)), wanted)
         return {w: g for w, g in zip(wanted, grads) if g is not None}

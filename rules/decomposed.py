@@ -55,13 +55,6 @@ def rms_norm(op, x, two, eps):
     return op.Mul(x, op.Reciprocal(op.Sqrt(op.Add(mean, eps)), _outputs=["r"]))
 
 
-def _number(value) -> float | None:
-    """The one number a value holds before run time: a constant, or one computed from constants
-    (a Cast of one, as exporters write some)."""
-    array = shapes.constant(value)
-    return None if array is None or array.size != 1 else float(array.reshape(()))
-
-
 def _reductions_keep_dims(context) -> bool:
     """Every reduction of the match keeps the reduced axes and reduces over the axes it is given."""
     return all(shapes.attr(node, "keepdims", 1) == 1 and shapes.attr(node, "noop_with_empty_axes", 0) == 0
@@ -72,51 +65,37 @@ def _reductions(nodes) -> list[ir.Node]:
     return [node for node in nodes if node.op_type.startswith("Reduce")]
 
 
-def _reduced_axes(node: ir.Node) -> ir.Value | tuple[int, ...] | None:
-    """What a Reduce* node reduces over: its axes input or its axes attribute; None for all axes."""
-    if len(node.inputs) > 1 and node.inputs[1] is not None:
-        return node.inputs[1]
-    axes = shapes.attr(node, "axes")
-    return None if axes is None else tuple(axes)
-
-
-def _axes_numbers(axes: ir.Value | tuple[int, ...], rank: int | None) -> tuple[int, ...] | None:
-    """The axes as sorted numbers (non-negative where the rank is known), also when computed from
-    constants (torch.onnx.export writes a Reshape of one); None where not known before the run."""
-    if isinstance(axes, ir.Value):
-        array = shapes.constant(axes)
-        if array is None:
-            return None
-        axes = tuple(int(a) for a in array.reshape(-1))
-    return tuple(sorted(a % rank if rank else a for a in axes))
-
-
 def _same_axes(nodes, x: ir.Value) -> bool:
     """Every reduction among ``nodes`` reduces x's axes (or a value of x's rank) over the same
     given axes: one value, or constants naming the same axes."""
-    axes = [_reduced_axes(node) for node in _reductions(nodes)]
-    if not axes or any(a is None for a in axes):
+    given = [shapes.axes(node) for node in _reductions(nodes)]
+    if not given or any(a is None for a in given):
         return False
-    if all(a is axes[0] for a in axes):
-        return True
-    numbers = [_axes_numbers(a, shapes.rank(x)) for a in axes]
-    return numbers[0] is not None and all(n == numbers[0] for n in numbers)
+    if all(a is given[0] for a in given):
+        return True  # one value known at run time only
+    if any(isinstance(a, ir.Value) for a in given):
+        return False
+    rank = shapes.rank(x)
+    numbers = [sorted(a % rank if rank else a for a in axes) for axes in given]
+    return all(n == numbers[0] for n in numbers)
 
 
-def _backward_axes(match) -> ir.Value | tuple[int, ...]:
-    """The axes the match reduces over, for the backward's reductions (the same form at the same opset)."""
-    return _reduced_axes(_reductions(match.nodes)[0])
+def _backward_axes(node: ir.Node) -> ir.Value | list[int] | None:
+    """What the reduction ``node`` reduces over, for the backward's reductions in the same form at
+    the same opset: its axes input itself (shared, not copied), else its attribute's axes."""
+    given = node.inputs[1] if len(node.inputs) > 1 else None
+    return given if given is not None else shapes.axes(node)
 
 
 def _squares_kept_dims(context, x, two, eps, **_) -> bool:
     """x² (the exponent a constant 2, as exporters write it) averaged over given axes, kept."""
-    return _number(two) == 2.0 and _same_axes(context.nodes, x) and _reductions_keep_dims(context)
+    return shapes.number(two) == 2.0 and _same_axes(context.nodes, x) and _reductions_keep_dims(context)
 
 
 @rule(pattern=rms_norm, differentiable=("x",), when=_squares_kept_dims)
 def _rms_norm(op, match, dY):
     r, y = match["r"], match.outputs[0]
-    mean = op.reduce("ReduceMean", op.Mul(dY, y), _backward_axes(match))
+    mean = op.reduce("ReduceMean", op.Mul(dY, y), _backward_axes(_reductions(match.nodes)[0]))
     return {"x": op.Mul(r, op.Sub(dY, op.Mul(y, mean)))}
 
 
@@ -127,14 +106,14 @@ def gelu_tanh(op, x, half, three, k, c, one):
 
 def _gelu_constants(context, x, half, three, k, c, one, **_) -> bool:
     """½, 3 and 1 where the formula has them; k and c any constants."""
-    values = [_number(v) for v in (half, three, k, c, one)]
+    values = [shapes.number(v) for v in (half, three, k, c, one)]
     return None not in values and values[0] == 0.5 and values[1] == 3.0 and values[4] == 1.0
 
 
 @rule(pattern=gelu_tanh, differentiable=("x",), when=_gelu_constants)
 def _gelu_tanh(op, match, dY):
     x, t, s = match["x"], match["t"], match["s"]
-    k, c = _number(match["k"]), _number(match["c"])
+    k, c = shapes.number(match["k"]), shapes.number(match["c"])
     slope = op.Add(op.Mul(op.Mul(x, x), op.const(1.5 * k * c, like=x)), op.const(0.5 * c, like=x))
     sech2 = op.Sub(op.const(1.0, like=x), op.Mul(t, t))
     total = op.Add(op.Mul(s, op.const(0.5, like=x)), op.Mul(op.Mul(x, sech2), slope))
@@ -149,13 +128,14 @@ def layer_norm(op, x, two, eps):
 
 def _centred_squares_kept_dims(context, x, eps, two=None, **_) -> bool:
     """Centred and averaged over the same axes, kept; squared by Pow(d, 2) or Mul(d, d); ε a constant."""
-    squared = two is None or _number(two) == 2.0
-    return squared and _number(eps) is not None and _same_axes(context.nodes, x) and _reductions_keep_dims(context)
+    squared = two is None or shapes.number(two) == 2.0
+    return (squared and shapes.number(eps) is not None and _same_axes(context.nodes, x)
+            and _reductions_keep_dims(context))
 
 
 @rule(pattern=layer_norm, differentiable=("x",), when=_centred_squares_kept_dims)
 def _layer_norm(op, match, dY):
-    root, y, axes = match["root"], match.outputs[0], _backward_axes(match)
+    root, y, axes = match["root"], match.outputs[0], _backward_axes(_reductions(match.nodes)[0])
     centred = op.Sub(dY, op.reduce("ReduceMean", dY, axes))
     return {"x": op.Div(op.Sub(centred, op.Mul(y, op.reduce("ReduceMean", op.Mul(dY, y), axes))), root)}
 
@@ -176,9 +156,10 @@ def gelu_erf_half_first(op, x, scale, one, half):
 
 def _gelu_erf_constants(context, x, scale, one, half, divided, **_) -> bool:
     """x/√2 (to float32 precision), 1 and ½ where the formula has them."""
-    factor = _number(scale)
+    factor = shapes.number(scale)
     expected = 2**0.5 if divided else 2**-0.5
-    return factor is not None and abs(factor - expected) < 1e-6 and _number(one) == 1.0 and _number(half) == 0.5
+    return (factor is not None and abs(factor - expected) < 1e-6 and shapes.number(one) == 1.0
+            and shapes.number(half) == 0.5)
 
 
 def _gelu_erf_gradient(op, x, cdf, dY):
@@ -210,5 +191,5 @@ def _shifted_by_max_kept_dims(context, x, **_) -> bool:
 @rule(pattern=softmax, differentiable=("x",), when=_shifted_by_max_kept_dims)
 def _softmax(op, match, dY):
     y = match.outputs[0]
-    axes = _reduced_axes(match["total"].producer())  # ReduceSum's own form (an input from opset 13)
+    axes = _backward_axes(match["total"].producer())  # ReduceSum's own form (an input from opset 13)
     return {"x": op.Mul(y, op.Sub(dY, op.reduce("ReduceSum", op.Mul(dY, y), axes)))}

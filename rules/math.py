@@ -60,11 +60,6 @@ def _times(op, dY, a):
     return dY if isinstance(a, (int, float)) and a == 1 else op.Mul(dY, a)
 
 
-def zeros(op, x):
-    """Zeros shaped like ``x`` (ConstantOfShape appears at opset 9; before it, x·0, NaN where x is inf)."""
-    return shapes.zeros(op, x) if op.opset >= 9 else op.Mul(x, 0.0)
-
-
 def needs_opset7(op, node, *dYs):
     """Before opset 7 these ops broadcast the legacy way, which the templates do not emit."""
     shapes.require_opset(op, 7, f"the gradient of {node.op_type} (numpy broadcasting)")
@@ -297,7 +292,9 @@ def erf(op, node, dY):
 
 def _zero_gradient(name):
     def backward(op, node, dY):
-        return {name: zeros(op, node.inputs[0])}
+        X = node.inputs[0]
+        # ConstantOfShape appears at opset 9; before it, X·0 (NaN where X is inf)
+        return {name: shapes.zeros(op, X) if op.opset >= 9 else op.Mul(X, 0.0)}
 
     return backward
 

@@ -473,8 +473,8 @@ def _may_train(node: ir.Node) -> bool:
     mode = node.inputs[2] if len(node.inputs) > 2 else None
     if mode is None:
         return False
-    fixed = shapes.constant(mode)
-    return fixed is None or bool(fixed.item())
+    fixed = shapes.number(mode)
+    return fixed is None or bool(fixed)
 
 
 # In training mode the random mask cannot be recomputed: the forward node is given its mask output.
@@ -486,9 +486,9 @@ def dropout(op, node, dY, dMask=None):
     if op.opset >= 12:
         ratio = node.inputs[1] if len(node.inputs) > 1 else None
         mode = node.inputs[2] if len(node.inputs) > 2 else None
-        fixed_mode = None if mode is None else shapes.constant(mode)
-        fixed_ratio = 0.5 if ratio is None else shapes.constant(ratio)
-        if mode is None or (fixed_mode is not None and not fixed_mode.item()):
+        fixed_mode = shapes.number(mode)
+        fixed_ratio = 0.5 if ratio is None else shapes.number(ratio)
+        if mode is None or (fixed_mode is not None and not fixed_mode):
             return {"data": dY}
     else:
         # Opsets 7-11 have no mode: inference runtimes (all that run them) copy X.

@@ -177,7 +177,7 @@ def decompose(op, node):
         mask = op.unsqueeze(op.Less(op.unsqueeze(t, [1]), op.unsqueeze(lens, [0])), [2])
     state_type = dict(type=ir.TensorType(dtype), shape=ir.Shape([batch, hidden]))
 
-    def zeros():
+    def zero_state():
         shape = op.Concat(op.Slice(op.Shape(X), [1], [2], [0]), op.const(np.array([hidden], np.int64)), axis=0)
         return op.Expand(op.const(0.0, dtype=dtype), shape)
 
@@ -200,7 +200,7 @@ def decompose(op, node):
         if reverse and lens is not None:
             # Each entry runs backwards from its own last step: reverse within the lengths.
             xw = op.ReverseSequence(xw, lens, batch_axis=1, time_axis=0)
-        states = [zeros() if v is None else v for v in ((h0s[d], c0s[d]) if kind == "LSTM" else (h0s[d],))]
+        states = [zero_state() if v is None else v for v in ((h0s[d], c0s[d]) if kind == "LSTM" else (h0s[d],))]
 
         body = op.child()
         body_states = [ir.Value(name=op.namer.fresh(), **state_type) for _ in states]

@@ -25,13 +25,9 @@ def _axes(node):
     """(axes, keepdims, noop): axes a list of ints, an int64 value known at run time, or None (all)."""
     keepdims = shapes.attr(node, "keepdims", 1)
     noop = shapes.attr(node, "noop_with_empty_axes", 0)
-    if len(node.inputs) > 1 and node.inputs[1] is not None:
-        constant = shapes.constant(node.inputs[1])
-        if constant is None:
-            return node.inputs[1], keepdims, noop
-        axes = [int(a) for a in constant.reshape(-1)]
-    else:
-        axes = shapes.attr(node, "axes")
+    axes = shapes.axes(node)
+    if isinstance(axes, ir.Value):
+        return axes, keepdims, noop
     if not axes:
         axes = [] if noop else None
     return axes, keepdims, noop

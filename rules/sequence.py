@@ -59,8 +59,8 @@ def _zeros_like_seq(op, seq: ir.Value) -> ir.Value:
 
 def _index(op, position: ir.Value, seq: ir.Value) -> ir.Value:
     """``position`` as a non-negative int64 index: a negative one counts back from len(seq)."""
-    value = shapes.constant(position)
-    if value is not None and int(value) >= 0:
+    known = shapes.number(position)
+    if known is not None and known >= 0:
         return position
     p = op.Cast(position, to=int(ir.DataType.INT64))
     return op.Where(op.Less(p, _int(op, 0)), op.Add(p, _length(op, seq)), p)

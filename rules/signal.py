@@ -33,10 +33,10 @@ def _int(value, what: str):
     """A constant scalar input as a Python int, None when absent; refuses a run-time value."""
     if value is None:
         return None
-    const = shapes.constant(value)
-    if const is None:
+    number = shapes.number(value)
+    if number is None:
         raise RuleError(f"the gradient needs a constant {what}; it is computed at run time here")
-    return int(np.asarray(const).reshape(-1)[0])
+    return int(number)
 
 
 def _dft(op, x, axis: int, inverse=0, onesided=0, length=None):
@@ -92,7 +92,7 @@ def dft(op, node, dY):
         axis = shapes.attr(node, "axis", 1)
     axis = shapes.normalize_axis(axis, r)
     N = shapes.extent(op, X, axis)
-    n = _int(length, "dft_length") if length is not None and shapes.constant(length) is not None else None
+    n = _int(length, "dft_length") if shapes.number(length) is not None else None
     if length is not None and n is None:
         n = op.Reshape(op.Cast(length, to=7), [1])
     elif n is None:

@@ -72,12 +72,6 @@ def _arange(op, d):
     return op.const(np.arange(d, dtype=np.int64)) if isinstance(d, int) else op.Range(0, d, 1)
 
 
-def _zeros(op, shape, like):
-    dtype = like.dtype if like.dtype is not None else ir.DataType.FLOAT
-    zeros = op.ConstantOfShape(shape, value=ir.tensor(np.zeros(1, dtype.numpy())))
-    return zeros if like.dtype is not None else op.CastLike(zeros, like)
-
-
 def _scatter_axis(op, g, idx, d, axis: int, rank: int, add: bool):
     """out[.., idx[i], ..] (+)= g[.., i, ..] along axis, out's extent there being d (int or scalar).
 
@@ -91,7 +85,7 @@ def _scatter_axis(op, g, idx, d, axis: int, rank: int, add: bool):
         d_vec = [d] if isinstance(d, int) else op.Reshape(d, [1])
         head = op.Slice(shape_g, [0], [axis]) if axis > 0 else []
         tail = op.Slice(shape_g, [axis + 1], [rank]) if axis + 1 < rank else []
-        zeros = _zeros(op, _cat(op, head, d_vec, tail), g)
+        zeros = shapes.zeros(op, g, _cat(op, head, d_vec, tail))
         reduction = "add" if add else None
         if axis == 0:
             return op.ScatterND(zeros, op.unsqueeze(idx, [1]), g, reduction=reduction)
@@ -123,16 +117,6 @@ def _flat_index(op, indices, d):
     return op.Add(flat, op.Mul(negative, d))
 
 
-def _axes_of(op, node, index: int = 1):
-    """Axes given as an attribute (before opset 13) or an input: a list, an int64 value or None."""
-    if op.opset < 13:
-        return shapes.attr(node, "axes")
-    if len(node.inputs) <= index or node.inputs[index] is None:
-        return None
-    known = shapes.constant(node.inputs[index])
-    return [int(a) for a in known.reshape(-1)] if known is not None else node.inputs[index]
-
-
 def _pad(op, x, pads, mode: str, axes=None):
     if op.opset < 11:
         return op.Pad(x, pads=list(pads), mode=mode)
@@ -157,7 +141,7 @@ def flatten(op, node, dY):
 @rule("Squeeze", differentiable=("data",))
 def squeeze(op, node, dY):
     """Y = X without the 1-sized axes (all of them if none given); dX = Unsqueeze(dY, axes)"""
-    axes = _axes_of(op, node)
+    axes = shapes.axes(node)
     if axes is None:
         return {"data": _reshape_to(op, dY, node.inputs[0])}
     return {"data": op.unsqueeze(dY, axes)}
@@ -166,7 +150,7 @@ def squeeze(op, node, dY):
 @rule("Unsqueeze", differentiable=("data",))
 def unsqueeze(op, node, dY):
     """Y = X with 1-sized axes inserted; dX = Squeeze(dY, axes)"""
-    return {"data": op.squeeze(dY, _axes_of(op, node))}
+    return {"data": op.squeeze(dY, shapes.axes(node))}
 
 
 @rule("Transpose", differentiable=("data",))
@@ -294,7 +278,7 @@ def pad(op, node, dY):
     else:
         known = shapes.constant(node.inputs[1])
         pads = node.inputs[1] if known is None else [int(p) for p in known]
-        axes = _axes_of(op, node, 3)
+        axes = shapes.axes(node, 3)
         if isinstance(axes, ir.Value):
             raise RuleError("Pad axes that are only known at run time are not supported")
     if mode == "constant":
