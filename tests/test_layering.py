@@ -110,3 +110,19 @@ def test_every_module_imports_first():
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_toolkit_alone_defines_the_shared_readers_and_zeros():
+    """constant(), number(), axes() and zeros() have one home: a function of one of those names
+    (nested ones included) anywhere else in the package is a copy that drifts."""
+    from onnx_autodiff import toolkit
+
+    shared = {"constant", "number", "axes", "zeros"}
+    assert all(callable(getattr(toolkit, name)) for name in shared)
+    copies = sorted(
+        f"{name}.{node.name}"
+        for name, path in modules().items() if not name.startswith("onnx_autodiff.toolkit")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in shared
+    )
+    assert copies == []
