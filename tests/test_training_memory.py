@@ -303,8 +303,8 @@ def folded_linear_model(lead) -> onnx.ModelProto:
 @pytest.mark.parametrize("layout", ["torch", "folded"])
 @pytest.mark.parametrize("kind", ["float16", "int8", "int4", "int4-asymmetric"])
 def test_products_contracting_a_frozen_bases_longer_axis_read_it_in_pieces(kind, layout, tmp_path, monkeypatch):
-    """A frozen base weight read through Cast or DequantizeLinear whose floats are over CHUNK (a
-    language model's head) is read in pieces by the products that contract its longer axis (the
+    """A frozen base weight stored in 4 bits (read through DequantizeLinear) whose floats are over
+    CHUNK (a language model's head) is read in pieces by the products that contract its longer axis (the
     backward's dY @ W, or dY @ Transpose(W) where it is stored transposed): each piece stored and
     read by itself, the partial products summed; the forward keeps reading it whole. The steps
     are those of the whole read, up to the order of the sums."""
@@ -320,12 +320,14 @@ def test_products_contracting_a_frozen_bases_longer_axis_read_it_in_pieces(kind,
         pieced = generate_artifacts(path, **options)
     read = "Cast" if base == "float16" else "DequantizeLinear"
     axis = "rows" if layout == "torch" else "columns"
-    for artifacts, count in ((whole, 0), (pieced, 4)):
+    for artifacts, count in ((whole, 0), (pieced, 4 if base == "int4" else 0)):
         pieces = [n for n in artifacts.train_model.graph.node if n.op_type == read and n.input[0].startswith(f"W1.{axis}")]
         assert len(pieces) == count
         assert all(len(list(_users(artifacts.train_model, n.output[0]))) == 1 for n in pieces)
-    # the forward's read of W1 whole is the only one left, in the train model as in the eval model
-    assert len([n for n in pieced.train_model.graph.node if n.op_type == read and n.input[0] == "W1"]) == 1
+    # with the pieces, the forward's read of W1 whole is the only one left (float16 and int8: a
+    # stored copy would cost half or a quarter of the floats it spares, and W1 stays read whole)
+    assert len([n for n in pieced.train_model.graph.node if n.op_type == read and n.input[0] == "W1"]) == (
+        1 if base == "int4" else len([n for n in whole.train_model.graph.node if n.op_type == read and n.input[0] == "W1"]))
     assert len([n for n in pieced.eval_model.graph.node if n.op_type == read and n.input[0] == "W1"]) == 1
     # onnxruntime's extended optimisations compute some int8 products of its own way, differently
     # where the graphs differ: the same arithmetic is compared at the basic level

@@ -703,6 +703,9 @@ def _frozen_base_reads(graph: ir.Graph):
             yield node, stored
 
 
+_PIECES_BITS = 4  # bits of a stored weight, at most, that _frozen_bases_read_in_pieces stores in pieces
+
+
 def _frozen_bases_read_in_pieces(model: ir.Model) -> None:
     """A product that contracts the longer axis of a frozen base weight W read as floats (a
     language model's head in the backward: ``dY @ W`` turns 32,000 x 768 weights into 768 numbers
@@ -713,7 +716,10 @@ def _frozen_bases_read_in_pieces(model: ir.Model) -> None:
     read would be alive where a step peaks, as the backward starts at the head. Each partial
     product is the size of the output, which contracting the longer axis keeps small; a product
     that contracts the shorter one (the head's forward, ``x @ Wᵀ``) keeps reading W whole: its
-    pieces' outputs side by side cost a 155 M Llama's 4-bit step 46 MB more at its peak."""
+    pieces' outputs side by side cost a 155 M Llama's 4-bit step 46 MB more at its peak. The
+    pieces are stored beside W, so only where W is stored in at most :data:`_PIECES_BITS` bits:
+    their bytes are then an eighth of the floats they spare (a float16 head's pieces cost that
+    step 48 MB more than they spared)."""
     graph = model.graph
     opset = default_opset(model)
     if opset < 13:  # Slice and ReduceSum with axes as inputs
@@ -721,7 +727,7 @@ def _frozen_bases_read_in_pieces(model: ir.Model) -> None:
     namer = None
     for read, stored in list(_frozen_base_reads(graph)):
         shape = stored.const_value.shape
-        if len(shape) != 2 or shape[0] * shape[1] <= CHUNK:
+        if len(shape) != 2 or shape[0] * shape[1] <= CHUNK or stored.const_value.dtype.bitwidth > _PIECES_BITS:
             continue
         for product, axis in _products_contracting(read.outputs[0], int(shape[0] < shape[1])):
             namer = namer or Namer.for_graph(graph, prefix="frozen")
