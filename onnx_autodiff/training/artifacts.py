@@ -44,6 +44,7 @@ from onnx_autodiff.passes.parameters import default_parameters
 from onnx_autodiff.passes.progress import collector_paused
 from onnx_autodiff.passes.recovery import RecoverParametersPass, is_torch_export
 from onnx_autodiff.passes.rewrite_rules import lowering_rules
+from onnx_autodiff.rules.quantized import CHUNK
 from onnx_autodiff.passes.rewrite_rules.webgpu import dropout_key, dropout_tables, hashed_dropout
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, shapes
 from onnx_autodiff.training.losses import LossSpec, attach_loss
@@ -596,6 +597,7 @@ def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], wh
     model = ir.passes.PassManager(passes)(model).model
     _frozen_read_in_place(model)
     if target is not None:
+        _frozen_bases_read_in_pieces(model)
         _frozen_bases_read_at_use(model)
     if any(v.shape is None or v.type is None for v in graph.outputs):
         ShapeInferencePass(strict_mode=False)(model)
@@ -686,6 +688,124 @@ def _frozen_read_in_place(model: ir.Model) -> None:
 _HALF_TYPES = frozenset({ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 
 
+def _frozen_base_reads(graph: ir.Graph):
+    """The nodes that read a frozen base weight stored in another type as floats: a Cast from
+    float16/bfloat16 or a DequantizeLinear of initializers, at least :data:`FROZEN_IN_PLACE` bytes
+    of floats, each with the stored weight."""
+    for node in list(graph):
+        stored = node.inputs[0] if node.inputs and node.domain in ("", "ai.onnx") else None
+        tensor = stored.const_value if stored is not None and stored.is_initializer() else None
+        floats = node.outputs[0].dtype
+        if (tensor is None or floats is None or tensor.size * floats.itemsize < FROZEN_IN_PLACE
+                or not all(v is None or v.is_initializer() for v in node.inputs)):
+            continue
+        if node.op_type == "DequantizeLinear" or node.op_type == "Cast" and tensor.dtype in _HALF_TYPES:
+            yield node, stored
+
+
+_PIECES_BITS = 4  # bits of a stored weight, at most, that _frozen_bases_read_in_pieces stores in pieces
+
+
+def _frozen_bases_read_in_pieces(model: ir.Model) -> None:
+    """A product that contracts the longer axis of a frozen base weight W read as floats (a
+    language model's head in the backward: ``dY @ W`` turns 32,000 x 768 weights into 768 numbers
+    per token) reads W in pieces along that axis, each piece stored and read as floats by itself,
+    and sums the pieces' products, when W's floats are more than
+    :data:`~onnx_autodiff.rules.quantized.CHUNK` (the head: 98 MB). One piece's floats are alive
+    at once, never the whole weight's, as in MatMulNBits' backward (rules/quantized.py); the whole
+    read would be alive where a step peaks, as the backward starts at the head. Each partial
+    product is the size of the output, which contracting the longer axis keeps small; a product
+    that contracts the shorter one (the head's forward, ``x @ Wᵀ``) keeps reading W whole: its
+    pieces' outputs side by side cost a 155 M Llama's 4-bit step 46 MB more at its peak. The
+    pieces are stored beside W, so only where W is stored in at most :data:`_PIECES_BITS` bits:
+    their bytes are then an eighth of the floats they spare (a float16 head's pieces cost that
+    step 48 MB more than they spared)."""
+    graph = model.graph
+    opset = default_opset(model)
+    if opset < 13:  # Slice and ReduceSum with axes as inputs
+        return
+    namer = None
+    for read, stored in list(_frozen_base_reads(graph)):
+        shape = stored.const_value.shape
+        if len(shape) != 2 or shape[0] * shape[1] <= CHUNK or stored.const_value.dtype.bitwidth > _PIECES_BITS:
+            continue
+        for product, axis in _products_contracting(read.outputs[0], int(shape[0] < shape[1])):
+            namer = namer or Namer.for_graph(graph, prefix="frozen")
+            op = OpBuilder(opset, namer)
+            length = _piece_length(read, axis, CHUNK // shape[1 - axis])
+            total = None
+            for start in range(0, shape[axis], length):
+                end = min(shape[axis], start + length)
+                piece = _read_piece(op, read, _stored_piece(graph, namer, read, axis, start, end))
+                piece = op.Transpose(piece, perm=[1, 0]) if axis else piece
+                part = op.MatMul(op.Slice(product.inputs[0], [start], [end], [-1]), piece)
+                total = part if total is None else op.Add(total, part)
+            out = product.outputs[0]
+            total.type, total.shape = out.type, out.shape
+            ir.convenience.replace_nodes_and_values(graph, product, [product], op.nodes, [out], [total])
+        for user in list(dict.fromkeys(user for user, _ in read.outputs[0].uses())):
+            if user.op_type == "Transpose" and not user.outputs[0].uses():
+                graph.remove(user, safe=True)
+        if not read.outputs[0].uses():
+            graph.remove(read, safe=True)
+            for value in read.inputs:
+                if value is not None and not value.uses() and not value.is_graph_input():
+                    graph.initializers.pop(value.name)
+
+
+def _products_contracting(floats: ir.Value, axis: int) -> list[tuple[ir.Node, int]]:
+    """The MatMuls that multiply by ``floats`` (a weight W [R, C]) contracting its ``axis``: ``x @ W``
+    contracts axis 0, ``x @ Transpose(W)`` axis 1. Returns (product, axis) pairs."""
+    found = []
+    for user, index in floats.uses():
+        if user.op_type == "MatMul" and user.domain in ("", "ai.onnx") and index == 1 and axis == 0:
+            found.append((user, 0))
+        elif (user.op_type == "Transpose" and user.domain in ("", "ai.onnx") and axis == 1
+              and list(user.attributes.get_ints("perm", [1, 0])) == [1, 0]):
+            found.extend((product, 1) for product, position in user.outputs[0].uses()
+                         if product.op_type == "MatMul" and product.domain in ("", "ai.onnx") and position == 1)
+    return [(product, axis) for product, axis in found if not product.outputs[0].is_graph_output()]
+
+
+def _piece_length(read: ir.Node, axis: int, length: int) -> int:
+    """``length`` as a whole number of the read's quantization blocks where they run along ``axis``."""
+    block = read.attributes.get_int("block_size", 0) if read.op_type == "DequantizeLinear" else 0
+    if block and read.attributes.get_int("axis", 1) % 2 == axis:
+        return max(block, length // block * block)
+    return max(1, length)
+
+
+def _stored_piece(graph: ir.Graph, namer: Namer, read: ir.Node, axis: int, start: int, end: int) -> list:
+    """The inputs of ``read`` (a Cast or DequantizeLinear of a stored weight [R, C]) for the piece
+    ``start:end`` along ``axis``, as initializers: the weight's piece, and its scale's and zero
+    point's where they vary along ``axis`` (per row or column, or in blocks)."""
+    quantized_axis = read.attributes.get_int("axis", 1) % 2
+    block = read.attributes.get_int("block_size", 0)
+    inputs = []
+    for position, value in enumerate(read.inputs):
+        array = value.const_value.numpy() if value is not None else None
+        if position == 0 or array is not None and array.ndim == 2:
+            cut = slice(start // block, -(-end // block)) if position and block and quantized_axis == axis else slice(start, end)
+            part = array[cut] if axis == 0 else array[:, cut]
+        elif array is not None and array.ndim == 1 and quantized_axis == axis:
+            part = array[start:end]
+        else:  # one scale (zero point) for the whole piece, or none
+            inputs.append(value)
+            continue
+        piece = ir.Value(name=namer.fresh(f"{value.name}.{'rows' if axis == 0 else 'columns'}{start}"), type=value.type,
+                         shape=ir.Shape(part.shape), const_value=ir.tensor(np.ascontiguousarray(part), dtype=value.dtype))
+        graph.register_initializer(piece)
+        inputs.append(piece)
+    return inputs
+
+
+def _read_piece(op: OpBuilder, read: ir.Node, inputs: list) -> ir.Value:
+    """``read`` (Cast, DequantizeLinear) again, of a piece's stored inputs."""
+    floats = op.emit(read.op_type, *inputs, **{name: attribute.value for name, attribute in read.attributes.items()})
+    floats.dtype, floats.shape = read.outputs[0].dtype, inputs[0].shape
+    return floats
+
+
 def _frozen_bases_read_at_use(model: ir.Model) -> None:
     """Frozen base weights stored in another type (read through a Cast from float16/bfloat16 or a
     DequantizeLinear, at least :data:`FROZEN_IN_PLACE` bytes as floats) become floats where each node
@@ -704,16 +824,11 @@ def _frozen_bases_read_at_use(model: ir.Model) -> None:
     graph = model.graph
     inputs = set(graph.inputs)
     reads, namer = [], None
-    for node in list(graph):
-        stored = node.inputs[0] if node.inputs and node.domain in ("", "ai.onnx") else None
-        tensor = stored.const_value if stored is not None and stored.is_initializer() else None
-        floats = node.outputs[0].dtype
-        if (tensor is None or floats is None or tensor.size * floats.itemsize < FROZEN_IN_PLACE
-                or not all(v is None or v.is_initializer() for v in node.inputs)):
-            continue
+    for node, stored in _frozen_base_reads(graph):
+        tensor = stored.const_value
         if node.op_type == "DequantizeLinear":
             reads.append(node)
-        elif node.op_type == "Cast" and tensor.dtype in _HALF_TYPES:
+        else:
             namer = namer or Namer.for_graph(graph, prefix="frozen")
             if stored not in inputs:
                 graph.inputs.append(stored)
