@@ -113,6 +113,12 @@ class CleanupPass(ir.passes.InPlacePass):
                 graphs = graphs if flat else all_graphs(model)
                 progress.report(stage, 2, 5)
                 changed |= rewrites.Rewriter(model, graphs, self.rules).run() > 0
+                if not changed and rounds > 1:
+                    # The last round ended with the dead-node removal and the common-subexpression
+                    # elimination, which leave nothing for a second sweep of their own (a merge
+                    # or a removal makes no node dead or equal to another): with nothing folded
+                    # or rewritten since, they would find nothing either.
+                    break
                 progress.report(stage, 3, 5)
                 changed |= _remove_unused(model)
                 progress.report(stage, 4, 5)
