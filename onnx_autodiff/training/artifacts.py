@@ -602,6 +602,7 @@ def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], wh
     untyped = [v.name for v in graph.outputs if v.shape is None or v.type is None]
     if untyped:
         raise TrainingError(f"the shapes of {untyped} are unknown: declare them in the model's outputs or value_info")
+    _forget_intermediate_types(model.graph)
     proto = ir.to_proto(model)  # external tensors stay references to their files
     try:
         check_model(proto, full=full_output_check(check_output))
@@ -609,6 +610,19 @@ def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], wh
         first = str(error).strip().splitlines()[0]
         raise TrainingError(f"the generated {what} fails the ONNX checker (a bug, please report): {first}") from error
     return proto
+
+
+def _forget_intermediate_types(graph: ir.Graph) -> None:
+    """Drops the types and shapes of the values the main graph's nodes compute, except its
+    outputs', so that they are not written as value_info: runtimes and onnx's checker infer them
+    again from the inputs', and writing them was a third of converting a train model of 60,000
+    nodes to protobuf (and of its file). Called on a model about to be converted and dropped."""
+    outputs = frozenset(graph.outputs)
+    for node in graph:
+        for value in node.outputs:
+            if value not in outputs:
+                value.type = None
+                value.shape = None
 
 
 # Targets whose lowering also applies to the optimiser's nodes, added after the backward graph's
