@@ -377,6 +377,13 @@ def _drop_optional_outputs(node: ir.Node, graph_outputs: frozenset[ir.Value], op
             out.name = named[out]
 
 
+def optional_outputs(op_type: str, opset: int) -> tuple[bool, ...] | None:
+    """Which outputs of the standard op ``op_type`` at ``opset`` are optional (None: none are, their
+    number varies or the op has no schema)."""
+    options = _output_options(op_type, opset)
+    return None if options is None else options[1]
+
+
 @functools.lru_cache(maxsize=None)
 def _output_options(op_type: str, opset: int) -> tuple[bool, tuple[bool, ...] | None] | None:
     """(whether the op has a training_mode attribute, which outputs are optional: None when none
