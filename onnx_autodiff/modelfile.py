@@ -21,7 +21,6 @@ import onnx_ir as ir
 
 from onnx_autodiff.errors import UnsupportedModelError
 from onnx_autodiff.files import write_atomically
-from onnx_autodiff.toolkit import proto_graphs
 
 PROTO_LIMIT = 2**31  # bytes: protobuf's limit on one serialised message
 _GRAPH_ROOM = 2**26  # bytes left for the graph itself when deciding from the tensors' size
@@ -29,13 +28,22 @@ THRESHOLD = 1024  # bytes: smaller tensors stay in the .onnx file (onnx.save's d
 
 
 def _tensor_protos(graph: onnx.GraphProto):
-    for g in proto_graphs(graph):
-        yield from g.initializer
-        for node in g.node:
-            for attribute in node.attribute:
-                if attribute.HasField("t"):
-                    yield attribute.t
+    """The tensors of ``graph`` and its subgraphs: initializers and tensor attributes. One walk over
+    the nodes, reading only the attributes of nodes that have some (a train model's 60,000 nodes
+    are walked at every save: reading each attribute's fields twice cost 0.3 s there)."""
+    yield from graph.initializer
+    for node in graph.node:
+        if not node.attribute:
+            continue
+        for attribute in node.attribute:
+            if attribute.HasField("t"):
+                yield attribute.t
+            if attribute.tensors:
                 yield from attribute.tensors
+            if attribute.HasField("g"):
+                yield from _tensor_protos(attribute.g)
+            for sub in attribute.graphs:
+                yield from _tensor_protos(sub)
 
 
 def uses_external_data(proto: onnx.ModelProto) -> bool:

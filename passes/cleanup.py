@@ -113,6 +113,12 @@ class CleanupPass(ir.passes.InPlacePass):
                 graphs = graphs if flat else all_graphs(model)
                 progress.report(stage, 2, 5)
                 changed |= rewrites.Rewriter(model, graphs, self.rules).run() > 0
+                if not changed and rounds > 1:
+                    # The last round ended with the dead-node removal and the common-subexpression
+                    # elimination, which leave nothing for a second sweep of their own (a merge
+                    # or a removal makes no node dead or equal to another): with nothing folded
+                    # or rewritten since, they would find nothing either.
+                    break
                 progress.report(stage, 3, 5)
                 changed |= _remove_unused(model)
                 progress.report(stage, 4, 5)
@@ -369,6 +375,13 @@ def _drop_optional_outputs(node: ir.Node, graph_outputs: frozenset[ir.Value], op
         # checker then rejects the model.
         for out in node.outputs[1:3]:
             out.name = named[out]
+
+
+def optional_outputs(op_type: str, opset: int) -> tuple[bool, ...] | None:
+    """Which outputs of the standard op ``op_type`` at ``opset`` are optional (None: none are, their
+    number varies or the op has no schema)."""
+    options = _output_options(op_type, opset)
+    return None if options is None else options[1]
 
 
 @functools.lru_cache(maxsize=None)

@@ -40,13 +40,14 @@ from onnx_autodiff.toolkit.inference import fully_shaped, onnx_inferred
 from onnx_autodiff.passes.lora import LoraConfig, adapted, quantize_bases
 from onnx_autodiff.passes.quantize import INT4_OPSET, STORED_INPUT
 from onnx_autodiff.passes.opsets import OpsetError, build_proto_upgrading, convert_proto, default_opset
+from onnx_autodiff.passes.cleanup import optional_outputs
 from onnx_autodiff.passes.parameters import default_parameters
 from onnx_autodiff.passes.progress import collector_paused
 from onnx_autodiff.passes.recovery import RecoverParametersPass, is_torch_export
 from onnx_autodiff.passes.rewrite_rules import lowering_rules
 from onnx_autodiff.rules.quantized import CHUNK
 from onnx_autodiff.passes.rewrite_rules.webgpu import dropout_key, dropout_tables, hashed_dropout
-from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, shapes
+from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, captured_values, proto_graphs, shapes
 from onnx_autodiff.training.losses import LossSpec, attach_loss
 from onnx_autodiff.training.optimizers import (
     GROUP_LIMIT,
@@ -575,11 +576,16 @@ def _publish(op: OpBuilder, namer: Namer, value: ir.Value, hint: str, taken: set
 
 
 def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], what: str,
-            cleaned: bool = False, target: str | None = "onnxruntime", check_output: bool = False) -> onnx.ModelProto:
+            cleaned: bool = False, target: str | None = "onnxruntime", check_output: bool = False,
+            forward: tuple[list[str], list[str]] | None = None):
     """The model with these inputs and outputs, cleaned up and lowered for ``target`` unless
     ``cleaned`` says its nodes already are (then only unused ones are removed, and the nodes added
     since the cleanup lowered where the target needs it), checked (onnx.checker's structural check;
-    its full check where :func:`~onnx_autodiff.modelfile.full_output_check` says), as a proto."""
+    its full check where :func:`~onnx_autodiff.modelfile.full_output_check` says), as a proto.
+
+    ``forward``: (input names, output names) of a part of the model to cut out as a model of its
+    own (the eval model of a train model); then (the proto, that part's proto or None where it
+    cannot be cut out, see :func:`_forward_part`)."""
     from onnx_autodiff.passes import cleanup_passes
     from onnx_autodiff.passes.cleanup import LoweringPass, RemoveUnusedPass
 
@@ -604,13 +610,111 @@ def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], wh
     untyped = [v.name for v in graph.outputs if v.shape is None or v.type is None]
     if untyped:
         raise TrainingError(f"the shapes of {untyped} are unknown: declare them in the model's outputs or value_info")
-    proto = ir.to_proto(model)  # external tensors stay references to their files
+    part = _forward_part(model, *forward) if forward is not None else None
+    _forget_intermediate_types(model.graph)
+    proto = _checked(ir.to_proto(model), what, check_output)  # external tensors stay references to their files
+    if forward is None:
+        return proto
+    return proto, part and _checked(_model_of_part(proto, *part), "eval model", check_output)
+
+
+def _checked(proto: onnx.ModelProto, what: str, check_output: bool) -> onnx.ModelProto:
+    """``proto`` after onnx.checker's structural check (its full check where
+    :func:`~onnx_autodiff.modelfile.full_output_check` says)."""
     try:
         check_model(proto, full=full_output_check(check_output))
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as error:
         first = str(error).strip().splitlines()[0]
         raise TrainingError(f"the generated {what} fails the ONNX checker (a bug, please report): {first}") from error
     return proto
+
+
+def _forward_part(model: ir.Model, inputs: list[str], outputs: list[str]):
+    """Where the eval model can be cut out of the finished train model ``model``: (the positions of
+    the nodes that compute ``outputs`` from ``inputs``, in the graph's order; the initializers they
+    read; ``outputs`` as value_info), or None where it cannot: an output the cleanup replaced (its
+    name gone) or a value read that is neither one of ``inputs`` nor an initializer."""
+    graph = model.graph
+    produced = {v.name: v for node in graph for v in node.outputs if v.name}
+    values = [produced.get(name) for name in outputs]
+    if any(v is None or v.type is None or v.shape is None for v in values):
+        return None
+    allowed = set(inputs)
+    needed: set[ir.Node] = set()
+    initializers: dict[str, None] = {}
+    pending = [v.producer() for v in values]
+    while pending:
+        node = pending.pop()
+        if node in needed:
+            continue
+        needed.add(node)
+        for value in (*node.inputs, *captured_values(node)):
+            if value is None:
+                continue
+            producer = value.producer()
+            if producer is not None:
+                pending.append(producer)
+            elif value.is_initializer() and not value.is_graph_input():
+                initializers[value.name] = None
+            elif value.name not in allowed:
+                return None
+    positions = [i for i, node in enumerate(graph) if node in needed]
+    return positions, list(initializers), inputs, [ir.serde.serialize_value(v) for v in values]
+
+
+def _model_of_part(proto: onnx.ModelProto, positions: list[int], initializers: list[str], inputs: list[str],
+                   outputs: list[onnx.ValueInfoProto]) -> onnx.ModelProto:
+    """The model of the nodes of ``proto`` at ``positions`` (:func:`_forward_part`), with these
+    inputs (``proto``'s of those names) and outputs."""
+    graph = proto.graph
+    part = onnx.ModelProto(ir_version=proto.ir_version, producer_name=proto.producer_name,
+                           producer_version=proto.producer_version, domain=proto.domain,
+                           model_version=proto.model_version, doc_string=proto.doc_string)
+    part.opset_import.extend(proto.opset_import)
+    part.functions.extend(proto.functions)
+    part.graph.name = graph.name
+    nodes = graph.node
+    part.graph.node.extend(nodes[i] for i in positions)
+    by_name = {v.name: v for v in graph.input}
+    part.graph.input.extend(by_name[name] for name in inputs)
+    wanted = set(initializers)
+    part.graph.initializer.extend(t for t in graph.initializer if t.name in wanted)
+    part.graph.output.extend(outputs)
+    _drop_unread_outputs(part.graph, _default_opset(part))
+    return part
+
+
+def _drop_unread_outputs(graph: onnx.GraphProto, opset: int) -> None:
+    """The optional outputs that only the backward read (LayerNormalization's statistics) left out
+    of the nodes of ``graph``, as the cleanup of a model of its own leaves them out (Attention
+    keeps its own, see the cleanup's removal)."""
+    read = {v.name for v in graph.output}
+    read.update(name for g in proto_graphs(graph) for node in g.node for name in node.input)
+    for node in graph.node:
+        if len(node.output) < 2 or node.domain not in ("", "ai.onnx") or node.op_type == "Attention":
+            continue
+        options = optional_outputs(node.op_type, opset)
+        if options is None or len(options) < len(node.output):
+            continue
+        outputs = [name if name in read or not optional else "" for name, optional in zip(node.output, options)]
+        while outputs and not outputs[-1]:
+            outputs.pop()
+        if outputs != list(node.output):
+            del node.output[:]
+            node.output.extend(outputs)
+
+
+def _forget_intermediate_types(graph: ir.Graph) -> None:
+    """Drops the types and shapes of the values the main graph's nodes compute, except its
+    outputs', so that they are not written as value_info: runtimes and onnx's checker infer them
+    again from the inputs', and writing them was a third of converting a train model of 60,000
+    nodes to protobuf (and of its file). Called on a model about to be converted and dropped."""
+    outputs = frozenset(graph.outputs)
+    for node in graph:
+        for value in node.outputs:
+            if value not in outputs:
+                value.type = None
+                value.shape = None
 
 
 # Targets whose lowering also applies to the optimiser's nodes, added after the backward graph's
@@ -962,7 +1066,7 @@ def _generate_artifacts(model, requires_grad, frozen_params, loss, optimizer, op
     # rule asks for a newer one), and every other model is built from that forward model.
     proto, roles, train = build_proto_upgrading(proto, build_train, upgrade_opset)
     batch_inputs = [v.name for v in proto.graph.input if v.name not in {t.name for t in proto.graph.initializer}]
-    eval_model, eval_layout = _build_eval(proto, roles, loss_spec, target, check_output)
+    eval_model, eval_layout = train["eval"] or _build_eval(proto, roles, loss_spec, target, check_output)
     layout = {
         "format": FORMAT_VERSION,
         "inputs": batch_inputs,
@@ -1083,7 +1187,15 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
         seeds = _training_dropout_by_hash(model, namer)
     graph = model.graph
     batch = [v for v in graph.inputs if v.name not in roles.state and v not in seeds.values()]
-    loss, labels, _ = attach_loss(model, namer, loss_spec)
+    reads = [v for v in graph.inputs if v.name in roles.state]
+    same_as_eval = kind == "train" and _prepared_alike(model, updates, target)
+    loss, labels, others = attach_loss(model, namer, loss_spec)
+    # The eval model is this forward model and loss with the same names (as _build_eval makes it),
+    # cut out of the finished train model where it can be: building it anew costs as much as
+    # converting, cleaning and checking the whole forward model again.
+    eval_part = None
+    if same_as_eval and not any(v.is_graph_input() for v in (loss, *others)) and len({loss, *others}) == 1 + len(others):
+        eval_part = [v.name for v in (*batch, *labels, *reads)], [v.name for v in (loss, *others)]
     graph.outputs.clear()
     graph.outputs.append(loss)
     graph.inputs.extend(labels)
@@ -1172,7 +1284,11 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     scalars.update({key: value.name for key, value in seeds.items()})
     inputs = [*batch, *labels, *params, *extra_inputs, *buffer_inputs, *tail, *seeds.values()]
     loss_name, kept_name = loss_out.name, outputs[-1].name  # (before the lowering, as the eval model's)
-    proto_out = _finish(model, inputs, outputs, f"{kind} model", cleaned=True, target=target, check_output=check_output)
+    proto_out = _finish(model, inputs, outputs, f"{kind} model", cleaned=True, target=target, check_output=check_output,
+                        forward=eval_part)
+    eval_model = None
+    if eval_part is not None:
+        proto_out, eval_model = proto_out
     layout = {
         "batch": [v.name for v in (*batch, *labels)],
         "carry": carry,
@@ -1184,7 +1300,21 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     if coefficients or seeds:  # how the runner computes the scalar inputs other than lr and step
         layout["coefficients"] = {**{key: coefficient_formulas(spec)[key] for key in coefficients},
                                   **{key: DROPOUT_SEEDS[key] for key in seeds}}
-    return {"model": proto_out, "layout": layout, "labels": [v.name for v in labels], "state": state_layout}
+    if eval_model is not None:
+        eval_layout = {"batch": layout["batch"], "reads": [[v.name, v.name] for v in reads], "loss": eval_part[1][0],
+                       "outputs": eval_part[1][1:]}
+        eval_model = eval_model, eval_layout
+    return {"model": proto_out, "layout": layout, "labels": [v.name for v in labels], "state": state_layout,
+            "eval": eval_model}
+
+
+def _prepared_alike(model: ir.Model, updates: dict, target: str | None) -> bool:
+    """Whether :func:`_prepare` made ``model`` for training (``updates``: its buffer updates) as it
+    makes it for evaluation: no layer in training mode (BatchNormalization updating its
+    statistics, Dropout) and no target lowering the forward or the whole train model."""
+    if updates or target in FORWARD_LOWERED or target in OPTIMIZER_LOWERED:
+        return False
+    return not any(node.op_type == "Dropout" and node.domain in ("", "ai.onnx") for node in model.graph)
 
 
 def _build_eval(proto, roles: _Roles, loss_spec, target="onnxruntime", check_output: bool = False):

@@ -3,11 +3,13 @@ safetensors)."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import mmap
 import os
 import struct
+import zipfile
 from collections.abc import Callable, Mapping
 from typing import BinaryIO
 
@@ -29,10 +31,48 @@ def shape_text(shape) -> str:
     return "[" + ", ".join("?" if d is None or (hasattr(d, "value") and d.value is None) else str(getattr(d, "value", d)) for d in shape) + "]"
 
 
+# bytes: smaller arrays are written whole, after a .npy header formatted once per dtype and shape
+_SMALL_ARRAY = 1 << 16
+
+
 def npz_writer(arrays: Mapping[str, np.ndarray]) -> Callable[[BinaryIO], None]:
-    """For :func:`write_atomically`: writes ``arrays`` as an npz an array at a time (numpy copies
-    16 MB at a time), so a multi-GB checkpoint is not built in memory first."""
-    return lambda stream: np.savez(stream, **arrays)
+    """For :func:`write_atomically`: writes ``arrays`` as an npz, as ``np.savez`` does (an
+    uncompressed ``NAME.npy`` member per array), an array at a time, so a multi-GB checkpoint is
+    not built in memory first (numpy copies a large array 16 MB at a time). A small array's
+    member is written at once, its header formatted once per dtype and shape: ``np.savez``
+    formats each array's anew, 0.7 s of a checkpoint of 20,000 small arrays (a chain's AdamW
+    state); the members (dated 1980, as zip's earliest date) read back the same."""
+
+    def write(stream: BinaryIO) -> None:
+        headers: dict[tuple, bytes] = {}
+        with zipfile.ZipFile(stream, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+            for name, value in arrays.items():
+                array = np.asanyarray(value)
+                member = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+                if array.nbytes >= _SMALL_ARRAY or array.dtype.hasobject:
+                    with archive.open(member, "w", force_zip64=True) as out:
+                        np.lib.format.write_array(out, array)
+                    continue
+                header = np.lib.format.header_data_from_array_1_0(array)
+                key = (header["descr"] if isinstance(header["descr"], str) else repr(header["descr"]),
+                       header["shape"], header["fortran_order"])
+                if key not in headers:
+                    headers[key] = _npy_header(header)
+                archive.writestr(member, headers[key] + array.tobytes("F" if header["fortran_order"] else "C"))
+
+    return write
+
+
+def _npy_header(header: dict) -> bytes:
+    """The .npy magic and header of an array (``header``: its header_data_from_array_1_0), in the
+    first version of the format that holds it, as np.save chooses."""
+    buffer = io.BytesIO()
+    try:
+        np.lib.format.write_array_header_1_0(buffer, header)
+    except ValueError:  # a header of over 64 KB (a structured dtype of many fields)
+        buffer = io.BytesIO()
+        np.lib.format.write_array_header_2_0(buffer, header)
+    return buffer.getvalue()
 
 
 def load_npz(path: str | os.PathLike, map_from: int = 1 << 16) -> dict[str, np.ndarray]:
