@@ -202,8 +202,9 @@ class LoweringPass(ir.passes.InPlacePass):
 class RemoveUnusedPass(ir.passes.InPlacePass):
     """onnx-ir's RemoveUnusedNodesPass as the cleanup does it (the same removals: dead nodes,
     trailing omitted inputs, unused optional outputs, unused initializers), reading each op type's
-    schema once instead of each node's: 0.7 s of that pass on the train model of a 20,001-node
-    chain, for nodes the cleanup has already cleared of such leftovers."""
+    schema once instead of each node's: on the backward model of the 20,001-node chain (66,675
+    nodes), onnx-ir's pass takes 0.56 s and this 0.39 s (collector paused, onnx-ir 1.1), for nodes
+    the cleanup has already cleared of such leftovers."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         return ir.passes.PassResult(model, modified=_remove_unused(model))
@@ -250,7 +251,10 @@ CSE_TENSOR_LIMIT = 10  # elements: larger Constant tensors (weights) are not com
 def eliminate_common_subexpressions(graph: ir.Graph) -> bool:
     """onnx-ir's CommonSubexpressionEliminationPass on ``graph`` (the same merges), with the
     duplicates removed at once: that pass removes them one by one, and each removal copies the
-    list of graph outputs (quadratic in a model with thousands of gradient outputs).
+    list of graph outputs (quadratic in a model with thousands of gradient outputs). On the
+    backward model of the 20,001-node chain (66,675 nodes, 6,667 graph outputs), onnx-ir's pass
+    takes 6.15 s and this 0.39 s, for the same 60,007 nodes (collector paused, onnx-ir 1.1,
+    each on its own copy of the backward model that autodiff_pass makes of build_time.py's res20001).
 
     Where a duplicate's graph output would need an Identity of the kept node's output (the kept
     one is a graph output too: equal gradients), the duplicate stays and only its readers move:

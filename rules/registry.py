@@ -10,6 +10,7 @@ import onnx
 import onnx_ir as ir
 
 from onnx_autodiff.errors import AutodiffError
+from onnx_autodiff.toolkit.onnxscript_compat import pattern_nodes, pattern_outputs
 
 MAX_OPSET = 10_000
 
@@ -147,7 +148,7 @@ class PatternRule:
     @functools.cached_property
     def size(self) -> int:
         """The number of nodes in the pattern: larger patterns are matched first."""
-        return len(list(self.matcher._target_pattern))  # onnxscript keeps no public accessor
+        return len(pattern_nodes(self.matcher))
 
     @functools.cached_property
     def root(self) -> tuple[str, str] | None:
@@ -168,9 +169,7 @@ def _never_replaced(op, **_):
 def pattern_root(rule) -> tuple[str, str] | None:
     """The (domain, op type) of the node an onnxscript rule's pattern ends in; None for a pattern
     with several output nodes or another kind of root (to be tried on every node)."""
-    # onnxscript keeps the pattern as _target_pattern (no public accessor in 0.7)
-    pattern = getattr(rule, "_target_pattern", None)
-    outputs = getattr(pattern, "output_nodes", None) or []
+    outputs = pattern_outputs(rule)
     if len(outputs) != 1:
         return None
     identifier = outputs[0].op_identifier()

@@ -16,13 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 import onnx_ir as ir
-from onnxscript.rewriter import RewriteRule, RewriteRuleSet
-from onnxscript.rewriter._basics import MatchContext, MatchFailureError, MatchResult
-from onnxscript.rewriter._pattern_ir import NodeOutputPattern
+from onnxscript.rewriter import MatchContext, MatchResult, RewriteRule, RewriteRuleSet
 
 from onnx_autodiff.passes.rewrite_rules import casts, noops, reshapes, transposes, zeros
 from onnx_autodiff.passes.rewrite_rules.lowering import lowering_rules  # noqa: F401 - public here
 from onnx_autodiff.rules.registry import pattern_root
+from onnx_autodiff.toolkit.onnxscript_compat import MatchFailureError, NodeOutputPattern, pattern_outputs
 
 # In this order: on a node, the first rule that applies rewrites it.
 FAMILIES = (noops, transposes, reshapes, zeros, casts)
@@ -95,8 +94,7 @@ class RuleIndex:
 
 
 def _prechecks(rule: RewriteRule) -> Prechecks:
-    # onnxscript keeps the pattern as _target_pattern (no public accessor in 0.7)
-    outputs = getattr(getattr(rule, "_target_pattern", None), "output_nodes", None) or []
+    outputs = pattern_outputs(rule)
     if len(outputs) != 1:
         return (), None
     root = outputs[0]

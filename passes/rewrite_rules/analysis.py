@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter._basics import MatchResult
+from onnxscript.rewriter import MatchResult
 
 from onnx_autodiff.passes.opsets import default_opset
 from onnx_autodiff.toolkit import shapes

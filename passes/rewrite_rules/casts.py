@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 from onnxscript.rewriter import RewriteRule
-from onnxscript.rewriter._basics import MatchResult
+from onnxscript.rewriter import MatchResult
 from onnxscript.rewriter.rules.common import no_op_cast_rule
 
 _F16, _BF16, _F32, _F64 = ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.FLOAT, ir.DataType.DOUBLE

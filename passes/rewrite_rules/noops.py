@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import RewriteRule
-from onnxscript.rewriter._basics import MatchResult
+from onnxscript.rewriter import MatchResult
 
 from onnx_autodiff.passes.rewrite_rules.analysis import (
     broadcast, fill, normalized, produced_by, renamable, same, static, verdict,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import RewriteRule
-from onnxscript.rewriter._basics import MatchResult
+from onnxscript.rewriter import MatchResult
 
 from onnx_autodiff.passes.rewrite_rules.analysis import (
     concat_axis, new_constant, only_use, opset, produced_by, same, verdict,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 from onnxscript.rewriter import RewriteRule
-from onnxscript.rewriter._basics import MatchResult
+from onnxscript.rewriter import MatchResult
 
 from onnx_autodiff.passes.metadata import GRAD_OF
 from onnx_autodiff.passes.rewrite_rules.analysis import concat_axis, only_use, opset, perm, produced_by, verdict
