@@ -16,17 +16,16 @@ each round that changed the graph, where some value still lacks a shape (for a f
 one's node is inferred alone first). Each step costs time linear in the graph's size.
 
 Values being differentiated are never folded: a training loop feeds new values of them every
-step, so ``Transpose(W)`` folded into a constant would be stale. The pass learns them from
-(a) the model's metadata entry :data:`DIFFERENTIATED_KEY`, a JSON list of names that
-:class:`~onnx_autodiff.AutodiffPass` records; (b) the ``keep`` option; (c) conservatively, every
-floating-point initializer ``W`` for which the graph has an output named ``grad_W`` (or
-``grad_W_<n>``). Such initializers are treated as graph inputs while the pass runs.
+step, so ``Transpose(W)`` folded into a constant would be stale. The pass learns them from the
+model's metadata alone: the entry :data:`DIFFERENTIATED_KEY`, a JSON list of names that
+:class:`~onnx_autodiff.AutodiffPass` records, and :data:`~onnx_autodiff.passes.metadata.KEPT_KEY`;
+and from the ``keep`` option. Such initializers are treated as graph inputs while the pass runs.
+(Output names say nothing: a model whose metadata was dropped needs ``keep``.)
 """
 
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Sequence
 
 import onnx
@@ -42,13 +41,6 @@ from onnx_ir.passes import common
 from onnxscript.optimizer import FOLDED_FROM_KEY, fold_constants
 
 FOLD_LIMIT = 1024  # elements: larger folded tensors stay computed (a seed Expand(1, Shape(y)) stays a node)
-
-
-def _with_gradient_output(graph: ir.Graph) -> set[str]:
-    """Float initializers W with a graph output grad_W or grad_W_<n>."""
-    outputs = {v.name for v in graph.outputs if v.name}
-    outputs |= {re.sub(r"_\d+$", "", name) for name in outputs}
-    return {name for name, v in graph.initializers.items() if v.dtype in FLOAT_TYPES and f"grad_{name}" in outputs}
 
 
 class CleanupPass(ir.passes.InPlacePass):
@@ -80,10 +72,11 @@ class CleanupPass(ir.passes.InPlacePass):
         self.rounds = 0  # how many rounds the last call took (a fixed point is reached before max_rounds)
 
     def protected(self, model: ir.Model) -> list[ir.Value]:
-        """The initializers treated as graph inputs: differentiated, kept (``keep`` or the model's
-        :data:`~onnx_autodiff.passes.metadata.KEPT_KEY`), or with a gradient output."""
+        """The initializers treated as graph inputs: those the model's metadata names, differentiated
+        (:func:`~onnx_autodiff.passes.metadata.differentiated`) or kept
+        (:data:`~onnx_autodiff.passes.metadata.KEPT_KEY`), and ``keep``."""
         graph = model.graph
-        names = set(self.keep) | set(differentiated(model)) | set(kept(model)) | _with_gradient_output(graph)
+        names = set(self.keep) | set(differentiated(model)) | set(kept(model))
         return [v for name, v in graph.initializers.items() if name in names]
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
