@@ -205,13 +205,17 @@ def check_model(proto: onnx.ModelProto | str, base_dir: str | None = None, full:
     if isinstance(proto, str):
         onnx.checker.check_model(proto, full_check=full)
         return
-    if uses_external_data(proto):
-        stand_in = onnx.ModelProto()
-        stand_in.CopyFrom(proto)  # small: the data is elsewhere
+    held = any(_held_large(t) for t in proto.graph.initializer)
+    if held or uses_external_data(proto):
+        stand_in = _copy_but_initializers(proto)
         graph = stand_in.graph
         inputs = {v.name for v in graph.input}
         kept = []
-        for tensor in graph.initializer:
+        for tensor in proto.graph.initializer:
+            if _held_large(tensor):  # checked as an input of its type and shape
+                if tensor.name not in inputs:
+                    graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
+                continue
             if tensor.data_location != onnx.TensorProto.EXTERNAL:
                 kept.append(tensor)
                 continue
@@ -222,6 +226,7 @@ def check_model(proto: onnx.ModelProto | str, base_dir: str | None = None, full:
                         f"the data of tensor '{tensor.name}' should be in {location!r} beside the model, "
                         "but there is no such file")
                 if _nbytes(tensor) < THRESHOLD:
+                    tensor = _copy(tensor)  # (the caller's proto stays as it is)
                     onnx.external_data_helper.load_external_data_for_tensor(tensor, base_dir)
                     tensor.data_location = onnx.TensorProto.DEFAULT
                     del tensor.external_data[:]
@@ -233,6 +238,45 @@ def check_model(proto: onnx.ModelProto | str, base_dir: str | None = None, full:
         graph.initializer.extend(kept)
         proto = stand_in
     onnx.checker.check_model(proto, full_check=full)
+
+
+HELD_LARGE = 1 << 20  # bytes: a tensor held in the proto this large is checked as an input of its type and shape
+
+
+def _held_large(tensor: onnx.TensorProto) -> bool:
+    """A tensor whose data the proto holds, of at least :data:`HELD_LARGE` bytes: the checker
+    would copy it, and serialise the copy, to read its type and shape (a float16 base's weights:
+    a gigabyte for a 584 MB model)."""
+    # (ByteSize: reading raw_data would copy it)
+    return tensor.data_location != onnx.TensorProto.EXTERNAL and tensor.ByteSize() >= HELD_LARGE
+
+
+def _copy_but_initializers(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` copied without its graph's initializers (the caller adds those it keeps)."""
+    copy = onnx.ModelProto()
+    for field, value in proto.ListFields():
+        if field.name != "graph":
+            _copy_field(copy, field, value)
+    for field, value in proto.graph.ListFields():
+        if field.name != "initializer":
+            _copy_field(copy.graph, field, value)
+    return copy
+
+
+def _copy(tensor: onnx.TensorProto) -> onnx.TensorProto:
+    copy = onnx.TensorProto()
+    copy.CopyFrom(tensor)
+    return copy
+
+
+def _copy_field(target, field, value) -> None:
+    # (protobuf 6.31 on say is_repeated, older releases label)
+    if field.is_repeated if hasattr(field, "is_repeated") else field.label == field.LABEL_REPEATED:
+        getattr(target, field.name).extend(value)
+    elif field.type == field.TYPE_MESSAGE:
+        getattr(target, field.name).CopyFrom(value)
+    else:
+        setattr(target, field.name, value)
 
 
 def _nbytes(tensor: onnx.TensorProto) -> int:

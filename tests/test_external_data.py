@@ -302,3 +302,19 @@ def test_large_model_benchmark_runs_small(tmp_path, capsys):
     for line in ("onnx-autodiff grad: exit 0", "check: exit 0", "onnx-autodiff artifacts: exit 0", "Trainer: 2 steps"):
         assert line in out, out
     assert os.listdir(tmp_path) == []  # the files are removed
+
+
+def test_the_check_of_a_proto_leaves_it_as_it_is_and_checks_large_held_tensors_by_type(models, monkeypatch):
+    """check_model on a proto in memory: its small external tensors are read into a stand-in, not
+    into the caller's proto; a tensor the proto holds of HELD_LARGE bytes or more is checked as an
+    input of its type and shape (never copied), and a broken model still fails."""
+    inline, external = models
+    for path in (inline, external):
+        proto = onnx.load(path, load_external_data=False)
+        before = proto.SerializeToString()
+        monkeypatch.setattr(modelfile, "HELD_LARGE", 16)
+        modelfile.check_model(proto, base_dir=os.path.dirname(path), full=True)
+        assert proto.SerializeToString() == before
+        proto.graph.node[0].input[0] = "nowhere"
+        with pytest.raises(onnx.checker.ValidationError):
+            modelfile.check_model(proto, base_dir=os.path.dirname(path), full=True)
