@@ -20,7 +20,7 @@ from onnx_autodiff.errors import (
     names_summary,
 )
 from onnx_autodiff.passes import progress
-from onnx_autodiff.passes.metadata import GRAD_OF, grad_of_tag, record_differentiated
+from onnx_autodiff.passes.metadata import Provenance, mark, record_differentiated
 from onnx_autodiff.passes.opsets import build_upgrading
 from onnx_autodiff.passes.parameters import default_parameters
 from onnx_autodiff.passes.patterns import Match, grouped
@@ -265,9 +265,9 @@ class Backward:
             ) from error
         if not isinstance(result, dict):
             raise RuleError(f"the rule of {describe_node(node, opset)} must return a dict of gradients")
-        tag = grad_of_tag(node)
+        origin = Provenance.of(node)
         for emitted in self.op.nodes[start:]:  # a nested rule's nodes keep their own tag
-            emitted.metadata_props.setdefault(GRAD_OF, tag)
+            mark(emitted, origin)
         unknown = sorted(k for k in result if isinstance(k, str) and k not in rule.differentiable)
         if unknown:
             raise RuleError(
