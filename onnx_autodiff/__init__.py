@@ -11,6 +11,8 @@ from onnx_autodiff.errors import (
 )
 from onnx_autodiff.passes import (
     AutodiffPass,
+    AutodiffResult,
+    CleanupResult,
     GradientOpLoweringPass,
     OutlinePass,
     autodiff_pass,
@@ -23,6 +25,7 @@ from onnx_autodiff.passes.transforms import (
     HvpPass,
     JacobianPass,
     JvpPass,
+    TransformResult,
     hvp,
     jacobian,
     jvp,
@@ -44,6 +47,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AutodiffError",
     "AutodiffPass",
+    "AutodiffResult",
+    "CleanupResult",
     "GradRegistry",
     "GradientOpLoweringPass",
     "HvpPass",
@@ -56,6 +61,7 @@ __all__ = [
     "OpsetTooOldError",
     "RuleError",
     "UnknownValueError",
+    "TransformResult",
     "UnsupportedModelError",
     "autodiff_pass",
     "check_grads",

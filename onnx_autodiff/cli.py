@@ -74,9 +74,11 @@ def _grad(args) -> int:
         seconds = time.perf_counter() - start
         progress.report("writing", 0, 1)
         data = save_output(result.model, args.output, args.external_data, args.check_output)
-    note_left_out(getattr(autodiff, "left_out", []), quantized_names=quantized)
-    gradients = list(autodiff.gradient_names.values())
-    seed = f"; seed input '{autodiff.seed_name}'" if autodiff.seed_name else ""
+    # The manager returns a PassResult of its own: the pass keeps its AutodiffResult.
+    differentiated = autodiff.last_result
+    note_left_out(differentiated.left_out, quantized_names=quantized)
+    gradients = list(differentiated.gradient_names.values())
+    seed = f"; seed input '{differentiated.seed_name}'" if differentiated.seed_name else ""
     print(
         f"wrote {args.output}{data}: {forward_nodes} forward + {len(result.model.graph) - forward_nodes} "
         f"backward nodes in {seconds:.2f} s; {count(len(gradients), 'gradient output')} "
@@ -100,8 +102,8 @@ def cmd_transform(args) -> int:
     result = transform(model)
     seconds = time.perf_counter() - start
     data = save_output(result.model, args.output, args.external_data, args.check_output)
-    note_left_out(getattr(transform, "left_out", []), quantized_names=quantized)
-    outputs, inputs = list(transform.output_names.values()), list(transform.input_names.values())
+    note_left_out(result.left_out, quantized_names=quantized)
+    outputs, inputs = list(result.output_names.values()), list(result.input_names.values())
     added = f"; {count(len(inputs), 'input')} {names_summary(inputs)}" if inputs else ""
     print(f"wrote {args.output}{data} in {seconds:.2f} s: {count(len(outputs), 'output')} {names_summary(outputs)}{added}")
     return EXIT_OK

@@ -96,7 +96,7 @@ def run_demo(steps: int = 60, learning_rate: float = 0.5, out=print) -> int:
     X, labels = blobs()
     weights = {t.name: numpy_helper.to_array(t).copy() for t in forward.graph.initializer}
     session = ort.InferenceSession(feedable(training, params).SerializeToString(), providers=["CPUExecutionProvider"])
-    grad_names = [autodiff.gradient_names[p] for p in params]
+    grad_names = [autodiff.last_result.gradient_names[p] for p in params]
 
     def step(batch):
         loss, logits, *grads = session.run(["loss", "logits", *grad_names], {**batch, **weights})

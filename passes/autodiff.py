@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Sequence
 
@@ -19,7 +20,7 @@ from onnx_autodiff.errors import (
     names_summary,
 )
 from onnx_autodiff.passes import progress
-from onnx_autodiff.passes.metadata import GRAD_OF, grad_of_tag, record_differentiated
+from onnx_autodiff.passes.metadata import Provenance, mark, record_differentiated
 from onnx_autodiff.passes.opsets import build_upgrading
 from onnx_autodiff.passes.parameters import default_parameters
 from onnx_autodiff.passes.patterns import Match, grouped
@@ -264,9 +265,9 @@ class Backward:
             ) from error
         if not isinstance(result, dict):
             raise RuleError(f"the rule of {describe_node(node, opset)} must return a dict of gradients")
-        tag = grad_of_tag(node)
+        origin = Provenance.of(node)
         for emitted in self.op.nodes[start:]:  # a nested rule's nodes keep their own tag
-            emitted.metadata_props.setdefault(GRAD_OF, tag)
+            mark(emitted, origin)
         unknown = sorted(k for k in result if isinstance(k, str) and k not in rule.differentiable)
         if unknown:
             raise RuleError(
@@ -405,6 +406,18 @@ def is_scalar(value: ir.Value) -> bool:
     return shape is not None and int(np.prod(shape, dtype=np.int64)) == 1
 
 
+@dataclasses.dataclass
+class AutodiffResult(ir.passes.PassResult):
+    """What one call of :class:`AutodiffPass` did: the model and ``modified`` (as every
+    ``PassResult``), the name of the seed input it added (None when the seed is computed: a
+    one-element ``of`` or ``seed="ones"``), the gradient output of each variable in ``wrt``'s
+    order, and the float initializers the default variables left out (constants)."""
+
+    seed_name: str | None = None
+    gradient_names: dict[str, str] = dataclasses.field(default_factory=dict)
+    left_out: list[str] = dataclasses.field(default_factory=list)
+
+
 class AutodiffPass(ir.passes.InPlacePass):
     """Appends to the model the gradient of ``of`` with respect to each of ``wrt``.
 
@@ -418,6 +431,13 @@ class AutodiffPass(ir.passes.InPlacePass):
     imports, the model is converted with onnx.version_converter (one warning line on the logger of
     :mod:`onnx_autodiff.passes.opsets`); ``upgrade_opset=False`` refuses instead. After the pass,
     ``seed_name`` and ``gradient_names`` report the names chosen.
+
+    Calling the pass returns an :class:`AutodiffResult`, which carries ``seed_name``,
+    ``gradient_names`` and ``left_out`` of that call. ``ir.passes.PassManager`` (and
+    ``Sequential``) return a plain ``PassResult`` of their own, not the passes' results: in a
+    pipeline, read the pass's ``last_result`` (or its attributes ``seed_name``,
+    ``gradient_names`` and ``left_out``, which are a view of the last result; before the first
+    call, None, {} and []).
     """
 
     def __init__(
@@ -442,30 +462,45 @@ class AutodiffPass(ir.passes.InPlacePass):
         self.unreachable = unreachable
         self.infer_shapes = infer_shapes
         self.upgrade_opset = upgrade_opset
-        self.seed_name: str | None = None
-        self.gradient_names: dict[str, str] = {}
-        self.left_out: list[str] = []
+        self.last_result: AutodiffResult | None = None
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    @property
+    def seed_name(self) -> str | None:
+        """The seed input the last call added (None: a scalar seed, or no call yet)."""
+        return None if self.last_result is None else self.last_result.seed_name
+
+    @property
+    def gradient_names(self) -> dict[str, str]:
+        """The last call's gradient output per variable ({} before the first call)."""
+        return {} if self.last_result is None else self.last_result.gradient_names
+
+    @property
+    def left_out(self) -> list[str]:
+        """The float initializers the last call's default variables left out ([] before a call)."""
+        return [] if self.last_result is None else self.last_result.left_out
+
+    def call(self, model: ir.Model) -> AutodiffResult:
         with collector_paused():
-            return build_upgrading(model, self._build, self.upgrade_opset)
+            result = build_upgrading(model, self._build, self.upgrade_opset)
+        self.last_result = result
+        return result
 
-    def _build(self, model: ir.Model) -> ir.passes.PassResult:
+    def _build(self, model: ir.Model) -> AutodiffResult:
         graph = model.graph
         if self.infer_shapes:
             _infer_shapes_stage(model)
         y = find_value(graph, self.of, "of")
         _check_differentiable(y, "of")
-        xs = self._variables(model)
+        xs, left_out = choose_variables(model, self.wrt, self.registry)
         # Tells the cleanup passes never to fold these (a training loop feeds new values of them).
         record_differentiated(model, [x.name for x in xs])
         namer = Namer.for_graph(graph)
         backward = Backward(graph, self.registry, model.opset_imports, namer)
         op = backward.op
-        dy = self._seed(op, graph, y, namer)
+        dy, seed_name = self._seed(op, graph, y, namer)
         grads = backward.gradients(y, xs, dy)
         outputs = self._gradient_outputs(op, graph, y, xs, grads, namer)
-        if self.seed_name is not None:
+        if seed_name is not None:
             if y.shape is None:
                 raise UnsupportedModelError(
                     f"the rank of '{y.name}' is unknown, so no 'dy' input can be declared for it: "
@@ -476,19 +511,15 @@ class AutodiffPass(ir.passes.InPlacePass):
         graph.outputs.extend(outputs)
         for domain, version in op.opsets.items():
             model.opset_imports.setdefault(domain, version)
-        return ir.passes.PassResult(model, modified=True)
+        gradient_names = {x.name: grad.name for x, grad in zip(xs, outputs)}
+        return AutodiffResult(model, True, seed_name, gradient_names, left_out)
 
-    def _variables(self, model: ir.Model) -> list[ir.Value]:
-        xs, self.left_out = choose_variables(model, self.wrt, self.registry)
-        return xs
-
-    def _seed(self, op: OpBuilder, graph: ir.Graph, y: ir.Value, namer: Namer) -> ir.Value:
+    def _seed(self, op: OpBuilder, graph: ir.Graph, y: ir.Value, namer: Namer) -> tuple[ir.Value, str | None]:
+        """The seed and the name of the graph input it is (None: ones computed from ``y``)."""
         if self.seed == "ones" or (self.seed == "auto" and is_scalar(y)):
-            self.seed_name = None
-            return shapes.ones_like(op, y)
+            return shapes.ones_like(op, y), None
         dy = ir.Value(name=namer.fresh("dy"), type=y.type, shape=y.shape)
-        self.seed_name = dy.name
-        return dy
+        return dy, dy.name
 
     def _gradient_outputs(self, op, graph, y, xs, grads, namer) -> list[ir.Value]:
         if self.unreachable == "raise":
@@ -497,9 +528,7 @@ class AutodiffPass(ir.passes.InPlacePass):
                     raise NotDifferentiableError(
                         f"'{y.name}' does not depend on '{x.name}' through differentiable inputs"
                     )
-        outputs = gradient_outputs(op, namer, xs, grads)
-        self.gradient_names.update((x.name, grad.name) for x, grad in zip(xs, outputs))
-        return outputs
+        return gradient_outputs(op, namer, xs, grads)
 
 
 def gradient_outputs(op: OpBuilder, namer: Namer, xs, grads) -> list[ir.Value]:

@@ -25,6 +25,7 @@ and from the ``keep`` option. Such initializers are treated as graph inputs whil
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -43,6 +44,14 @@ from onnxscript.optimizer import FOLDED_FROM_KEY, fold_constants
 FOLD_LIMIT = 1024  # elements: larger folded tensors stay computed (a seed Expand(1, Shape(y)) stays a node)
 
 
+@dataclasses.dataclass
+class CleanupResult(ir.passes.PassResult):
+    """What one call of :class:`CleanupPass` did: the model and ``modified`` (as every
+    ``PassResult``) and how many rounds it took (a fixed point is reached before ``max_rounds``)."""
+
+    rounds: int = 0
+
+
 class CleanupPass(ir.passes.InPlacePass):
     """Shrinks a model (its graph, subgraphs and functions) without changing what it computes.
 
@@ -55,6 +64,10 @@ class CleanupPass(ir.passes.InPlacePass):
     ``target``: the runtime whose lowering rules (:func:`~onnx_autodiff.passes.rewrite_rules.lowering_rules`)
     turn the rules' canonical forms into the ones it runs fastest, applied last in each round;
     None keeps canonical graphs.
+
+    Calling the pass returns a :class:`CleanupResult` (``rounds``). ``ir.passes.PassManager``
+    returns a plain ``PassResult`` of its own: in a pipeline, read the pass's ``last_result`` (or
+    ``rounds``, a view of it: 0 before the first call).
     """
 
     def __init__(self, keep: Sequence[str] = (), fold: bool = True, fold_limit: int = FOLD_LIMIT,
@@ -69,7 +82,12 @@ class CleanupPass(ir.passes.InPlacePass):
         self.fold_limit = fold_limit
         self.cse = cse
         self.max_rounds = max_rounds
-        self.rounds = 0  # how many rounds the last call took (a fixed point is reached before max_rounds)
+        self.last_result: CleanupResult | None = None
+
+    @property
+    def rounds(self) -> int:
+        """How many rounds the last call took (0 before the first call)."""
+        return 0 if self.last_result is None else self.last_result.rounds
 
     def protected(self, model: ir.Model) -> list[ir.Value]:
         """The initializers treated as graph inputs: those the model's metadata names, differentiated
@@ -79,21 +97,23 @@ class CleanupPass(ir.passes.InPlacePass):
         names = set(self.keep) | set(differentiated(model)) | set(kept(model))
         return [v for name, v in graph.initializers.items() if name in names]
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    def call(self, model: ir.Model) -> CleanupResult:
         with collector_paused():
-            return self._shrink(model)
+            result = self._shrink(model)
+        self.last_result = result
+        return result
 
-    def _shrink(self, model: ir.Model) -> ir.passes.PassResult:
+    def _shrink(self, model: ir.Model) -> CleanupResult:
         protected = self.protected(model)
         hidden: dict[ir.Value, ir.TensorProtocol | None] = {}
         graphs = all_graphs(model)
         # Nothing here adds a subgraph: without one, the list of graphs stays the same.
         flat = len(graphs) == 1 + len(model.functions)
         modified = False
+        rounds = 0
         try:
             changed = True
             for rounds in range(1, self.max_rounds + 1):
-                self.rounds = rounds
                 stage = f"cleanup, round {rounds}"
                 if changed:  # folding can make more shapes known (a Reshape to a folded Shape)
                     progress.report(stage, 0, 5)
@@ -130,7 +150,7 @@ class CleanupPass(ir.passes.InPlacePass):
         if not all(_in_order(g) for g in (model.graph, *model.functions.values())):  # else it stays as it is
             modified |= common.TopologicalSortPass()(model).modified
         _drop_folding_notes(graphs if flat else all_graphs(model))
-        return ir.passes.PassResult(model, modified=modified)
+        return CleanupResult(model, modified, rounds)
 
     def _fold(self, model: ir.Model, graphs: list[ir.Graph]) -> bool:
         # The folder writes Constant(value_ints=...) (opset 12 on) and initializers that are not

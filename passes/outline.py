@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 
 import onnx_ir as ir
-from onnx_autodiff.passes.metadata import GRAD_OF
+from onnx_autodiff.passes.metadata import provenance, unmark
 from onnx_ir.passes import common
 
 DOMAIN = "onnx_autodiff.grad"
@@ -36,17 +36,19 @@ class OutlinePass(ir.passes.InPlacePass):
         graph = model.graph
         common.TopologicalSortPass()(model)
         groups: dict[str, list[ir.Node]] = {}
+        op_types: dict[str, str] = {}
         for node in graph:
-            tag = node.metadata_props.get(GRAD_OF)
-            if tag is not None:
-                groups.setdefault(tag, []).append(node)
+            origin = provenance(node)
+            if origin is not None:
+                groups.setdefault(origin.tag, []).append(node)
+                op_types.setdefault(origin.tag, origin.op_type)
         position = {node: i for i, node in enumerate(graph)}
         by_body: dict[bytes, ir.Function] = {}
         modified = False
         for tag, nodes in groups.items():
             if len(nodes) < self.min_nodes or not _outlinable(graph, nodes, position):
                 continue
-            _outline(model, tag.split(":", 1)[0], nodes, by_body)
+            _outline(model, op_types[tag], nodes, by_body)
             modified = True
         if modified:
             model.opset_imports.setdefault(DOMAIN, 1)
@@ -111,7 +113,7 @@ def _outline(model: ir.Model, op_type: str, nodes: list[ir.Node], by_body: dict[
                 node.replace_input_with(index, params[inputs.index(value)])
     count = 0
     for k, node in enumerate(nodes):
-        node.metadata_props.pop(GRAD_OF, None)
+        unmark(node)
         node.name = f"n{k}"
         for out in node.outputs:
             if out in outputs:

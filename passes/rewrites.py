@@ -1,6 +1,6 @@
 """The cleanup's sweep of its rewrite rules (:mod:`onnx_autodiff.passes.rewrite_rules`) over a
 model's graphs, subgraphs and functions: each node rewritten by the first rule that applies, its
-output replaced while graph outputs keep their names and the new nodes the GRAD_OF tag."""
+output replaced while graph outputs keep their names and the new nodes the provenance (GRAD_OF and its fields, :mod:`~onnx_autodiff.passes.metadata`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import onnx_ir as ir
 
 from onnx_autodiff.toolkit import all_graphs, detach
-from onnx_autodiff.passes.metadata import GRAD_OF
+from onnx_autodiff.passes.metadata import mark, provenance
 from onnx_autodiff.passes.rewrite_rules import RuleIndex, cleanup_rules
 from onnx_autodiff.passes.rewrite_rules.analysis import renamable
 
@@ -115,12 +115,11 @@ class Rewriter:
         old = node.outputs[0]
         if new_nodes:
             graph.insert_before(node, new_nodes)
-            tag = node.metadata_props.get(GRAD_OF)
+            origin = provenance(node)
             for made in new_nodes:
                 for out in made.outputs:
                     out.name = out.name or self.fresh(old.name)
-                if tag is not None:
-                    made.metadata_props.setdefault(GRAD_OF, tag)
+                mark(made, origin)
         if value.type is None:
             value.type = old.type
         if value.shape is None and old.shape is not None:

@@ -9,6 +9,7 @@ reverse sweeps, so reverse over reverse is the cheaper choice.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,8 +30,25 @@ from onnx_autodiff.rules import GradRegistry, default_registry
 from onnx_autodiff.toolkit import Namer, OpBuilder, infer_shapes, shapes
 
 
+@dataclasses.dataclass
+class TransformResult(ir.passes.PassResult):
+    """What one call of a transform pass did: the model and ``modified`` (as every
+    ``PassResult``), the input it added per variable (``t_<x>``, ``v_<x>``), its output per key
+    (``of``'s name for a JVP, each variable's for the others) and the float initializers the
+    default variables left out (constants)."""
+
+    input_names: dict[str, str] = dataclasses.field(default_factory=dict)
+    output_names: dict[str, str] = dataclasses.field(default_factory=dict)
+    left_out: list[str] = dataclasses.field(default_factory=list)
+
+
 class _TransformPass(ir.passes.InPlacePass):
-    """Shared set-up: find ``of`` and ``wrt``, build on the engine, add inputs and outputs."""
+    """Shared set-up: find ``of`` and ``wrt``, build on the engine, add inputs and outputs.
+
+    Calling the pass returns a :class:`TransformResult`; ``input_names``, ``output_names`` and
+    ``left_out`` on the pass are a view of the last one (``last_result``), which is what a
+    pipeline user reads: ``ir.passes.PassManager`` returns a plain ``PassResult`` of its own.
+    """
 
     def __init__(
         self, of: str, wrt: Sequence[str] | str | None = None, registry: GradRegistry | None = None,
@@ -41,20 +59,38 @@ class _TransformPass(ir.passes.InPlacePass):
         self.of = of
         self.wrt = [wrt] if isinstance(wrt, str) else (None if wrt is None else list(wrt))
         self.registry = registry if registry is not None else default_registry()
-        self.input_names: dict[str, str] = {}
-        self.output_names: dict[str, str] = {}
-        self.left_out: list[str] = []
+        self.last_result: TransformResult | None = None
+        self._inputs: dict[str, str] = {}  # what the build in progress adds
+        self._outputs: dict[str, str] = {}
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
+    @property
+    def input_names(self) -> dict[str, str]:
+        """The input the last call added per variable ({} before the first call)."""
+        return {} if self.last_result is None else self.last_result.input_names
+
+    @property
+    def output_names(self) -> dict[str, str]:
+        """The last call's output per key ({} before the first call)."""
+        return {} if self.last_result is None else self.last_result.output_names
+
+    @property
+    def left_out(self) -> list[str]:
+        """The float initializers the last call's default variables left out ([] before a call)."""
+        return [] if self.last_result is None else self.last_result.left_out
+
+    def call(self, model: ir.Model) -> TransformResult:
         # The second sweep adds the first one's nodes to the graph: convert the model as it was.
-        return build_upgrading(model, self._build, self.upgrade_opset, pristine=True)
+        result = build_upgrading(model, self._build, self.upgrade_opset, pristine=True)
+        self.last_result = result
+        return result
 
-    def _build(self, model: ir.Model) -> ir.passes.PassResult:
+    def _build(self, model: ir.Model) -> TransformResult:
         infer_shapes(model)
+        self._inputs, self._outputs = {}, {}
         graph = model.graph
         y = find_value(graph, self.of, "of")
         _check_differentiable(y, "of")
-        xs, self.left_out = choose_variables(model, self.wrt, self.registry)
+        xs, left_out = choose_variables(model, self.wrt, self.registry)
         namer = Namer.for_graph(graph)
         backward = Backward(graph, self.registry, model.opset_imports, namer)
         self.model = model
@@ -64,21 +100,21 @@ class _TransformPass(ir.passes.InPlacePass):
         graph.outputs.extend(outputs)
         for domain, version in backward.op.opsets.items():
             model.opset_imports.setdefault(domain, version)
-        return ir.passes.PassResult(model, modified=True)
+        return TransformResult(model, True, self._inputs, self._outputs, left_out)
 
     def build(self, backward, graph, y, xs, namer) -> tuple[list[ir.Value], list[ir.Value]]:
         raise NotImplementedError
 
     def _input_like(self, namer: Namer, prefix: str, x: ir.Value) -> ir.Value:
         value = ir.Value(name=namer.fresh(f"{prefix}_{x.name}"), type=x.type, shape=x.shape)
-        self.input_names[x.name] = value.name
+        self._inputs[x.name] = value.name
         return value
 
     def _output(self, op: OpBuilder, namer: Namer, key: str, name: str, value: ir.Value, like: ir.Value):
         value = shapes.alias(op, value)
         value.name = namer.fresh(name)
         value.type, value.shape = like.type, like.shape
-        self.output_names[key] = value.name
+        self._outputs[key] = value.name
         return value
 
 

@@ -16,7 +16,8 @@ that chose them (benchmarks/README.md, "Why the onnxruntime lowering"):
   with the rows (at most :data:`COLUMN_SUM_ROWS` of them, static shapes);
 - a slope Where(mask, 1, b) with one number 0 <= b <= 1 is Max(Cast(mask), b);
 - Relu's gate Where(X > 0, dY, 0) is dY·Cast(X > 0): a NaN or infinite dY where X <= 0 then gives
-  NaN there (0·NaN), not 0. Only the gate the Relu rule emitted (its node's GRAD_OF tag):
+  NaN there (0·NaN), not 0. Only the gate the Relu rule emitted (its node's provenance,
+  :func:`~onnx_autodiff.passes.metadata.provenance`, names a default-domain Relu):
   elsewhere, as in Where(x > 0, log(x), 0), the Where keeps a NaN out.
 """
 
@@ -26,7 +27,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import RewriteRule, RewriteRuleSet
 
-from onnx_autodiff.passes.metadata import GRAD_OF
+from onnx_autodiff.passes.metadata import provenance
 from onnx_autodiff.passes.rewrite_rules.analysis import fill, normalized, opset, perm, produced_by, static, verdict
 from onnx_autodiff.toolkit.shapes import axes, dims, rank
 from onnx_autodiff.passes.rewrite_rules.webgpu import webgpu_rules
@@ -160,7 +161,8 @@ def _max_of_mask(op, cond, a, b):
 
 
 def _relu_gate(context, node: ir.Node):
-    if not node.metadata_props.get(GRAD_OF, "").startswith("Relu:"):
+    origin = provenance(node)
+    if origin is None or not origin.is_op("Relu"):
         return verdict(False, "not the gate of Relu's gradient")
     _, a, b = node.inputs
     return verdict(fill(b) == 0.0 and a.dtype in FLOAT_TYPES, "not Where(mask, dY, 0) of a float dY")

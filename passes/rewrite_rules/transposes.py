@@ -14,7 +14,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import RewriteRule
 from onnxscript.rewriter import MatchResult
 
-from onnx_autodiff.passes.metadata import GRAD_OF
+from onnx_autodiff.passes.metadata import mark, provenance
 from onnx_autodiff.passes.rewrite_rules.analysis import concat_axis, only_use, opset, perm, produced_by, verdict
 from onnx_autodiff.toolkit.shapes import attr, dims, rank
 
@@ -95,10 +95,10 @@ def _moves_onto_inputs(context, a, b, product, out) -> MatchResult:
 def _product_of_transposes(op, a, b, product, out):
     swap = _swap(rank(a))
     result = op.MatMul(op.Transpose(b, perm=swap), op.Transpose(a, perm=swap))
-    tag = product.producer().metadata_props.get(GRAD_OF)
-    if tag is not None:  # still the product's gradient
+    origin = provenance(product.producer())
+    if origin is not None:  # still the product's gradient
         for value in (result, *result.producer().inputs):
-            value.producer().metadata_props[GRAD_OF] = tag
+            mark(value.producer(), origin, overwrite=True)
     return result
 
 

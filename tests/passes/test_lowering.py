@@ -13,6 +13,7 @@ from onnx import helper, numpy_helper
 from onnx_autodiff import autodiff_pass, cleanup_passes
 from onnx_autodiff.conformance import fd_vjp
 from onnx_autodiff.passes.cleanup import CleanupPass
+from onnx_autodiff.passes.metadata import GRAD_OF, GRAD_OF_DOMAIN, GRAD_OF_OP, Provenance, mark, provenance
 from onnx_autodiff.passes.rewrite_rules import lowering, lowering_rules
 
 R = rng(11)
@@ -293,3 +294,61 @@ def test_canonical_backward_of_matmul_and_add_has_no_product_with_ones():
     lowered, _ = _gradient(model, ["w", "b"])
     assert _ones_rows(lowered) == [6]
     assert len(lowered.graph.node) <= len(canonical.graph.node)
+
+
+# Relu's gate is found by the structured provenance, not by the text of GRAD_OF.
+
+def _tagged_gate(**metadata):
+    """The gate Where(x > 0, dy, 0) of one node, with ``metadata`` on the Where."""
+    nodes = [helper.make_node("Greater", ["x", "zero"], ["cond"]), helper.make_node("Where", ["cond", "dy", "zero"], ["g"])]
+    for key, value in metadata.items():
+        nodes[1].metadata_props.add(key=key, value=value)
+    feeds = {"x": f32(2, 3), "dy": f32(2, 3)}
+    return make_model(nodes, feeds, ["g"], initializers={"zero": np.zeros((), np.float32)}), feeds
+
+
+@pytest.mark.parametrize("metadata,lowered", [
+    ({GRAD_OF: "Activation:n", GRAD_OF_OP: "Relu"}, True),  # the label's text is not read
+    ({GRAD_OF: "Relu:n", GRAD_OF_OP: "Clip"}, False),
+    ({GRAD_OF: "Relu:n", GRAD_OF_OP: "Relu", GRAD_OF_DOMAIN: "custom"}, False),  # another domain's Relu
+    ({GRAD_OF: "Relu:n"}, True),  # a model tagged before GRAD_OF_OP: its label still tells
+    ({}, False),
+])
+def test_relu_gate_is_found_by_its_provenance(metadata, lowered):
+    model, feeds = _tagged_gate(**metadata)
+    got = cleaned(model)
+    assert ("Where" not in ops(got)) == lowered and ("Cast" in ops(got)) == lowered
+    assert_same_function(model, got, feeds)
+
+
+def test_backward_nodes_carry_their_forward_op_through_the_cleanup():
+    """Every backward node, also those the rewrites and the lowering made, records the forward op
+    type in its own entry, agreeing with GRAD_OF's label."""
+    model, _, wrt = mlp("Relu")
+    proto, _ = _gradient(model, wrt)
+    assert "Cast" in ops(proto) and "Where" not in ops(proto)  # the gate was lowered
+    backward = list(ir.from_proto(proto).graph)[len(model.graph.node):]
+    tagged = [o for o in map(provenance, backward) if o is not None]
+    assert len(tagged) >= len(backward) - 1  # the engine's own bias sum (a product with ones) has no rule
+    assert {o.op_type for o in tagged} == {"Relu", "MatMul", "Tanh"}
+    gate = [n.op_type for n in backward if provenance(n) is not None and provenance(n).is_op("Relu")]
+    assert gate == ["Greater", "Cast", "Mul"]  # the lowering's nodes keep the gate's provenance
+    for node in proto.graph.node:
+        props = {p.key: p.value for p in node.metadata_props}
+        if GRAD_OF in props:
+            assert props[GRAD_OF_OP] == props[GRAD_OF].split(":", 1)[0] and GRAD_OF_DOMAIN not in props
+
+
+def test_provenance_records_a_custom_domain():
+    node = ir.node("Relu", [], domain="custom", name="r")
+    origin = Provenance.of(node)
+    assert origin == Provenance("Relu", "custom", "Relu:r") and not origin.is_op("Relu")
+    assert origin.metadata() == {GRAD_OF: "Relu:r", GRAD_OF_OP: "Relu", GRAD_OF_DOMAIN: "custom"}
+    assert Provenance.of(ir.node("Relu", [], domain="ai.onnx", name="r")).metadata() == {GRAD_OF: "Relu:r", GRAD_OF_OP: "Relu"}
+    tagged = ir.node("Where", [])
+    mark(tagged, origin)
+    assert provenance(tagged) == origin
+    mark(tagged, Provenance("Neg", "", "Neg:m"))  # kept: a node keeps the provenance it has
+    assert provenance(tagged) == origin
+    mark(tagged, Provenance("Neg", "", "Neg:m"), overwrite=True)  # replaced whole: no stale domain
+    assert dict(tagged.metadata_props) == {GRAD_OF: "Neg:m", GRAD_OF_OP: "Neg"}

@@ -9,7 +9,7 @@ import pytest
 from helpers import make_model, rng
 from onnx import helper
 from onnx_autodiff.passes.outline import DOMAIN
-from onnx_autodiff.passes.metadata import GRAD_OF
+from onnx_autodiff.passes.metadata import GRAD_OF, PROVENANCE_KEYS
 from onnx_ir.passes import common
 
 from onnx_autodiff import OutlinePass, autodiff_pass, cleanup_passes
@@ -65,7 +65,7 @@ def test_outlined_graph_computes_the_same_gradients_with_fewer_nodes():
     assert {"LayerNormalizationGrad", "GeluGrad", "SoftmaxGrad"} <= names
     for function in outlined.functions:
         assert all(node.domain in ("", "ai.onnx") for node in function.node)  # standard ops inside
-    assert not any(p.key == GRAD_OF for f in outlined.functions for n in f.node for p in n.metadata_props)
+    assert not any(p.key in PROVENANCE_KEYS for f in outlined.functions for n in f.node for p in n.metadata_props)
 
 
 def test_outline_is_deterministic_and_idempotent():
