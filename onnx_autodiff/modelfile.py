@@ -234,7 +234,6 @@ def check_model(proto: onnx.ModelProto | str, base_dir: str | None = None, full:
                     continue
             if tensor.name not in inputs:
                 graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
-        del graph.initializer[:]
         graph.initializer.extend(kept)
         proto = stand_in
     onnx.checker.check_model(proto, full_check=full)

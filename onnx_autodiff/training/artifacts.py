@@ -825,15 +825,14 @@ def _frozen_bases_read_in_pieces(model: ir.Model) -> None:
     their bytes are then an eighth of the floats they spare (a float16 head's pieces cost that
     step 48 MB more than they spared)."""
     graph = model.graph
-    opset = default_opset(model)
-    if opset < 13:  # Slice and ReduceSum with axes as inputs
-        return
+    opset = default_opset(model)  # (21 or later: DequantizeLinear of 4 bits)
     namer = None
     for read, stored in list(_frozen_base_reads(graph)):
         shape = stored.const_value.shape
         if len(shape) != 2 or shape[0] * shape[1] <= CHUNK or stored.const_value.dtype.bitwidth > _PIECES_BITS:
             continue
-        for product, axis in _products_contracting(read.outputs[0], int(shape[0] < shape[1])):
+        axis = int(shape[0] < shape[1])
+        for product in _products_contracting(read.outputs[0], axis):
             namer = namer or Namer.for_graph(graph, prefix="frozen")
             op = OpBuilder(opset, namer)
             length = _piece_length(read, axis, CHUNK // shape[1 - axis])
@@ -857,18 +856,18 @@ def _frozen_bases_read_in_pieces(model: ir.Model) -> None:
                     graph.initializers.pop(value.name)
 
 
-def _products_contracting(floats: ir.Value, axis: int) -> list[tuple[ir.Node, int]]:
+def _products_contracting(floats: ir.Value, axis: int) -> list[ir.Node]:
     """The MatMuls that multiply by ``floats`` (a weight W [R, C]) contracting its ``axis``: ``x @ W``
-    contracts axis 0, ``x @ Transpose(W)`` axis 1. Returns (product, axis) pairs."""
+    contracts axis 0, ``x @ Transpose(W)`` axis 1."""
     found = []
     for user, index in floats.uses():
         if user.op_type == "MatMul" and user.domain in ("", "ai.onnx") and index == 1 and axis == 0:
-            found.append((user, 0))
+            found.append(user)
         elif (user.op_type == "Transpose" and user.domain in ("", "ai.onnx") and axis == 1
               and list(user.attributes.get_ints("perm", [1, 0])) == [1, 0]):
-            found.extend((product, 1) for product, position in user.outputs[0].uses()
+            found.extend(product for product, position in user.outputs[0].uses()
                          if product.op_type == "MatMul" and product.domain in ("", "ai.onnx") and position == 1)
-    return [(product, axis) for product, axis in found if not product.outputs[0].is_graph_output()]
+    return [product for product in found if not product.outputs[0].is_graph_output()]
 
 
 def _piece_length(read: ir.Node, axis: int, length: int) -> int:
