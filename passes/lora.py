@@ -31,6 +31,7 @@ from onnx_autodiff.passes.opsets import default_opset
 from onnx_autodiff.passes.metadata import module_names, record_kept
 from onnx_autodiff.passes.quantize import INT4_OPSET, Quantization, QuantizedBase, requantized, stored_weight
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, shapes
+from onnx_autodiff.toolkit.inference import onnx_inferred
 
 NORMS = frozenset({"LayerNormalization", "BatchNormalization", "InstanceNormalization", "GroupNormalization",
                    "RMSNormalization"})
@@ -415,6 +416,10 @@ def adapted(proto: onnx.ModelProto, config: LoraConfig, trained: Sequence[str] =
     ``base_dir``: where ``proto``'s external tensors are."""
     if not isinstance(config, LoraConfig):
         raise TrainingError(f"lora must be an onnx_autodiff.passes.lora.LoraConfig, not a {type(config).__name__}")
+    if config.quantization is not None and config.quantization.format == "matmulnbits":
+        # onnx's inference stops at MatMulNBits (no schema): the shapes after the products it
+        # replaces are found while they are still MatMuls
+        proto = onnx_inferred(proto) or proto
     model = from_proto(proto, base_dir)
     lora = LoraPass(config, trained)
     lora(model)

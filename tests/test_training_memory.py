@@ -238,6 +238,17 @@ def test_large_frozen_weights_are_read_in_place_and_held_once(lead, tmp_path, mo
 
 
 
+def _stored_alone_prefix(model: onnx.ModelProto) -> set[str]:
+    """The outputs of the nodes of ``model`` before the first one that reads a batch input."""
+    fed = {i.name for i in model.graph.input} - {t.name for t in model.graph.initializer}
+    prefix = set()
+    for node in model.graph.node:
+        if any(name in fed for name in node.input):
+            return prefix
+        prefix.update(node.output)
+    return prefix
+
+
 def _float_initializer_sizes(model_path: str, folder: str) -> list[int]:
     """The element counts of the float32 initializers onnxruntime holds once it created a session of
     the model (its optimised graph, constants folded)."""
@@ -268,7 +279,7 @@ def test_frozen_bases_of_other_types_become_floats_where_each_node_reads_them(ki
     reads = [n for n in model.graph.node if n.op_type == read and n.input[0] in ("W1", *(o for m in model.graph.node
              if m.op_type == "Reshape" and m.input[0] == "W1" for o in m.output))]
     assert len(reads) == (2 if kind == "float16" else 1)  # the forward's and the backward's reads
-    first = {o for n in list(model.graph.node)[: 3 * len(reads)] for o in n.output}
+    first = _stored_alone_prefix(model)
     assert all(n.output[0] in first for n in reads)
     if kind == "float16":
         assert "W1" in [i.name for i in model.graph.input]  # overridable: onnxruntime does not fold it
@@ -284,6 +295,32 @@ def test_frozen_bases_of_other_types_become_floats_where_each_node_reads_them(ki
     losses = [(trainer.step(batch), reference.step(batch)) for _ in range(4)]
     assert [a for a, _ in losses] == [b for _, b in losses]
     assert losses[-1][0] < losses[0][0]
+
+def test_a_matmulnbits_backwards_unpacking_runs_where_its_layer_is_reached(tmp_path, monkeypatch):
+    """The nodes that unpack a MatMulNBits weight for the backward depend on stored weights alone:
+    they come first in the train model, where onnxruntime's order runs them just before the
+    product that reads them (left after the activations they meet, they would all run before the
+    loss's gradient); the steps are those of the model as the cleanup left it."""
+    path = str(tmp_path / "linear.onnx")
+    onnx.save_model(linear_model([2, 3]), path, save_as_external_data=True, location="weights.bin", size_threshold=1024)
+    options = {"loss": "mse", "optimizer": "adamw", "optimizer_options": {"lr": 0.01},
+               "lora": LoraConfig(rank=2, quantize_base="int4", quantize_format="matmulnbits")}
+    artifacts = generate_artifacts(path, **options)
+    with monkeypatch.context() as patch:
+        patch.setattr(artifacts_module, "_stored_alone_first", lambda graph: None)
+        as_cleaned = generate_artifacts(path, **options)
+    model = artifacts.train_model
+    packed = {n.input[1] for n in model.graph.node if n.op_type == "MatMulNBits"}
+    unpacking = [n for n in model.graph.node if n.op_type != "MatMulNBits" and packed & set(n.input)]
+    assert unpacking and all(n.output[0] in _stored_alone_prefix(model) for n in unpacking)
+    late = [n for n in as_cleaned.train_model.graph.node if n.op_type != "MatMulNBits" and packed & set(n.input)]
+    assert not all(n.output[0] in _stored_alone_prefix(as_cleaned.train_model) for n in late)
+    trainer, reference = Trainer(artifacts), Trainer(as_cleaned)
+    batch = linear_batch([2, 3])
+    losses = [(trainer.step(batch), reference.step(batch)) for _ in range(4)]
+    assert [a for a, _ in losses] == [b for _, b in losses]
+    assert losses[-1][0] < losses[0][0]
+
 
 def folded_linear_model(lead) -> onnx.ModelProto:
     """linear_model with each weight stored transposed, W [in, out], read by MatMul(x, W) as an
