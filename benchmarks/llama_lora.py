@@ -20,6 +20,11 @@ process so that its peak RSS is its own:
   '*v_proj*'`` (its options are built in :func:`artifacts_argv` alone);
 - Trainer: ``--steps`` AdamW steps on fixed batches, then ``export()`` merged, with external data;
 - the merged model once on onnxruntime: its loss against the Trainer's eval loss;
+- with ``--quantize-base`` (QLoRA): the artifacts, the Trainer and the merged model again, on
+  the base quantized at build time; for ``--quantize-format matmulnbits`` (the default), also the
+  merged export in that form (a ``model_q4.onnx`` as shipped) trained with its weights read
+  through DequantizeLinear (``--quantize-format dequantizelinear``): onnxruntime's kernel holds
+  a pre-packed copy of the weights beside those the backward reads;
 - PyTorch + peft eager (unless ``--no-torch``): the same weights (same seed), the same LoRA config
   and initial A, the same batches and AdamW steps; its losses against ours.
 
@@ -71,21 +76,30 @@ def rss_mb() -> float:
         return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
 
 
-def artifacts_argv(args, folder: str, quantized: bool = False) -> list[str]:
-    """The ``onnx-autodiff artifacts`` command of the artifacts phase (``quantized``: of the
-    quantized base, with ``--quantize-base``): its options are built here alone."""
-    argv = [sys.executable, "-m", "onnx_autodiff", "artifacts", os.path.join(folder, "model.onnx"), "-o",
-            os.path.join(folder, base_files(quantized)[0]), "--loss", "none", "--optimizer", "adamw", "--lr", str(LR),
+def artifacts_argv(args, folder: str, base: str = "float") -> list[str]:
+    """The ``onnx-autodiff artifacts`` command of the artifacts phase of ``base`` (see
+    :data:`BASES`): its options are built here alone."""
+    source = os.path.join(folder, "merged-quantized.onnx" if base == "reread" else "model.onnx")
+    argv = [sys.executable, "-m", "onnx_autodiff", "artifacts", source, "-o",
+            os.path.join(folder, base_files(base)[0]), "--loss", "none", "--optimizer", "adamw", "--lr", str(LR),
             "--weight-decay", "0.01", "--lora", str(RANK), "--lora-targets", *(f"*{t}*" for t in TARGETS)]
-    if quantized:
+    if base == "quantized":
         argv += ["--quantize-base", args.quantize_base, "--quantize-format", args.quantize_format]
+    elif base == "reread":
+        argv += ["--quantize-format", "dequantizelinear"]
     return argv
 
 
-def base_files(quantized: bool) -> tuple[str, str, str]:
-    """The artifacts directory, the merged export and the phases' result suffix of the float base
-    or of the quantized one."""
-    return ("artifacts-quantized", "merged-quantized.onnx", "-quantized") if quantized else ("artifacts", "merged.onnx", "")
+# the bases trained: the float export; its base quantized at build time (--quantize-base); and, for
+# a MatMulNBits base, the merged export in that form (a model_q4.onnx as shipped) trained with its
+# weights read through DequantizeLinear (--quantize-format dequantizelinear)
+BASES = ("float", "quantized", "reread")
+
+
+def base_files(base: str) -> tuple[str, str, str]:
+    """The artifacts directory, the merged export and the phases' result suffix of ``base``."""
+    return {"float": ("artifacts", "merged.onnx", ""), "quantized": ("artifacts-quantized", "merged-quantized.onnx", "-quantized"),
+            "reread": ("artifacts-reread", "merged-reread.onnx", "-reread")}[base]
 
 
 def batches(args, vocab: int) -> list[dict[str, np.ndarray]]:
@@ -158,7 +172,7 @@ def phase_train(folder: str, args) -> dict:
     data = batches(args, sizes(args)["vocab"])
     imported = rss_mb()
     start = time.perf_counter()
-    directory, merged, _ = base_files(args.quantized)
+    directory, merged, _ = base_files(args.base)
     trainer = Trainer(os.path.join(folder, directory), lr=LR, providers=["CPUExecutionProvider"])
     session = time.perf_counter() - start
     loaded = rss_mb()
@@ -175,7 +189,7 @@ def phase_train(folder: str, args) -> dict:
     start = time.perf_counter()
     trainer.export(os.path.join(folder, merged), external_data=True)
     exporting = time.perf_counter() - start
-    cost = trainer.merge_cost(data[0]) if args.quantized else None  # after the peaks: its own sessions
+    cost = trainer.merge_cost(data[0]) if args.base != "float" else None  # after the peaks: its own sessions
     return {"merge_cost": cost, "session_s": session, "losses": losses, "step_s": times, "eval_loss": evaluated, "eval_s": evaluating,
             "export_s": exporting, "imports_mb": imported, "loaded_mb": loaded, "steps_peak_mb": stepped,
             "eval_peak_mb": evaluated_peak}
@@ -186,7 +200,7 @@ def phase_merged(folder: str, args) -> dict:
 
     batch = batches(args, sizes(args)["vocab"])[0]
     start = time.perf_counter()
-    session = ort.InferenceSession(os.path.join(folder, base_files(args.quantized)[1]), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(os.path.join(folder, base_files(args.base)[1]), providers=["CPUExecutionProvider"])
     (loss,) = session.run(None, batch)
     return {"loss": float(loss), "run_s": time.perf_counter() - start}
 
@@ -261,7 +275,7 @@ def main(argv=None) -> int:
                         help="also train LoRA on the base quantized at build time (QLoRA), side by side")
     parser.add_argument("--quantize-format", choices=["dequantizelinear", "matmulnbits"], default="matmulnbits",
                         help="how the quantized base is read (default: onnxruntime's MatMulNBits kernel)")
-    parser.add_argument("--quantized", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--base", choices=BASES, default="float", help=argparse.SUPPRESS)
     parser.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -269,7 +283,7 @@ def main(argv=None) -> int:
     args.seq = SIZES[args.size]["seq"] if args.seq is None else args.seq
     if args.phase:
         result = PHASES[args.phase](args.folder, args)
-        with open(os.path.join(args.folder, f"{args.phase}{base_files(args.quantized)[2]}.json"), "w") as stream:
+        with open(os.path.join(args.folder, f"{args.phase}{base_files(args.base)[2]}.json"), "w") as stream:
             json.dump(dict(result, vmhwm_mb=peak_mb()), stream)
         return 0
     folder = tempfile.mkdtemp(prefix="onnx-autodiff-llama-", dir=args.dir)
@@ -283,7 +297,7 @@ def main(argv=None) -> int:
             with open(os.path.join(folder, f"{name}.json")) as stream:
                 results[name] = json.load(stream)
         rows.append([label, f"{seconds:.1f}", f"{peak:.0f}", "" if disk is None else f"{disk_mb(folder, disk):.0f}",
-                     name if name in ("train", "torch", "train-quantized") and not code else None])
+                     name if name in ("train", "torch", "train-quantized", "train-reread") and not code else None])
         if code or not name:  # the phases' own output is warnings (torch's registry, onnxruntime's folding)
             print(f"{label}: exit {code}\n  " + text.replace("\n", "\n  "))
         return not code
@@ -299,12 +313,17 @@ def main(argv=None) -> int:
               and (args.no_torch or phase(f"PyTorch + peft: {args.steps} steps", [*me, *common, "--phase=torch"], "torch")))
         if ok and args.quantize_base:
             base = f"{args.quantize_base} {args.quantize_format}"
-            quantized = [*common, "--quantized"]
-            ok = (phase(f"onnx-autodiff artifacts --lora --quantize-base {base}", artifacts_argv(args, folder, True), None,
-                        "artifacts-quantized")
+            quantized = [*common, "--base=quantized"]
+            ok = (phase(f"onnx-autodiff artifacts --lora --quantize-base {base}", artifacts_argv(args, folder, "quantized"),
+                        None, "artifacts-quantized")
                   and phase(f"Trainer, {base} base: {args.steps} steps, evaluate, export merged",
                             [*me, *quantized, "--phase=train"], "train-quantized", "merged-quantized")
                   and phase(f"merged {base} model on onnxruntime", [*me, *quantized, "--phase=merged"], "merged-quantized"))
+        if ok and args.quantize_base in ("int4", "int8") and args.quantize_format == "matmulnbits":
+            ok = (phase(f"onnx-autodiff artifacts --lora --quantize-format dequantizelinear on the merged {base} model",
+                        artifacts_argv(args, folder, "reread"), None, "artifacts-reread")
+                  and phase(f"Trainer, that model's MatMulNBits read through DequantizeLinear: {args.steps} steps",
+                            [*me, *common, "--base=reread", "--phase=train"], "train-reread", "merged-reread"))
         size = sizes(args)
         if "export" in results:
             e = results["export"]
@@ -352,6 +371,18 @@ def main(argv=None) -> int:
                 code |= error > 1e-4
             if "train" in results:
                 steps = q["steps_peak_mb"] / results["train"]["steps_peak_mb"]
+                print(f"  peak RSS of the steps: {steps:.2f}x the float base's")
+        if "train-reread" in results:
+            r = results["train-reread"]
+            print(f"\nours, the merged {args.quantize_base} MatMulNBits model read through DequantizeLinear: sessions "
+                  f"{r['session_s']:.1f} s; step {_steps(r['step_s'])}")
+            print("  losses " + " ".join(f"{x:.5f}" for x in r["losses"]))
+            if "merged-quantized" in results:  # its first step's loss is the merged model's, on the same batch
+                error = abs(r["losses"][0] - results["merged-quantized"]["loss"]) / abs(results["merged-quantized"]["loss"])
+                print(f"  first loss against the merged model's on onnxruntime: {error:.1e}")
+                code |= error > 1e-4
+            if "train" in results:
+                steps = r["steps_peak_mb"] / results["train"]["steps_peak_mb"]
                 print(f"  peak RSS of the steps: {steps:.2f}x the float base's")
         if "torch" in results:
             p = results["torch"]

@@ -29,7 +29,8 @@ from onnx_autodiff.errors import TrainingError, UnknownValueError, UnsupportedMo
 from onnx_autodiff.modelfile import from_proto
 from onnx_autodiff.passes.opsets import default_opset
 from onnx_autodiff.passes.metadata import module_names, record_kept
-from onnx_autodiff.passes.quantize import INT4_OPSET, Quantization, QuantizedBase, requantized, stored_weight
+from onnx_autodiff.passes.quantize import (FORMATS, INT4_OPSET, Quantization, QuantizedBase, nbits_read_as_dequantizelinear,
+                                           requantized, stored_weight)
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, shapes
 from onnx_autodiff.toolkit.inference import onnx_inferred
 
@@ -53,6 +54,14 @@ class LoraConfig:
     1-D initializer added to a MatMul/Gemm/Conv result); train_norms: also train the scale and
     bias of normalization nodes (LayerNormalization, BatchNormalization, InstanceNormalization,
     GroupNormalization, RMSNormalization).
+
+    quantize_base: store the frozen base weights of the products quantized (QLoRA: "int4",
+    "int8", "float16"), read as quantize_format says ("dequantizelinear" when None). A model's
+    own MatMulNBits bases stay MatMulNBits, the fast kernel, unless quantize_format is
+    "dequantizelinear": the train models then read those weights through DequantizeLinear in
+    standard operators (:func:`~onnx_autodiff.passes.quantize.nbits_read_as_dequantizelinear`),
+    holding them once where onnxruntime's kernel holds a pre-packed copy beside them, for a
+    dequantization at each read; the inference model keeps its MatMulNBits.
     """
 
     rank: int
@@ -63,13 +72,18 @@ class LoraConfig:
     train_biases: bool = False
     train_norms: bool = False
     quantize_base: str | None = None
-    quantize_format: str = "dequantizelinear"
+    quantize_format: str | None = None
     quantize_block: int = 32
     quantize_symmetric: bool = True
 
     def __post_init__(self) -> None:
         if self.quantize_base is not None:
             self.quantization  # noqa: B018 - checks the options
+        elif self.quantize_format == "matmulnbits":
+            raise TrainingError("quantize_format 'matmulnbits' needs quantize_base (a model's own MatMulNBits "
+                                "weights are read by the kernel already)")
+        elif self.quantize_format is not None and self.quantize_format not in FORMATS:
+            raise TrainingError(f"quantize_format must be one of {', '.join(FORMATS)}, not {self.quantize_format!r}")
         if isinstance(self.rank, bool) or not isinstance(self.rank, (int, np.integer)) or self.rank < 1:
             raise TrainingError(f"LoRA rank must be a positive integer, not {self.rank!r}")
         if self.alpha is not None and not self.alpha > 0:
@@ -86,7 +100,13 @@ class LoraConfig:
         """How the frozen base weights are stored (None: as the model stores them)."""
         if self.quantize_base is None:
             return None
-        return Quantization(self.quantize_base, self.quantize_format, self.quantize_block, self.quantize_symmetric)
+        return Quantization(self.quantize_base, self.quantize_format or "dequantizelinear", self.quantize_block,
+                            self.quantize_symmetric)
+
+    @property
+    def reads_nbits_as_dequantizelinear(self) -> bool:
+        """Whether the train models read the model's MatMulNBits weights through DequantizeLinear."""
+        return self.quantize_format == "dequantizelinear"
 
     @property
     def scale(self) -> float:
@@ -136,6 +156,7 @@ class LoraPass(ir.passes.InPlacePass):
         self.adapters: list[Adapter] = []
         self.extra: list[str] = []  # the biases and norm parameters the config also trains
         self.quantized: list[str] = []  # the weights that config.quantize_base stored anew
+        self.nbits_kept: dict[str, str] = {}  # MatMulNBits nodes left as they are, and why
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         config, graph = self.config, model.graph
@@ -173,6 +194,12 @@ class LoraPass(ir.passes.InPlacePass):
                 record_kept(model, [v.name for v in parts if v is not None and v.is_initializer()])
             for node in nodes:
                 self._adapt(graph, op, namer, node, a, b, dtype)
+        if config.reads_nbits_as_dequantizelinear:  # after the adapters: they record the model's own form
+            stored, self.nbits_kept = nbits_read_as_dequantizelinear(graph)
+            if not stored and not self.nbits_kept and config.quantization is None:
+                raise TrainingError("quantize_format 'dequantizelinear' without quantize_base reads a model's "
+                                    "MatMulNBits weights through DequantizeLinear; this model has none")
+            record_kept(model, stored)
         return ir.passes.PassResult(model, modified=bool(self.adapters))
 
     def _adapt(self, graph: ir.Graph, op: OpBuilder, namer: Namer, node: ir.Node, a: ir.Value, b: ir.Value, dtype) -> None:

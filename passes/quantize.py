@@ -24,6 +24,7 @@ import dataclasses
 import mmap
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 
 from onnx_autodiff.errors import TrainingError
@@ -379,3 +380,126 @@ def _unpacked(packed: np.ndarray, bits: int) -> np.ndarray:
     if bits == 8:
         return packed
     return np.stack([packed & 15, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+
+
+def nbits_read_as_dequantizelinear(graph: ir.Graph) -> tuple[list[str], dict[str, str]]:
+    """Each ``com.microsoft.MatMulNBits`` node of ``graph`` becomes its definition in standard
+    operators, reading the same bytes: ``MatMul(A, Transpose(DequantizeLinear(B, scales,
+    zero_points, axis=1, block_size)))`` (plus its bias), B seen as the [N, K] unsigned 4- or
+    8-bit tensor it packs (ONNX packs 4-bit values as MatMulNBits does: two a byte, low bits
+    first), the zero points those given or 2^(bits-1). Needs opset 21 (DequantizeLinear with
+    block_size).
+
+    onnxruntime then holds the weights once: its MatMulNBits kernel keeps a pre-packed copy of
+    them beside the bytes that a backward reads, which a DequantizeLinear read does not, for a
+    dequantization at each read. Returns the names of the initializers the DequantizeLinear nodes
+    read, and {node name: why it stays} for the nodes left as they are (act-order g_idx, float
+    zero points, K not a whole number of blocks, stored parts that are not initializers)."""
+    kept, done = {}, {}
+    namer = None
+    for node in list(graph):
+        if node.op_type != "MatMulNBits" or node.domain != "com.microsoft":
+            continue
+        A, B, scales, zero_points, g_idx, bias = (list(node.inputs) + [None] * 6)[:6]
+        K, N = shapes.attr(node, "K", None), shapes.attr(node, "N", None)
+        bits, block = shapes.attr(node, "bits", 4), shapes.attr(node, "block_size", None)
+        stored = [v for v in (B, scales, zero_points) if v is not None]
+        why = ("act-order g_idx" if g_idx is not None
+               else f"{bits}-bit weights" if bits not in (4, 8) or K is None or N is None or not block
+               else f"K={K} is not a whole number of blocks of {block}" if K % block
+               else "float zero points" if zero_points is not None and zero_points.dtype != ir.DataType.UINT8
+               else "its weights are not initializers" if not all(v.is_initializer() and v.const_value is not None
+                                                                  for v in stored)
+               else None)
+        if why is not None:
+            kept[node.name or B.name] = why
+            continue
+        namer = namer or Namer.for_graph(graph, prefix="nbits")
+        key = (B, scales, zero_points, bits, block)
+        if key not in done:
+            done[key] = _as_dequantizelinear_inputs(graph, namer, B, scales, zero_points, N, K, bits, block)
+        floats = ir.node("DequantizeLinear", done[key], attributes={"axis": 1, "block_size": block})
+        transposed = ir.node("Transpose", floats.outputs, attributes={"perm": [1, 0]})
+        product = ir.node("MatMul", [A, transposed.outputs[0]])
+        added = [product] if bias is None else [product, ir.node("Add", [product.outputs[0], bias])]
+        new_nodes = [floats, transposed, *added]
+        for made, hint in zip(new_nodes, ("dequantized", "transposed", "product", "biased")):
+            made.outputs[0].name = namer.fresh(f"{B.name}.{hint}")
+        floats.outputs[0].dtype, floats.outputs[0].shape = scales.dtype, ir.Shape([N, K])
+        transposed.outputs[0].dtype, transposed.outputs[0].shape = scales.dtype, ir.Shape([K, N])
+        old, new = node.outputs[0], added[-1].outputs[0]
+        new.type, new.shape = old.type, old.shape
+        graph.insert_before(node, new_nodes)
+        old.replace_all_uses_with(new, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+        old.name, new.name = None, old.name
+        if bias is not None:
+            product.outputs[0].dtype = old.dtype
+    for B, scales, zero_points, _, _ in done:
+        for value in (B, scales, zero_points):
+            if value is not None and not value.uses() and graph.initializers.get(value.name) is value:
+                graph.initializers.pop(value.name)
+    return [v.name for inputs in done.values() for v in inputs], kept
+
+
+def _as_dequantizelinear_inputs(graph: ir.Graph, namer: Namer, B: ir.Value, scales: ir.Value,
+                                zero_points: ir.Value | None, N: int, K: int, bits: int, block: int) -> list[ir.Value]:
+    """MatMulNBits' B, scales and zero points as DequantizeLinear's [N, K], [N, blocks] and
+    [N, blocks]: B's and the scales' bytes as they are (a tensor stored in a file stays there),
+    the zero points unpacked from their padded rows, or 2^(bits-1)."""
+    kind = ir.DataType.UINT4 if bits == 4 else ir.DataType.UINT8
+    blocks = K // block
+    data = _retyped(graph, namer, B, kind, [N, K])
+    values = [data, _retyped(graph, namer, scales, scales.dtype, [N, blocks])]
+    if zero_points is None:
+        zero = np.full((N, blocks), 2 ** (bits - 1), np.uint8)
+        return [*values, _initializer_named(graph, namer.fresh(f"{data.name}.zero_point"), ir.Tensor(zero.astype(kind.numpy()), dtype=kind))]
+    zero = _unpacked(zero_points.const_value.numpy().reshape(N, -1), bits)[:, :blocks]
+    return [*values, _taking_over(graph, namer, zero_points, ir.Tensor(zero.astype(kind.numpy()), dtype=kind))]
+
+
+def _initializer_named(graph: ir.Graph, name: str, tensor) -> ir.Value:
+    value = ir.Value(name=name, type=ir.TensorType(tensor.dtype), shape=ir.Shape(tensor.shape), const_value=tensor)
+    graph.register_initializer(value)
+    return value
+
+
+def _taking_over(graph: ir.Graph, namer: Namer, value: ir.Value, tensor) -> ir.Value:
+    """A new initializer of ``tensor`` that takes the initializer ``value``'s name and marks where
+    MatMulNBits nodes alone read ``value`` (the tensors of the model's own form keep their names:
+    a merge's re-quantized tensors find them), one named after it otherwise."""
+    readers = {user for user, _ in value.uses()}
+    only_nbits = all(user.op_type == "MatMulNBits" for user in readers)
+    name = value.name if only_nbits else namer.fresh(f"{value.name}.{tensor.dtype.name.lower()}")
+    if only_nbits:  # (value keeps its name: renaming it would rename the tensor it wraps, the caller's)
+        graph.initializers.pop(value.name)
+    new = _initializer_named(graph, name, tensor)
+    if only_nbits:
+        new.metadata_props.update(value.metadata_props)
+    return new
+
+
+def _retyped(graph: ir.Graph, namer: Namer, value: ir.Value, dtype: ir.DataType, shape: list[int]) -> ir.Value:
+    """The initializer ``value``'s bytes as a tensor of ``dtype`` and ``shape`` (see :func:`_taking_over`)."""
+    tensor = value.const_value
+    if isinstance(tensor, ir.ExternalTensor):
+        retyped = ir.ExternalTensor(tensor.location, tensor.offset, tensor.length, dtype, shape=ir.Shape(shape),
+                                    name=tensor.name, base_dir=tensor.base_dir)
+    elif dtype in (ir.DataType.UINT4, ir.DataType.INT4):
+        retyped = ir.PackedTensor(np.frombuffer(tensor.tobytes(), np.uint8), dtype, shape=shape)
+    else:
+        retyped = ir.Tensor(tensor.numpy().reshape(shape))
+    return _taking_over(graph, namer, value, retyped)
+
+
+def as_read(tensor: onnx.TensorProto, part: np.ndarray) -> onnx.TensorProto:
+    """A MatMulNBits part (B, scales or zero points, as :func:`requantized` gives them) as the
+    tensor ``tensor`` of the same name that :func:`nbits_read_as_dequantizelinear` made of it
+    reads it: its type and shape, 4-bit values unpacked from the rows they pad and packed again."""
+    dims = list(tensor.dims)
+    if tensor.data_type in (onnx.TensorProto.UINT4, onnx.TensorProto.INT4):
+        rows = _unpacked(part.reshape(dims[0], -1), 4)[:, : dims[1]]
+        return onnx.helper.make_tensor(tensor.name, tensor.data_type, dims, _packed(rows.reshape(-1), 4, pad=True).tobytes(),
+                                       raw=True)
+    return onnx.numpy_helper.from_array(part.reshape(dims).astype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)),
+                                        tensor.name)

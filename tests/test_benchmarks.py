@@ -120,6 +120,24 @@ def test_llama_lora_runs_at_a_toy_size(tmp_path, capsys):
     assert not list(tmp_path.iterdir())  # the files are removed
 
 
+def test_llama_lora_trains_quantized_bases_at_a_toy_size(tmp_path, capsys):
+    """--quantize-base int4 (MatMulNBits): the quantized base trains, and so does its merged export
+    (the shipped form) read through DequantizeLinear, from the merged model's loss."""
+    for name in ("torch", "transformers", "onnxscript"):
+        pytest.importorskip(name)
+    bench = load("llama_lora")
+    assert bench.main(["--tiny", "--layers", "1", "--steps", "3", "--seq", "8", "--dir", str(tmp_path), "--no-torch",
+                       "--quantize-base", "int4"]) == 0
+    out = capsys.readouterr().out
+    rows = table_rows(out)
+    assert len(rows) == 9, rows
+    float_base, quantized, reread = ([float(x) for x in line.split()[1:5] if x[0].isdigit()]
+                                     for line in re.findall(r"^  losses .*$", out, re.MULTILINE))
+    assert len(reread) == 3 and reread[-1] < reread[0] and quantized[-1] < quantized[0]
+    merged = float(re.search(r"merged model: loss ([0-9.]+) \(against merge_cost", out).group(1))
+    assert reread[0] == pytest.approx(merged, rel=1e-4)
+
+
 @pytest.mark.slow
 def test_build_time_per_node_and_per_parameter_stays_flat():
     """Growth is linear: the pass and cleanup's microseconds per forward node on the 20,001-node

@@ -367,13 +367,49 @@ def _schema(op_type: str, opset: int):
 
 def onnx_inferred(proto: onnx.ModelProto) -> onnx.ModelProto | None:
     """``proto`` typed by onnx's shape inference (with data propagation, not strict), with the
-    dimension names it made up for sequence elements forgotten; None where inference fails."""
+    dimension names it made up for sequence elements forgotten; None where inference fails.
+
+    onnx knows no ``com.microsoft.MatMulNBits`` and stops there: its products are inferred as
+    MatMuls by a weight input [K, N] of their own (the types found then typing ``proto``)."""
+    stand_in = _nbits_as_matmul(proto)
     try:
-        inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(stand_in or proto, strict_mode=False, data_prop=True)
     except Exception:  # noqa: BLE001 - inference is a help, not a requirement
         return None
+    if stand_in is not None:
+        typed = onnx.ModelProto()
+        typed.CopyFrom(proto)
+        produced = {name for node in proto.graph.node for name in node.output}
+        del typed.graph.value_info[:]
+        typed.graph.value_info.extend(v for v in inferred.graph.value_info if v.name in produced)
+        del typed.graph.output[:]
+        typed.graph.output.extend(inferred.graph.output)
+        inferred = typed
     forget_element_names(inferred)
     return inferred
+
+
+def _nbits_as_matmul(proto: onnx.ModelProto) -> onnx.ModelProto | None:
+    """A copy of ``proto`` whose main graph's MatMulNBits nodes are MatMuls by a graph input
+    [K, N] of the scales' type; None where it has none."""
+    nodes = [n for n in proto.graph.node if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"]
+    if not nodes:
+        return None
+    types = {t.name: t.data_type for t in proto.graph.initializer}
+    types.update((v.name, v.type.tensor_type.elem_type) for v in proto.graph.input)
+    stand_in = onnx.ModelProto()
+    stand_in.CopyFrom(proto)
+    graph = stand_in.graph
+    for node in graph.node:
+        if node.op_type != "MatMulNBits" or node.domain != "com.microsoft":
+            continue
+        sizes = {a.name: a.i for a in node.attribute}
+        weight = f"{node.output[0]}.nbits_weight"
+        graph.input.append(onnx.helper.make_tensor_value_info(
+            weight, types.get(node.input[2], onnx.TensorProto.FLOAT), [sizes.get("K"), sizes.get("N")]))
+        stand = onnx.helper.make_node("MatMul", [node.input[0], weight], [node.output[0]], name=node.name)
+        node.CopyFrom(stand)
+    return stand_in
 
 
 def inferred_types(proto: onnx.ModelProto) -> dict[str, onnx.TypeProto]:

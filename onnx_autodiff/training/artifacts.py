@@ -1152,14 +1152,20 @@ def _recovered(proto: onnx.ModelProto, forward: onnx.ModelProto, base_dir):
 
 def _with_opset_for(lora, proto: onnx.ModelProto, forward: onnx.ModelProto, upgrade: bool):
     """``proto`` and ``forward`` at the opset that ``lora``'s quantized base needs (int4 read through
-    DequantizeLinear: 21)."""
-    spec = lora.quantization if isinstance(lora, LoraConfig) else None
-    if spec is None or spec.kind != "int4" or spec.format != "dequantizelinear" or _default_opset(proto) >= INT4_OPSET:
+    DequantizeLinear: 21; ``proto`` alone where the model's MatMulNBits are read so, the inference
+    model keeping them)."""
+    if not isinstance(lora, LoraConfig) or _default_opset(proto) >= INT4_OPSET:
         return proto, forward
-    reason = f"an int4 base read through DequantizeLinear needs opset {INT4_OPSET}"
+    spec = lora.quantization
+    quantized = spec is not None and spec.kind == "int4" and spec.format == "dequantizelinear"
+    nbits = lora.reads_nbits_as_dequantizelinear and any(
+        node.op_type == "MatMulNBits" and node.domain == "com.microsoft" for node in proto.graph.node)
+    if not (quantized or nbits):
+        return proto, forward
+    reason = f"{'an int4 base' if quantized else 'MatMulNBits'} read through DequantizeLinear needs opset {INT4_OPSET}"
     if not upgrade:
         raise OpsetError(f"{reason}; the model imports opset {_default_opset(proto)} (upgrade_opset=False)")
-    return convert_proto(proto, INT4_OPSET, reason), convert_proto(forward, INT4_OPSET, reason)
+    return convert_proto(proto, INT4_OPSET, reason), convert_proto(forward, INT4_OPSET, reason) if quantized else forward
 
 
 def _quantized(forward: onnx.ModelProto, lora, names: list[str], base_dir) -> onnx.ModelProto:

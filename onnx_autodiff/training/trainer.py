@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff.errors import BatchError, TrainingError
 from onnx_autodiff.modelfile import from_proto, over_limit, save_model, tensor_array, to_inline_proto, uses_external_data
+from onnx_autodiff.passes.quantize import as_read
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, proto_graphs
 from onnx_autodiff.training import distributed
 from onnx_autodiff.training.artifacts import FROZEN_IN_PLACE, TrainingArtifacts
@@ -653,8 +654,13 @@ class Trainer:
         proto = onnx.ModelProto()
         proto.CopyFrom(self.artifacts.eval_model)
         for i, tensor in enumerate(proto.graph.initializer):
-            if tensor.name in merged:
-                proto.graph.initializer[i].CopyFrom(numpy_helper.from_array(merged[tensor.name], tensor.name))
+            if tensor.name not in merged:
+                continue
+            part = merged[tensor.name]
+            if list(tensor.dims) == list(part.shape) and tensor.data_type == helper.np_dtype_to_tensor_dtype(part.dtype):
+                proto.graph.initializer[i].CopyFrom(numpy_helper.from_array(part, tensor.name))
+            else:  # a MatMulNBits base the eval model reads through DequantizeLinear
+                proto.graph.initializer[i].CopyFrom(as_read(tensor, part))
         session = ort.InferenceSession(proto.SerializeToString(), sess_options=self.session_options, providers=self.providers)
         runner = self._runner("eval")
         zeros = {a["B"] for a in lora["adapters"]}

@@ -7,11 +7,12 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff.passes.lora import LoraConfig, LoraPass
 from onnx_autodiff import modelfile
 from onnx_autodiff.passes import quantize
+from onnx_autodiff.passes.quantize import nbits_read_as_dequantizelinear
 from onnx_autodiff.passes.quantize import dequantized, quantized, requantized, stored_weight
 from tests.rules.test_quantized import FORMS, shipped_base
 
@@ -192,7 +193,13 @@ def test_the_command_line_quantizes_the_base_and_notes_the_frozen_weights(tmp_pa
     assert main(["params", str(quantized_model)]) == 0
     assert "W1 " in capsys.readouterr().out.split("quantized weight (4-bit MatMulNBits)")[0]
     assert main(["artifacts", str(path), "-o", str(tmp_path / "x"), "--lora", "2", "--quantize-format", "matmulnbits"]) == 2
-    assert "need --quantize-base" in capsys.readouterr().err
+    assert "--quantize-format matmulnbits needs --quantize-base" in capsys.readouterr().err
+    assert main(["artifacts", str(path), "-o", str(tmp_path / "x"), "--lora", "2", "--quantize-block", "16"]) == 2
+    assert "--quantize-block and --quantize-asymmetric need --quantize-base" in capsys.readouterr().err
+    assert main(["artifacts", str(path), "-o", str(tmp_path / "x"), "--lora", "2", "--quantize-format", "dequantizelinear"]) == 1
+    error = capsys.readouterr().err
+    assert "reads a model's MatMulNBits weights through DequantizeLinear; this model has none" in error
+    assert len(error.strip().splitlines()) == 1
     assert main(["artifacts", str(path), "-o", str(tmp_path / "y"), "--quantize-base", "int8"]) == 2
     assert "needs --lora RANK" in capsys.readouterr().err
 
@@ -282,3 +289,141 @@ def test_saved_artifacts_hold_a_base_quantized_anew_once(tmp_path, kind, fmt):
     kept = _session(trainer.export(merge=False)).run(None, {"x": batch["x"]})[0]
     np.testing.assert_allclose(np.mean((kept.astype(np.float64) - batch["labels"]) ** 2),
                                trainer.evaluate(batch)["loss"], rtol=1e-5)
+
+
+def nbits_model(bits: int, zero_points: bool, bias: bool, K: int, rng):
+    """y = MatMulNBits(x, B) (+ bias), blocks of 16, N = 24; and its weight W [K, N] in float64."""
+    N, block = 24, 16
+    blocks = -(-K // block)
+    top = 2**bits - 1
+    q = rng.integers(0, top + 1, (N, blocks, block)).astype(np.uint8)
+    scales = rng.uniform(0.01, 0.1, (N, blocks)).astype(np.float32)
+    zero = rng.integers(0, top + 1, (N, blocks)).astype(np.uint8) if zero_points else None
+    offset = zero.astype(np.float64)[..., None] if zero_points else 2.0 ** (bits - 1)
+    weight = ((q - offset) * scales[..., None]).reshape(N, -1)[:, :K].T
+    packed = q[..., 0::2] | (q[..., 1::2] << 4) if bits == 4 else q
+    if zero_points and bits == 4:  # each row's zero points padded to whole bytes
+        padded = np.concatenate([zero, np.zeros((N, blocks % 2), np.uint8)], axis=1)
+        zero = padded[:, 0::2] | (padded[:, 1::2] << 4)
+    inits = [numpy_helper.from_array(packed, "B"), numpy_helper.from_array(scales.reshape(-1), "scales")]
+    inputs = ["x", "B", "scales", "zero_points" if zero_points else ""]
+    if zero_points:
+        inits.append(numpy_helper.from_array(zero.reshape(-1), "zero_points"))
+    if bias:
+        inits.append(numpy_helper.from_array(rng.standard_normal(N).astype(np.float32), "bias"))
+        inputs += ["", "bias"]
+    node = helper.make_node("MatMulNBits", inputs, ["y"], domain="com.microsoft", K=K, N=N, bits=bits, block_size=block,
+                            name="product")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, K])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, N])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    return model, weight
+
+
+@pytest.mark.parametrize("bits,zero_points,bias,K", [(4, False, False, 64), (4, True, True, 48), (8, False, True, 64),
+                                                     (8, True, False, 48)])
+def test_matmulnbits_read_as_dequantizelinear_is_the_kernels_product(bits, zero_points, bias, K):
+    """MatMulNBits in standard operators reads B's bytes as they are ([N, K] unsigned 4- or 8-bit),
+    its scales and zero points (4-bit ones unpacked from their padded rows; 2^(bits-1) where none):
+    the product is the kernel's and numpy's of the dequantized weight."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(bits + K)
+    proto, weight = nbits_model(bits, zero_points, bias, K, rng)
+    model = ir.from_proto(proto)
+    stored, kept = nbits_read_as_dequantizelinear(model.graph)
+    assert kept == {} and [n.op_type for n in model.graph] == ["DequantizeLinear", "Transpose", "MatMul", *(["Add"] * bias)]
+    data = model.graph.initializers["B"]
+    assert data.dtype == (ir.DataType.UINT4 if bits == 4 else ir.DataType.UINT8) and list(data.shape) == [24, K]
+    assert data.const_value.tobytes() == numpy_helper.to_array(proto.graph.initializer[0]).tobytes()
+    assert stored[:2] == ["B", "scales"] and len(stored) == 3  # B's and the scales' names, and the zero points'
+    assert stored[2] == "zero_points" if zero_points else stored[2].startswith("B.zero_point")
+    converted = ir.to_proto(model)
+    onnx.checker.check_model(converted, full_check=True)
+    x = rng.standard_normal((2, 3, K)).astype(np.float32)
+    (kernel,) = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    (standard,) = ort.InferenceSession(converted.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    expected = x.astype(np.float64) @ weight + (numpy_helper.to_array(proto.graph.initializer[-1]) if bias else 0)
+    np.testing.assert_allclose(standard, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(standard, kernel, rtol=1e-5, atol=1e-5)
+
+
+def test_matmulnbits_that_standard_operators_cannot_read_as_stored_stay():
+    """K not a whole number of blocks (the kernel pads each row) or act-order g_idx: the node stays,
+    with the reason."""
+    proto, _ = nbits_model(4, False, False, 40, np.random.default_rng(0))
+    model = ir.from_proto(proto)
+    stored, kept = nbits_read_as_dequantizelinear(model.graph)
+    assert stored == [] and kept == {"product": "K=40 is not a whole number of blocks of 16"}
+    assert [n.op_type for n in model.graph] == ["MatMulNBits"]
+
+
+@pytest.mark.parametrize("bits,zero_points", [(4, False), (4, True), (8, False)])
+def test_a_models_matmulnbits_trained_through_dequantizelinear(bits, zero_points, tmp_path):
+    """LoRA on a model's own MatMulNBits base with quantize_format="dequantizelinear": the train and
+    eval models read the weights through DequantizeLinear (from the input's data file, as stored),
+    the inference model keeps its MatMulNBits; the steps, the evaluation and both exports are
+    those of the artifacts that keep the kernel."""
+    from onnx_autodiff.training import Trainer, generate_artifacts
+
+    rng = np.random.default_rng(bits)
+    proto, _ = nbits_model(bits, zero_points, True, 64, rng)
+    proto.graph.node.insert(0, helper.make_node("Relu", ["x"], ["h"]))  # the adapter reads an activation
+    proto.graph.node[1].input[0] = "h"
+    proto.opset_import[0].version = 18  # the build converts the train model's opset to 21
+    path = str(tmp_path / "q4.onnx")
+    onnx.save_model(proto, path, save_as_external_data=True, location="q4.bin", size_threshold=0)
+    batch = {"x": rng.standard_normal((2, 3, 64)).astype(np.float32), "labels": rng.standard_normal((2, 3, 24)).astype(np.float32)}
+    options = {"loss": "mse", "optimizer": "adamw", "optimizer_options": {"lr": 1e-2}}
+    kernel = generate_artifacts(path, **options, lora=LoraConfig(rank=4))
+    standard = generate_artifacts(path, **options, lora=LoraConfig(rank=4, quantize_format="dequantizelinear"))
+    ops = lambda m: {n.op_type for n in m.graph.node}  # noqa: E731
+    assert "MatMulNBits" in ops(kernel.train_model) and "MatMulNBits" not in ops(standard.train_model) | ops(standard.eval_model)
+    assert "MatMulNBits" in ops(standard.inference_model) and standard.layout["lora"]["adapters"] == kernel.layout["lora"]["adapters"]
+    data = next(t for t in standard.train_model.graph.initializer if t.name == "B")
+    assert data.data_location == TensorProto.EXTERNAL and {e.key: e.value for e in data.external_data}["location"] == "q4.bin"
+    assert "B" in standard.left_out
+    modelfile.check_model(standard.train_model, base_dir=str(tmp_path))
+    standard.save(tmp_path / "standard")
+    trainers = Trainer(kernel), Trainer(str(tmp_path / "standard"))
+    losses = [[t.step(batch) for t in trainers] for _ in range(4)]
+    np.testing.assert_allclose(*zip(*losses), rtol=1e-5)
+    assert losses[-1][0] < losses[0][0]
+    np.testing.assert_allclose(*(t.evaluate(batch)["loss"] for t in trainers), rtol=1e-5)
+    costs = [t.merge_cost(batch) for t in trainers]  # the merged tensors in the eval model's own form
+    for key in ("adapted", "merged"):
+        np.testing.assert_allclose(*(c[key] for c in costs), rtol=1e-5)
+    for merge in (False, True):
+        exported = [t.export(merge=merge) for t in trainers]
+        assert all("MatMulNBits" in ops(m) for m in exported)
+        outputs = [_session(m).run(None, {"x": batch["x"]})[0] for m in exported]
+        np.testing.assert_allclose(*outputs, rtol=1e-5, atol=1e-6)
+
+
+def test_shapes_are_inferred_through_matmulnbits():
+    """onnx's inference knows no MatMulNBits: onnx_inferred infers its products as MatMuls, so a
+    model quantized without value_info (MatMulNBits, Relu, MatMulNBits) gets the shapes after
+    them, and the model itself is left as it was."""
+    from onnx_autodiff.toolkit.inference import onnx_inferred
+
+    proto, _ = nbits_model(4, False, False, 64, np.random.default_rng(0))
+    graph = proto.graph
+    first = graph.node[0]
+    first.output[0] = "h"
+    second = onnx.NodeProto()
+    second.CopyFrom(first)
+    second.input[0], second.output[0], second.name = "a", "y", "second"
+    for attribute in second.attribute:
+        if attribute.name == "K":
+            attribute.i = 24
+    graph.initializer.extend([numpy_helper.from_array(np.zeros((24, 2, 8), np.uint8), "B2"),
+                              numpy_helper.from_array(np.ones(48, np.float32), "scales2")])
+    second.input[1], second.input[2] = "B2", "scales2"
+    graph.node.extend([helper.make_node("Relu", ["h"], ["a"]), second])
+    graph.output[0].type.tensor_type.ClearField("shape")
+    before = proto.SerializeToString()
+    inferred = onnx_inferred(proto)
+    assert proto.SerializeToString() == before
+    shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in [*inferred.graph.value_info, *inferred.graph.output]}
+    assert shapes == {"h": [2, 3, 24], "a": [2, 3, 24], "y": [2, 3, 24]}
+    assert [n.op_type for n in inferred.graph.node] == ["MatMulNBits", "Relu", "MatMulNBits"]
