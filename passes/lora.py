@@ -29,8 +29,8 @@ from onnx_autodiff.errors import TrainingError, UnknownValueError, UnsupportedMo
 from onnx_autodiff.modelfile import from_proto
 from onnx_autodiff.passes.opsets import default_opset
 from onnx_autodiff.passes.metadata import module_names, record_kept
-from onnx_autodiff.passes.quantize import (FORMATS, INT4_OPSET, Quantization, QuantizedBase, nbits_read_as_dequantizelinear,
-                                           requantized, stored_weight)
+from onnx_autodiff.passes.quantize import (FORMATS, INT4_OPSET, Quantization, QuantizedBase,
+                                           nbits_read_as_dequantizelinear, requantized, stored_weight)
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, shapes
 from onnx_autodiff.toolkit.inference import onnx_inferred
 

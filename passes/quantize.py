@@ -453,7 +453,8 @@ def _as_dequantizelinear_inputs(graph: ir.Graph, namer: Namer, B: ir.Value, scal
     values = [data, _retyped(graph, namer, scales, scales.dtype, [N, blocks])]
     if zero_points is None:
         zero = np.full((N, blocks), 2 ** (bits - 1), np.uint8)
-        return [*values, _initializer_named(graph, namer.fresh(f"{data.name}.zero_point"), ir.Tensor(zero.astype(kind.numpy()), dtype=kind))]
+        name = namer.fresh(f"{data.name}.zero_point")
+        return [*values, _initializer_named(graph, name, ir.Tensor(zero.astype(kind.numpy()), dtype=kind))]
     zero = _unpacked(zero_points.const_value.numpy().reshape(N, -1), bits)[:, :blocks]
     return [*values, _taking_over(graph, namer, zero_points, ir.Tensor(zero.astype(kind.numpy()), dtype=kind))]
 
@@ -499,7 +500,7 @@ def as_read(tensor: onnx.TensorProto, part: np.ndarray) -> onnx.TensorProto:
     dims = list(tensor.dims)
     if tensor.data_type in (onnx.TensorProto.UINT4, onnx.TensorProto.INT4):
         rows = _unpacked(part.reshape(dims[0], -1), 4)[:, : dims[1]]
-        return onnx.helper.make_tensor(tensor.name, tensor.data_type, dims, _packed(rows.reshape(-1), 4, pad=True).tobytes(),
-                                       raw=True)
-    return onnx.numpy_helper.from_array(part.reshape(dims).astype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)),
-                                        tensor.name)
+        packed = _packed(rows.reshape(-1), 4, pad=True)
+        return onnx.helper.make_tensor(tensor.name, tensor.data_type, dims, packed.tobytes(), raw=True)
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+    return onnx.numpy_helper.from_array(part.reshape(dims).astype(dtype), tensor.name)

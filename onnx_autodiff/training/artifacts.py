@@ -882,7 +882,9 @@ def _piece_length(read: ir.Node, axis: int, length: int) -> int:
 def _stored_piece(graph: ir.Graph, namer: Namer, read: ir.Node, axis: int, start: int, end: int) -> list:
     """The inputs of ``read`` (a Cast or DequantizeLinear of a stored weight [R, C]) for the piece
     ``start:end`` along ``axis``, as initializers: the weight's piece, and its scale's and zero
-    point's where they vary along ``axis`` (per row or column, or in blocks)."""
+    point's where they vary along ``axis`` (per row or column, or in blocks). Rows of a tensor
+    stored in a file are the bytes of that file where they are (a model's own weights: nothing is
+    copied), other pieces copies."""
     quantized_axis = read.attributes.get_int("axis", 1) % 2
     block = read.attributes.get_int("block_size", 0)
     inputs = []
@@ -896,11 +898,27 @@ def _stored_piece(graph: ir.Graph, namer: Namer, read: ir.Node, axis: int, start
         else:  # one scale (zero point) for the whole piece, or none
             inputs.append(value)
             continue
-        piece = ir.Value(name=namer.fresh(f"{value.name}.{'rows' if axis == 0 else 'columns'}{start}"), type=value.type,
-                         shape=ir.Shape(part.shape), const_value=ir.tensor(np.ascontiguousarray(part), dtype=value.dtype))
+        name = namer.fresh(f"{value.name}.{'rows' if axis == 0 else 'columns'}{start}")
+        stored = _stored_rows(value.const_value, cut, name) if axis == 0 else None
+        piece = ir.Value(name=name, type=value.type, shape=ir.Shape(part.shape),
+                         const_value=stored or ir.tensor(np.ascontiguousarray(part), dtype=value.dtype, name=name))
         graph.register_initializer(piece)
         inputs.append(piece)
     return inputs
+
+
+def _stored_rows(tensor, rows: slice, name: str) -> ir.ExternalTensor | None:
+    """Rows ``rows`` of ``tensor`` as the bytes of its file that hold them, where it is stored in a
+    file and they start and end on whole bytes; else None."""
+    if not isinstance(tensor, ir.ExternalTensor) or tensor.offset is None:
+        return None
+    dims = list(tensor.shape.dims)
+    bits = int(np.prod(dims[1:], dtype=np.int64)) * tensor.dtype.bitwidth
+    if bits % 8:
+        return None
+    start, stop, _ = rows.indices(dims[0])
+    return ir.ExternalTensor(tensor.location, tensor.offset + start * bits // 8, (stop - start) * bits // 8, tensor.dtype,
+                             shape=ir.Shape([stop - start, *dims[1:]]), name=name, base_dir=tensor.base_dir)
 
 
 def _read_piece(op: OpBuilder, read: ir.Node, inputs: list) -> ir.Value:

@@ -291,9 +291,9 @@ def test_saved_artifacts_hold_a_base_quantized_anew_once(tmp_path, kind, fmt):
                                trainer.evaluate(batch)["loss"], rtol=1e-5)
 
 
-def nbits_model(bits: int, zero_points: bool, bias: bool, K: int, rng):
-    """y = MatMulNBits(x, B) (+ bias), blocks of 16, N = 24; and its weight W [K, N] in float64."""
-    N, block = 24, 16
+def nbits_model(bits: int, zero_points: bool, bias: bool, K: int, rng, N: int = 24):
+    """y = MatMulNBits(x, B) (+ bias), blocks of 16; and its weight W [K, N] in float64."""
+    block = 16
     blocks = -(-K // block)
     top = 2**bits - 1
     q = rng.integers(0, top + 1, (N, blocks, block)).astype(np.uint8)
@@ -318,6 +318,39 @@ def nbits_model(bits: int, zero_points: bool, bias: bool, K: int, rng):
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, N])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
     return model, weight
+
+
+def test_a_stored_bases_pieces_are_its_files_bytes(tmp_path, monkeypatch):
+    """A weight the model stores in a file, read through DequantizeLinear (here a MatMulNBits
+    read so) and large enough to be read in pieces by the backward: the pieces are rows of that
+    file where they are, nothing copied, and the steps are those of the whole read."""
+    from onnx_autodiff.training import Trainer, generate_artifacts
+    from onnx_autodiff.training import artifacts as artifacts_module
+
+    rng = np.random.default_rng(5)
+    proto, _ = nbits_model(4, True, False, 16, rng, N=48)  # W [48, 16]: the backward's dY @ W contracts the 48
+    proto.graph.node.insert(0, helper.make_node("Mul", ["x", "s"], ["h"]))  # a trained scale before the base
+    proto.graph.node[1].input[0] = "h"
+    proto.graph.initializer.append(numpy_helper.from_array(np.linspace(0.5, 1.5, 16).astype(np.float32), "s"))
+    path = str(tmp_path / "q4.onnx")
+    onnx.save_model(proto, path, save_as_external_data=True, location="q4.bin", size_threshold=0)
+    options = {"loss": "mse", "optimizer": "adamw", "optimizer_options": {"lr": 1e-2}, "requires_grad": ["s"],
+               "lora": LoraConfig(rank=4, quantize_format="dequantizelinear")}
+    whole = generate_artifacts(path, **options)
+    with monkeypatch.context() as patch:
+        patch.setattr(artifacts_module, "CHUNK", 16 * 16)  # pieces of 16 rows
+        patch.setattr(artifacts_module, "FROZEN_IN_PLACE", 1024)  # (a weight of 48 x 16 floats is not large)
+        pieced = generate_artifacts(path, **options)
+    pieces = [t for t in pieced.train_model.graph.initializer if ".rows" in t.name]
+    assert len(pieces) == 3 * 3  # the weight's, the scales' and the zero points' rows
+    data = {e.key: e.value for t in pieces if t.name.startswith("B.rows") for e in t.external_data}
+    assert data["location"] == "q4.bin" and not any(".rows" in t.name for t in whole.train_model.graph.initializer)
+    pieced.save(tmp_path / "pieced")
+    assert not any(f.endswith(".data") for f in os.listdir(tmp_path / "pieced"))  # nothing written beside it
+    batch = {"x": rng.standard_normal((2, 3, 16)).astype(np.float32), "labels": rng.standard_normal((2, 3, 48)).astype(np.float32)}
+    trainers = Trainer(whole), Trainer(str(tmp_path / "pieced"))
+    losses = [[t.step(batch) for t in trainers] for _ in range(3)]
+    np.testing.assert_allclose(*zip(*losses), rtol=1e-5)
 
 
 @pytest.mark.parametrize("bits,zero_points,bias,K", [(4, False, False, 64), (4, True, True, 48), (8, False, True, 64),
