@@ -11,10 +11,10 @@ from onnx_autodiff.errors import UnknownValueError, UnsupportedModelError
 from onnx_autodiff.passes.autodiff import (
     backward_builder,
     check_differentiable,
+    differentiate,
     find_value,
     gradient_outputs,
     topological_order,
-    differentiate,
 )
 from onnx_autodiff.rules import GradRegistry, default_registry
 from onnx_autodiff.toolkit import Namer, captured_values, infer_shapes, initializers_to_constants

@@ -10,7 +10,7 @@ import onnx_ir as ir
 from onnx_autodiff.rules.registry import GradRule, PatternRule
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)  # told apart by identity, as nodes are
 class Match:
     """A subgraph a pattern rule matched: one unit of the walk, which its ``rule`` differentiates
     as a node's rule does the node. ``inputs`` are the values bound to the pattern's parameters,
@@ -52,7 +52,7 @@ class Match:
 
 
 def grouped(order: Sequence[ir.Node], rules: Sequence[PatternRule], opset: int,
-            reach: Callable[[], set[ir.Value]]) -> list:
+            reach: Callable[[], set[ir.Value]]) -> list[ir.Node | Match]:
     """``order`` with the nodes of each pattern match replaced by one :class:`Match` where the
     match's output node stood (still a topological order): matches of larger patterns first, each
     node in one match at most, and only where nothing else reads the match's interior values and

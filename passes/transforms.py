@@ -22,9 +22,9 @@ from onnx_autodiff.passes.autodiff import (
     backward_builder,
     check_differentiable,
     choose_variables,
+    differentiate,
     find_value,
     is_scalar,
-    differentiate,
 )
 from onnx_autodiff.passes.opsets import build_upgrading
 from onnx_autodiff.rules import GradRegistry, default_registry
