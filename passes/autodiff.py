@@ -101,9 +101,9 @@ def differentiate(
 ) -> list[ir.Value | None]:
     """The VJP Σ_k dy_k·∂y_k/∂x through ``nodes`` for each x and the (y_k, dy_k) seeds (a None
     dy_k seeds nothing); None where no seeded value depends on x. The engine's one entry point: it
-    emits into ``op``, a :func:`backward_builder` or a builder made from one (``op.child()``, a
-    subgraph body), and differentiates with its rules. A second sweep over a first one's nodes
-    passes the same builder; the rules of If, Loop and Scan reach this as ``op.differentiate``."""
+    emits into ``op``, a builder from :func:`backward_builder` (or its ``child()``, a subgraph
+    body), with that builder's rules. A second sweep over a first one's nodes passes the same
+    builder; the rules of If, Loop and Scan reach this as ``op.differentiate``."""
     return op.differentiate(nodes, seeds, xs)
 
 
