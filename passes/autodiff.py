@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -66,49 +66,96 @@ def topological_order(nodes: ir.Graph | ir.Function | Sequence[ir.Node]) -> list
     return order
 
 
-class Backward:
-    """Builds the backward nodes of a set of nodes, for seeded outputs and a list of variables.
+Unit = ir.Node | Match
+"""One step of the walk: a node, or the nodes a pattern rule matched, differentiated as one."""
 
-    Emits into ``op``; rules that hold subgraphs (If, Loop, Scan) differentiate their bodies with
-    ``op.differentiate``, which runs a nested Backward sharing the names and the registry.
-    """
+
+def _reads(unit: Unit) -> Sequence[ir.Value | None]:
+    """What a unit reads: a node's inputs and the outer values its subgraphs capture, a match's
+    bound values."""
+    if isinstance(unit, Match):
+        return unit.inputs
+    return (*unit.inputs, *captured_values(unit))
+
+
+def _subgraphs(unit: Unit) -> list[ir.Graph]:
+    return [] if isinstance(unit, Match) else subgraphs(unit)
+
+
+def backward_builder(registry: GradRegistry, opsets: Mapping[str, int], namer: Namer) -> OpBuilder:
+    """The set-up of a backward pass: the builder its nodes are emitted with, at the model's
+    ``opsets`` (the default domain at :data:`DEFAULT_OPSET` where it imports none), named by
+    ``namer``, differentiating with ``registry``'s rules. The caller builds its seeds with it (ones
+    shaped like y, say), then calls :func:`differentiate` with it."""
+    opsets = {("" if k == "ai.onnx" else k): v for k, v in opsets.items()}
+    # A model of ai.onnx.ml ops only still gets standard-op backward nodes.
+    opsets.setdefault("", DEFAULT_OPSET)
+    return OpBuilder(opsets[""], namer, opsets, _Engine(registry))
+
+
+def differentiate(
+    nodes: ir.Graph | ir.Function | Sequence[ir.Node],
+    seeds: Sequence[tuple[ir.Value, ir.Value | None]],
+    xs: Sequence[ir.Value],
+    op: OpBuilder,
+) -> list[ir.Value | None]:
+    """The VJP Σ_k dy_k·∂y_k/∂x through ``nodes`` for each x and the (y_k, dy_k) seeds (a None
+    dy_k seeds nothing); None where no seeded value depends on x. The engine's one entry point: it
+    emits into ``op``, a builder from :func:`backward_builder` (or its ``child()``, a subgraph
+    body), with that builder's rules. A second sweep over a first one's nodes passes the same
+    builder; the rules of If, Loop and Scan reach this as ``op.differentiate``."""
+    return op.differentiate(nodes, seeds, xs)
+
+
+class _Engine:
+    """What a :func:`backward_builder`'s ``differentiate`` runs: one walk per call, with the
+    registry's rules. The walk a caller starts reports progress; those its rules start (subgraph
+    bodies) do not."""
+
+    def __init__(self, registry: GradRegistry) -> None:
+        self.registry = registry
+        self.walking = False
+
+    def __call__(self, op: OpBuilder, nodes, seeds, xs) -> list[ir.Value | None]:
+        outermost = not self.walking
+        self.walking = True
+        try:
+            with collector_paused():
+                return Backward(nodes, self.registry, op, report_progress=outermost).vjp(seeds, xs)
+        finally:
+            if outermost:
+                self.walking = False
+
+
+class Backward:
+    """One walk: the backward nodes of a set of nodes for seeded outputs and a list of variables,
+    emitted into ``op``. Only the engine makes one, for each call of :func:`differentiate`."""
 
     def __init__(
         self,
         nodes: ir.Graph | ir.Function | Sequence[ir.Node],
         registry: GradRegistry,
-        opsets: dict[str, int],
-        namer: Namer,
-        op: OpBuilder | None = None,
+        op: OpBuilder,
+        report_progress: bool,
     ) -> None:
         self.registry = registry
-        self.opsets = {("" if k == "ai.onnx" else k): v for k, v in opsets.items()}
-        # A model of ai.onnx.ml ops only still gets standard-op backward nodes.
-        self.opsets.setdefault("", DEFAULT_OPSET)
-        self.outermost = op is None  # the walk whose progress is reported (not a subgraph's)
-        self.op = op if op is not None else OpBuilder(self.opsets[""], namer, self.opsets, self._differentiate)
+        self.op = op
+        self.opsets = op.opsets
+        self.report_progress = report_progress
         self.order = topological_order(nodes)
 
-    def _differentiate(self, op: OpBuilder, nodes, seeds, xs) -> list[ir.Value | None]:
-        return Backward(nodes, self.registry, self.opsets, op.namer, op).vjp(seeds, xs)
+    def opset_of(self, unit: Unit) -> int:
+        return self.opsets.get("" if unit.domain == "ai.onnx" else unit.domain, 1)
 
-    def opset_of(self, node: ir.Node) -> int:
-        return self.opsets.get("" if node.domain == "ai.onnx" else node.domain, 1)
+    def rule_of(self, unit: Unit) -> GradRule | None:
+        """A match's own rule, the registry's for a node (None: it has none)."""
+        return unit.rule if isinstance(unit, Match) else self.registry.lookup(unit, self.opset_of(unit))
 
-    def gradients(self, y: ir.Value, xs: Sequence[ir.Value], dy: ir.Value) -> list[ir.Value | None]:
-        """The VJP dy·∂y/∂x per x (None where y does not depend on x); emits into ``self.op``."""
-        return self.vjp([(y, dy)], xs)
-
-    def vjp(self, seeds: Sequence[tuple[ir.Value, ir.Value | None]], xs: Sequence[ir.Value]) -> list[ir.Value | None]:
-        """Σ_k dy_k·∂y_k/∂x per x for the (y_k, dy_k) seeds (a None dy_k seeds nothing)."""
-        with collector_paused():
-            return self._vjp(seeds, xs)
-
-    def _vjp(self, seeds, xs) -> list[ir.Value | None]:
+    def vjp(self, seeds, xs) -> list[ir.Value | None]:
         seeds = [(y, dy) for y, dy in seeds if dy is not None]
         order = self.order
         if self.registry.patterns():  # a match applies where no gradient reaches its other inputs
-            order = grouped(order, self.registry.patterns(), self.opsets[""], lambda: self._forward_reach(xs, order)[0])
+            order = grouped(order, self.registry.patterns(), self.op.opset, lambda: self._forward_reach(xs, order)[0])
         reached, rules = self._forward_reach(xs, order)
         active = self._backward_reach([y for y, _ in seeds], reached, rules, order)
         # Per value, its gradient contributions: (gradient, None) when in the value's shape,
@@ -127,33 +174,33 @@ class Backward:
 
         # Every node without a rule is reported at once. Those inside subgraphs show up only when
         # the rule holding them runs, so with subgraphs on the path the walk goes on to find them.
-        missing = [self._missing_entry(node) for node in active if rules[node] is None]
-        if missing and not any(subgraphs(node) for node in active):
+        missing = [self._missing_entry(unit) for unit in active if rules[unit] is None]
+        if missing and not any(_subgraphs(unit) for unit in active):
             raise _missing_rules_error(missing, seeds, xs)
-        for done, node in enumerate(reversed(active)):
-            if self.outermost and done % 512 == 0:
+        for done, unit in enumerate(reversed(active)):
+            if self.report_progress and done % 512 == 0:
                 progress.report("gradients", done, len(active))
-            rule = rules[node]
+            rule = rules[unit]
             if rule is None:  # stand-in gradients, so that the walk reaches the subgraphs before it
-                for value in (*node.inputs, *captured_values(node)):
+                for value in _reads(unit):
                     if value is not None and value in reached:
                         contributions.setdefault(value, []).append((shapes.zeros(self.op, value), None))
                 continue
-            dys = [total(out) for out in node.outputs]
+            dys = [total(out) for out in unit.outputs]
             if all(g is None for g in dys):
                 continue
             try:
-                self._save_outputs(rule, node)
-                found = list(self._call_rule(rule, node, dys, reached))
+                self._save_outputs(rule, unit)
+                found = list(self._call_rule(rule, unit, dys, reached))
             except MissingRuleError as error:  # raised by the differentiation of a subgraph
-                missing += self._nested_missing(node, error)
+                missing += self._nested_missing(unit, error)
                 continue
             except AutodiffError:
                 if missing:  # the gradients are discarded anyway: the missing rules come first
                     continue
                 raise
             for value, grad, unreduced in found:
-                contributions.setdefault(value, []).append((grad, node.outputs[0] if unreduced else None))
+                contributions.setdefault(value, []).append((grad, unit.outputs[0] if unreduced else None))
         if missing:
             raise _missing_rules_error(missing, seeds, xs)
         return [total(x) for x in xs]
@@ -186,7 +233,7 @@ class Backward:
             reduced.append(grad)
         return reduced
 
-    def _save_outputs(self, rule: GradRule, node: ir.Node) -> None:
+    def _save_outputs(self, rule: GradRule, node: Unit) -> None:
         """Gives the node the optional outputs its rule reads (``GradRule.saves``), typed by the
         op's type inference; the forward results are unchanged."""
         indices = rule.saved_outputs(node, self.opset_of(node))
@@ -203,20 +250,19 @@ class Backward:
                 node.outputs[i].name = self.op.namer.fresh(f"{stem}_{saved}")
         infer_output_types(node, self.opset_of(node), [node.outputs[i] for i in indices])
 
-    def _forward_reach(self, xs: Sequence[ir.Value], order: Sequence[ir.Node]):
+    def _forward_reach(self, xs: Sequence[ir.Value], order: Sequence[Unit]):
         reached: set[ir.Value] = set(xs)
-        rules: dict[ir.Node, GradRule | None] = {}
-        for node in order:
-            if not any(v in reached for v in (*node.inputs, *captured_values(node)) if v is not None):
+        rules: dict[Unit, GradRule | None] = {}
+        for unit in order:
+            if not any(v in reached for v in _reads(unit) if v is not None):
                 continue
-            rule = node.rule if isinstance(node, Match) else self.registry.lookup(node, self.opset_of(node))
-            rules[node] = rule
-            if rule is not None and not self._targets(rule, node, reached):
+            rule = rules[unit] = self.rule_of(unit)
+            if rule is not None and not self._targets(rule, unit, reached):
                 continue
-            reached.update(out for out in node.outputs if may_be_float(out))
+            reached.update(out for out in unit.outputs if may_be_float(out))
         return reached, rules
 
-    def _targets(self, rule: GradRule, node: ir.Node, reached) -> list[tuple[int | None, ir.Value]]:
+    def _targets(self, rule: GradRule, node: Unit, reached) -> list[tuple[int | None, ir.Value]]:
         """(input index, value) pairs that get gradients; index None for captured values."""
         if rule.backward is None:
             return []
@@ -230,22 +276,22 @@ class Backward:
             targets += [(None, v) for v in captured_values(node) if v in reached]
         return targets
 
-    def _backward_reach(self, ys: Sequence[ir.Value], reached, rules, order: Sequence[ir.Node]) -> list[ir.Node]:
+    def _backward_reach(self, ys: Sequence[ir.Value], reached, rules, order: Sequence[Unit]) -> list[Unit]:
         needed: set[ir.Value] = set(ys)
-        active: list[ir.Node] = []
-        for node in reversed(order):
-            if node not in rules or not any(out in needed and out in reached for out in node.outputs):
+        active: list[Unit] = []
+        for unit in reversed(order):
+            if unit not in rules or not any(out in needed and out in reached for out in unit.outputs):
                 continue
-            active.append(node)
-            rule = rules[node]
+            active.append(unit)
+            rule = rules[unit]
             if rule is None:
-                needed.update(v for v in (*node.inputs, *captured_values(node)) if v is not None)
+                needed.update(v for v in _reads(unit) if v is not None)
             else:
-                needed.update(value for _, value in self._targets(rule, node, reached))
+                needed.update(value for _, value in self._targets(rule, unit, reached))
         active.reverse()
         return active
 
-    def _call_rule(self, rule: GradRule, node: ir.Node, dys, reached):
+    def _call_rule(self, rule: GradRule, node: Unit, dys, reached):
         opset = self.opset_of(node)
         targets = self._targets(rule, node, reached)
         context = {"captures": [value for index, value in targets if index is None]} if rule.captures else {}
@@ -293,7 +339,7 @@ class Backward:
         label = f"'{node.name}'" if node.name else f"<unnamed, computing '{node.outputs[0].name}'>"
         return (node.name, node.op_type, node.domain, opset), describe_node(node, opset) + where, label + where
 
-    def _nested_missing(self, holder: ir.Node, error: MissingRuleError) -> list[tuple[tuple, str, str]]:
+    def _nested_missing(self, holder: Unit, error: MissingRuleError) -> list[tuple[tuple, str, str]]:
         """The nodes of ``holder``'s subgraphs that ``error`` reports: the rule differentiated
         renamed copies of them, so the originals of those op types are named instead."""
         kinds = {(op_type, domain) for _, op_type, domain, _ in error.nodes}
@@ -301,7 +347,7 @@ class Backward:
         where = f" in a subgraph of {holder_name}"
         found = [
             self._missing_entry(inner, where)
-            for graph in subgraphs(holder)
+            for graph in _subgraphs(holder)
             for inner in ir.traversal.RecursiveGraphIterator(graph)
             if (inner.op_type, inner.domain) in kinds
             and self.registry.lookup(inner, self.opset_of(inner)) is None
@@ -369,7 +415,8 @@ def find_values(graph: ir.Graph | ir.Function, names: Sequence[str], role: str) 
     return [found[name] for name in names]
 
 
-def _check_differentiable(value: ir.Value, role: str) -> None:
+def check_differentiable(value: ir.Value, role: str) -> None:
+    """Refuse a value that cannot carry a gradient (``role`` names it in the message)."""
     if not may_be_float(value):
         raise NotDifferentiableError(
             f"{role} '{value.name}' has type {value.dtype.name}; only floating-point values "
@@ -395,7 +442,7 @@ def choose_variables(
         return default.parameters, left_out
     xs = find_values(graph, list(wrt), "wrt")
     for x in xs:
-        _check_differentiable(x, "wrt")
+        check_differentiable(x, "wrt")
     if len(set(xs)) != len(xs):
         raise UnknownValueError(f"wrt names a value twice: {wrt}")
     return xs, []
@@ -490,15 +537,14 @@ class AutodiffPass(ir.passes.InPlacePass):
         if self.infer_shapes:
             _infer_shapes_stage(model)
         y = find_value(graph, self.of, "of")
-        _check_differentiable(y, "of")
+        check_differentiable(y, "of")
         xs, left_out = choose_variables(model, self.wrt, self.registry)
         # Tells the cleanup passes never to fold these (a training loop feeds new values of them).
         record_differentiated(model, [x.name for x in xs])
         namer = Namer.for_graph(graph)
-        backward = Backward(graph, self.registry, model.opset_imports, namer)
-        op = backward.op
+        op = backward_builder(self.registry, model.opset_imports, namer)
         dy, seed_name = self._seed(op, graph, y, namer)
-        grads = backward.gradients(y, xs, dy)
+        grads = differentiate(graph, [(y, dy)], xs, op)
         outputs = self._gradient_outputs(op, graph, y, xs, grads, namer)
         if seed_name is not None:
             if y.shape is None:

@@ -9,10 +9,12 @@ import onnx_ir as ir
 
 from onnx_autodiff.errors import UnknownValueError, UnsupportedModelError
 from onnx_autodiff.passes.autodiff import (
-    Backward,
-    _check_differentiable,
+    backward_builder,
+    check_differentiable,
+    differentiate,
     find_value,
     gradient_outputs,
+    topological_order,
 )
 from onnx_autodiff.rules import GradRegistry, default_registry
 from onnx_autodiff.toolkit import Namer, captured_values, infer_shapes, initializers_to_constants
@@ -74,18 +76,17 @@ def gradient_of_function(
     graph, opsets = model.graph, dict(model.opset_imports)
     variables = [find_value(graph, x, "xs") for x in xs]
     for x in variables:
-        _check_differentiable(x, "xs")
+        check_differentiable(x, "xs")
     others = [find_value(graph, z, "zs") for z in zs]
     output = find_value(graph, y, "y")
     initializers_to_constants(graph, keep=set(xs) | set(zs))  # functions hold no initializers
     namer = Namer.for_graph(graph)
-    backward = Backward(graph, registry or default_registry(), opsets, namer)
-    op = backward.op
+    op = backward_builder(registry or default_registry(), opsets, namer)
     dy = ir.Value(name=namer.fresh("dy"), type=output.type, shape=output.shape)
-    grads = backward.gradients(output, variables, dy)
+    grads = differentiate(graph, [(output, dy)], variables, op)
     results = gradient_outputs(op, namer, variables, grads)
     inputs = [*variables, *others, dy]
-    nodes = _needed_nodes([*backward.order, *op.nodes], results, inputs)
+    nodes = _needed_nodes([*topological_order(graph), *op.nodes], results, inputs)
     for value in (*variables, *others):
         if value.producer() is not None:
             raise UnsupportedModelError(

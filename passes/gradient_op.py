@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from onnx_autodiff.errors import UnsupportedModelError
-from onnx_autodiff.passes.autodiff import Backward, find_value
+from onnx_autodiff.passes.autodiff import backward_builder, differentiate, find_value
 from onnx_autodiff.rules import GradRegistry, default_registry
 from onnx_autodiff.toolkit import Namer, infer_shapes, shapes
 
@@ -45,9 +45,8 @@ class GradientOpLoweringPass(ir.passes.InPlacePass):
         xs = [find_value(graph, name, "xs") for name in xs_names]
         y = find_value(graph, y_name, "y")
         namer = Namer.for_graph(graph)
-        backward = Backward(graph, self.registry, model.opset_imports, namer)
-        op = backward.op
-        grads = backward.gradients(y, xs, shapes.ones_like(op, y))
+        op = backward_builder(self.registry, model.opset_imports, namer)
+        grads = differentiate(graph, [(y, shapes.ones_like(op, y))], xs, op)
         results = []
         for x, grad, out in zip(xs, grads, node.outputs):
             grad = shapes.zeros(op, x) if grad is None else grad

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import onnx_ir as ir
@@ -9,31 +10,49 @@ import onnx_ir as ir
 from onnx_autodiff.rules.registry import GradRule, PatternRule
 
 
+@dataclasses.dataclass(frozen=True, eq=False)  # told apart by identity, as nodes are
 class Match:
-    """A subgraph a pattern rule matched, differentiated as one node would be: its inputs are the
-    values bound to the pattern's parameters, its outputs the pattern's; ``match["x"]`` is the value
-    bound to ``x`` (a parameter, or an interior value the pattern names with ``_outputs``)."""
+    """A subgraph a pattern rule matched: one unit of the walk, which its ``rule`` differentiates
+    as a node's rule does the node. ``inputs`` are the values bound to the pattern's parameters,
+    ``outputs`` the pattern's; ``match["x"]`` is the value bound to ``x`` (a parameter, or an
+    interior value the pattern names with ``_outputs``). Messages and provenance name it by the
+    rule (``op_type``, ``domain``) and by the node computing its output (``name``)."""
 
-    domain = ""
-    attributes: dict = {}  # no subgraphs of its own
+    rule: GradRule
+    root: ir.Node
+    nodes: list[ir.Node]
+    inputs: list[ir.Value]
+    outputs: list[ir.Value]
+    bindings: dict[str, object]
 
-    def __init__(self, rule: PatternRule, result, root: ir.Node) -> None:
-        self.bindings = dict(result.bindings)
-        self.nodes: list[ir.Node] = list(result.nodes)
-        self.outputs: list[ir.Value] = list(result.outputs)
-        names = [name for name in rule.parameters if isinstance(self.bindings.get(name), ir.Value)]
-        self.inputs = [self.bindings[name] for name in names]
-        self.op_type, self.name, self.graph = rule.name, root.name, root.graph
-        self.metadata_props: dict[str, str] = {}
-        self.rule = GradRule(rule.name, "", rule.opsets, rule.differentiable, rule.backward, rule.broadcast,
-                             inputs=(tuple(names), False))
+    @classmethod
+    def of(cls, rule: PatternRule, result, root: ir.Node) -> Match:
+        """The match onnxscript's ``result`` of ``rule`` found, computing ``root``'s output."""
+        bindings = dict(result.bindings)
+        names = tuple(name for name in rule.parameters if isinstance(bindings.get(name), ir.Value))
+        engine_rule = GradRule(rule.name, "", rule.opsets, rule.differentiable, rule.backward, rule.broadcast,
+                               inputs=(names, False))
+        return cls(engine_rule, root, list(result.nodes), [bindings[name] for name in names],
+                   list(result.outputs), bindings)
+
+    @property
+    def name(self) -> str | None:
+        return self.root.name
+
+    @property
+    def op_type(self) -> str:
+        return self.rule.op_type
+
+    @property
+    def domain(self) -> str:
+        return self.rule.domain
 
     def __getitem__(self, name: str):
         return self.bindings[name]
 
 
 def grouped(order: Sequence[ir.Node], rules: Sequence[PatternRule], opset: int,
-            reach: Callable[[], set[ir.Value]]) -> list:
+            reach: Callable[[], set[ir.Value]]) -> list[ir.Node | Match]:
     """``order`` with the nodes of each pattern match replaced by one :class:`Match` where the
     match's output node stood (still a topological order): matches of larger patterns first, each
     node in one match at most, and only where nothing else reads the match's interior values and
@@ -66,5 +85,5 @@ def grouped(order: Sequence[ir.Node], rules: Sequence[PatternRule], opset: int,
         if any(n in taken for n in result.nodes):
             continue
         taken.update(result.nodes)
-        roots[root] = Match(rule, result, root)
+        roots[root] = Match.of(rule, result, root)
     return [roots[node] if node in roots else node for node in order if node in roots or node not in taken]

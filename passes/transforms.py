@@ -19,9 +19,10 @@ import onnx_ir as ir
 from onnx_autodiff.errors import NotDifferentiableError
 from onnx_autodiff.passes.autodiff import (
     AutodiffPass,
-    Backward,
-    _check_differentiable,
+    backward_builder,
+    check_differentiable,
     choose_variables,
+    differentiate,
     find_value,
     is_scalar,
 )
@@ -89,20 +90,21 @@ class _TransformPass(ir.passes.InPlacePass):
         self._inputs, self._outputs = {}, {}
         graph = model.graph
         y = find_value(graph, self.of, "of")
-        _check_differentiable(y, "of")
+        check_differentiable(y, "of")
         xs, left_out = choose_variables(model, self.wrt, self.registry)
         namer = Namer.for_graph(graph)
-        backward = Backward(graph, self.registry, model.opset_imports, namer)
+        op = backward_builder(self.registry, model.opset_imports, namer)
         self.model = model
-        inputs, outputs = self.build(backward, graph, y, xs, namer)
+        inputs, outputs = self.build(op, graph, y, xs, namer)
         graph.inputs.extend(inputs)
-        graph.extend(backward.op.nodes)
+        graph.extend(op.nodes)
         graph.outputs.extend(outputs)
-        for domain, version in backward.op.opsets.items():
+        for domain, version in op.opsets.items():
             model.opset_imports.setdefault(domain, version)
         return TransformResult(model, True, self._inputs, self._outputs, left_out)
 
-    def build(self, backward, graph, y, xs, namer) -> tuple[list[ir.Value], list[ir.Value]]:
+    def build(self, op: OpBuilder, graph, y, xs, namer) -> tuple[list[ir.Value], list[ir.Value]]:
+        """The inputs and outputs the transform adds; its nodes go into ``op``."""
         raise NotImplementedError
 
     def _input_like(self, namer: Namer, prefix: str, x: ir.Value) -> ir.Value:
@@ -123,7 +125,7 @@ def _inner_product(op: OpBuilder, pairs) -> ir.Value | None:
     return shapes.accumulate(op, terms) if terms else None
 
 
-def _second_sweep(model: ir.Model, backward: Backward, s, wrt, extra_inputs) -> list[ir.Value | None]:
+def _second_sweep(model: ir.Model, op: OpBuilder, s, wrt, extra_inputs) -> list[ir.Value | None]:
     """∂s/∂w for each w, differentiating through the forward and the first backward nodes.
 
     The first sweep's nodes join the graph and shape inference types them, since rules read
@@ -131,27 +133,25 @@ def _second_sweep(model: ir.Model, backward: Backward, s, wrt, extra_inputs) -> 
     """
     if s is None:
         return [None] * len(wrt)
-    op, graph = backward.op, model.graph
+    graph = model.graph
     graph.extend(op.nodes)
     op.nodes.clear()
     graph.inputs.extend(extra_inputs)
     infer_shapes(model)
     for value in extra_inputs:
         graph.inputs.remove(value)
-    second = Backward(graph, backward.registry, backward.opsets, op.namer, op)
-    return second.gradients(s, wrt, shapes.ones_like(op, s))
+    return differentiate(graph, [(s, shapes.ones_like(op, s))], wrt, op)
 
 
 class JvpPass(_TransformPass):
     """Adds a tangent input ``t_<x>`` per x and the output ``jvp_<of>`` = Σ_x (∂of/∂x)·t_x."""
 
-    def build(self, backward, graph, y, xs, namer):
-        op = backward.op
+    def build(self, op, graph, y, xs, namer):
         placeholder = shapes.zeros(op, y)  # the VJP is linear in its seed: any value will do
-        grads = backward.gradients(y, xs, placeholder)
+        grads = differentiate(graph, [(y, placeholder)], xs, op)
         tangents = [self._input_like(namer, "t", x) for x in xs]
         s = _inner_product(op, zip(grads, tangents))
-        (jvp,) = _second_sweep(self.model, backward, s, [placeholder], tangents)
+        (jvp,) = _second_sweep(self.model, op, s, [placeholder], tangents)
         jvp = shapes.zeros(op, y) if jvp is None else jvp
         return tangents, [self._output(op, namer, y.name, f"jvp_{y.name}", jvp, y)]
 
@@ -162,14 +162,13 @@ class HvpPass(_TransformPass):
     ``of`` must have one element (a loss).
     """
 
-    def build(self, backward, graph, y, xs, namer):
+    def build(self, op, graph, y, xs, namer):
         if not is_scalar(y):
             raise NotDifferentiableError(f"hvp needs a one-element 'of'; '{y.name}' is {shapes.dims(y)}")
-        op = backward.op
-        grads = backward.gradients(y, xs, shapes.ones_like(op, y))
+        grads = differentiate(graph, [(y, shapes.ones_like(op, y))], xs, op)
         directions = [self._input_like(namer, "v", x) for x in xs]
         s = _inner_product(op, zip(grads, directions))
-        hvps = _second_sweep(self.model, backward, s, xs, directions)
+        hvps = _second_sweep(self.model, op, s, xs, directions)
         outputs = []
         for x, h in zip(xs, hvps):
             h = shapes.zeros(op, x) if h is None else h
@@ -190,8 +189,7 @@ class JacobianPass(_TransformPass):
             raise ValueError(f"chunk must be at least 1, not {chunk}")
         self.chunk = chunk
 
-    def build(self, backward, graph, y, xs, namer):
-        op = backward.op
+    def build(self, op, graph, y, xs, namer):
         shapes.require_opset(op, 11, "the jacobian's Loop without loop-carried values and its OneHot seeds")
         size = op.Size(y)
         chunk = op.const(np.array(self.chunk, np.int64))
@@ -207,8 +205,7 @@ class JacobianPass(_TransformPass):
             index = body.Add(body.Mul(step, chunk), body.const(np.array(k, np.int64)))
             hot = body.OneHot(body.unsqueeze(index, [0]), size, values, axis=-1)
             seed = _reshape(body, body.Cast(hot, to=int(y.dtype)) if bfloat16 else hot, body.Shape(y))
-            inner = Backward(list(graph), backward.registry, backward.opsets, namer, body)
-            for row, x, g in zip(rows, xs, inner.gradients(y, xs, seed)):
+            for row, x, g in zip(rows, xs, differentiate(list(graph), [(y, seed)], xs, body)):
                 g = shapes.zeros(body, x) if g is None else g
                 row.append(body.unsqueeze(g, [0]))
         stacked = [r[0] if len(r) == 1 else body.Concat(*r, axis=0) for r in rows]
