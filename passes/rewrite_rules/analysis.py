@@ -154,7 +154,7 @@ def zeros_fit(like: ir.Value, opset_: int) -> bool:
 def new_constant(op, array: np.ndarray) -> ir.Value:
     """A Constant node's output that carries its tensor, type and shape (the next rules in the same
     sweep read them; a function cannot hold the initializer ``op.initializer`` would make)."""
-    tensor = ir.tensor(array)
+    tensor = ir.Tensor(array) if isinstance(array, np.ndarray) else ir.tensor(array)  # (the former without protocol checks)
     value = op.Constant(value=tensor)
     value.type, value.shape, value.const_value = ir.TensorType(tensor.dtype), ir.Shape(tensor.shape), tensor
     return value
