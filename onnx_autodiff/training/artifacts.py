@@ -602,7 +602,7 @@ def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], wh
         passes = [RemoveUnusedPass()]
     model = ir.passes.PassManager(passes)(model).model
     _frozen_read_in_place(model)
-    if target is not None:
+    if target is not None and _holds_stored_weights(graph):
         _frozen_bases_read_in_pieces(model)
         _frozen_bases_read_at_use(model)
     if any(v.shape is None or v.type is None for v in graph.outputs):
@@ -790,6 +790,14 @@ def _frozen_read_in_place(model: ir.Model) -> None:
 
 
 _HALF_TYPES = frozenset({ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+_STORED_TYPES = _HALF_TYPES | {ir.DataType.INT4, ir.DataType.UINT4, ir.DataType.INT8, ir.DataType.UINT8}
+
+
+def _holds_stored_weights(graph: ir.Graph) -> bool:
+    """Whether ``graph`` holds weights stored in another type than they are computed in (half
+    precision, 4 or 8 bits): the reads that the lowerings below place have nothing to do
+    otherwise (a walk of a 20,001-node chain's train model spared)."""
+    return any(value.dtype in _STORED_TYPES for value in graph.initializers.values())
 
 
 def _frozen_base_reads(graph: ir.Graph):
