@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import onnx_ir as ir
 
-from onnx_autodiff.rules.registry import _DEFAULT, Backward, GradRegistry, GradRule
+from onnx_autodiff.rules.registry import SHIPPED, Backward, GradRegistry, GradRule
 from onnx_autodiff.toolkit import OpBuilder
 
 __all__ = [
@@ -31,7 +31,7 @@ def default_registry() -> GradRegistry:
 
     for family in _FAMILIES:
         importlib.import_module(f"onnx_autodiff.rules.{family}")
-    return _DEFAULT
+    return SHIPPED
 
 
 def register_gradient(

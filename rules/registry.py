@@ -297,9 +297,10 @@ def _domain(domain: str) -> str:
     return "" if domain == "ai.onnx" else domain
 
 
-_DEFAULT = GradRegistry()
+SHIPPED = GradRegistry()
+"""The registry the shipped rule families register into (:func:`~onnx_autodiff.rules.default_registry`)."""
 
-rule = _DEFAULT.register
+rule = SHIPPED.register
 """Decorator the shipped rule families register with: ``@rule("Mul", differentiable=("A", "B"))``."""
 
-not_differentiable = _DEFAULT.not_differentiable
+not_differentiable = SHIPPED.not_differentiable
