@@ -9,7 +9,8 @@ two parameters per four nodes) and ``blocksN`` (N stacked transformer-style bloc
 per model: forward nodes, float parameters, backward nodes without and with cleanup, seconds for
 the pass alone (``pass s``), for the cleanup and for both (``total s``, in process), and
 microseconds per forward node (flat when growth is linear); the best of ``--repeat`` runs, each on
-a fresh copy of the model. Columns of the options:
+a fresh copy of the model. Builds in process run inside ``onnx_autodiff.collector_paused()``, as
+the command line's do. Columns of the options:
 
 - ``--cli``: ``cli s``, the wall-clock seconds of ``onnx-autodiff grad MODEL -o OUT`` (a process:
   loading, checking and writing included), ``cli raw s`` the same with ``--no-cleanup``, and
@@ -140,13 +141,14 @@ def measure(proto: onnx.ModelProto, repeat: int) -> dict:
     row = {"pass": float("inf"), "cleanup": float("inf"), "total": float("inf"), "forward": forward}
     for _ in range(repeat):
         model = ir.from_proto(proto)
-        start = time.perf_counter()
-        onnx_autodiff.autodiff_pass(of="loss")(model)
-        middle = time.perf_counter()
-        row["raw"] = len(model.graph) - forward
-        for cleanup in onnx_autodiff.cleanup_passes():
-            cleanup(model)
-        end = time.perf_counter()
+        with onnx_autodiff.collector_paused():
+            start = time.perf_counter()
+            onnx_autodiff.autodiff_pass(of="loss")(model)
+            middle = time.perf_counter()
+            row["raw"] = len(model.graph) - forward
+            for cleanup in onnx_autodiff.cleanup_passes():
+                cleanup(model)
+            end = time.perf_counter()
         row["cleaned"] = len(model.graph) - forward
         for key, seconds in (("pass", middle - start), ("cleanup", end - middle), ("total", end - start)):
             row[key] = min(row[key], seconds)
@@ -185,7 +187,7 @@ def artifacts_once(path: str) -> float:
 
     proto = onnx.load(path)
     params = [t.name for t in proto.graph.initializer if t.data_type in FLOATS]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, onnx_autodiff.collector_paused():
         start = time.perf_counter()
         generate_artifacts(proto, requires_grad=params, loss=None, optimizer="adamw").save(tmp)
         return time.perf_counter() - start

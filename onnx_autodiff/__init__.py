@@ -20,6 +20,7 @@ from onnx_autodiff.passes import (
     gradient_of_function,
     gradient_of_nodes,
 )
+from onnx_autodiff.passes.progress import collector_paused
 from onnx_autodiff.passes.rewrite_rules import cleanup_rules, lowering_rules
 from onnx_autodiff.passes.transforms import (
     HvpPass,
@@ -67,6 +68,7 @@ __all__ = [
     "check_grads",
     "cleanup_passes",
     "cleanup_rules",
+    "collector_paused",
     "lowering_rules",
     "default_registry",
     "gradient_of_function",

@@ -24,7 +24,6 @@ from onnx_autodiff.passes.metadata import Provenance, mark, record_differentiate
 from onnx_autodiff.passes.opsets import build_upgrading
 from onnx_autodiff.passes.parameters import default_parameters
 from onnx_autodiff.passes.patterns import Match, grouped
-from onnx_autodiff.passes.progress import collector_paused
 from onnx_autodiff.rules import GradRegistry, GradRule, default_registry
 from onnx_autodiff.toolkit import Namer, OpBuilder, captured_values, may_be_float, shapes, subgraphs
 from onnx_autodiff.toolkit.inference import infer_output_types, infer_shapes
@@ -120,8 +119,7 @@ class _Engine:
         outermost = not self.walking
         self.walking = True
         try:
-            with collector_paused():
-                return Backward(nodes, self.registry, op, report_progress=outermost).vjp(seeds, xs)
+            return Backward(nodes, self.registry, op, report_progress=outermost).vjp(seeds, xs)
         finally:
             if outermost:
                 self.walking = False
@@ -389,8 +387,7 @@ def _infer_shapes_stage(model: ir.Model) -> None:
     """The toolkit's :func:`~onnx_autodiff.toolkit.inference.infer_shapes`, as the build's "shapes"
     stage (progress is the passes' concern, not the toolkit's)."""
     progress.report("shapes", 0, 1)
-    with collector_paused():
-        infer_shapes(model)
+    infer_shapes(model)
 
 
 def find_value(graph: ir.Graph | ir.Function, name: str, role: str) -> ir.Value:
@@ -527,8 +524,7 @@ class AutodiffPass(ir.passes.InPlacePass):
         return [] if self.last_result is None else self.last_result.left_out
 
     def call(self, model: ir.Model) -> AutodiffResult:
-        with collector_paused():
-            result = build_upgrading(model, self._build, self.upgrade_opset)
+        result = build_upgrading(model, self._build, self.upgrade_opset)
         self.last_result = result
         return result
 

@@ -34,7 +34,6 @@ import onnx_ir as ir
 from onnx_autodiff.passes import progress, rewrites
 from onnx_autodiff.passes.metadata import DIFFERENTIATED_KEY, differentiated, kept  # noqa: F401 - DIFFERENTIATED_KEY: public here too
 from onnx_autodiff.passes.outline import OutlinePass
-from onnx_autodiff.passes.progress import collector_paused
 from onnx_autodiff.passes.rewrite_rules import RuleIndex, analysis, cleanup_rules, lowering_rules
 from onnx_autodiff.toolkit import FLOAT_TYPES, all_graphs, detach, shapes, subgraphs
 from onnx_autodiff.toolkit.inference import infer_shapes
@@ -98,8 +97,7 @@ class CleanupPass(ir.passes.InPlacePass):
         return [v for name, v in graph.initializers.items() if name in names]
 
     def call(self, model: ir.Model) -> CleanupResult:
-        with collector_paused():
-            result = self._shrink(model)
+        result = self._shrink(model)
         self.last_result = result
         return result
 
@@ -200,13 +198,12 @@ class LoweringPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
-        with collector_paused():
-            for _ in range(self.max_rounds):
-                infer_shapes(model, missing_only=True)  # the rules decide from shapes
-                if rewrites.Rewriter(model, all_graphs(model), self.rules).run() == 0:
-                    break
-                _remove_unused(model)
-                modified = True
+        for _ in range(self.max_rounds):
+            infer_shapes(model, missing_only=True)  # the rules decide from shapes
+            if rewrites.Rewriter(model, all_graphs(model), self.rules).run() == 0:
+                break
+            _remove_unused(model)
+            modified = True
         if modified and not all(_in_order(g) for g in (model.graph, *model.functions.values())):
             common.TopologicalSortPass()(model)
         return ir.passes.PassResult(model, modified=modified)

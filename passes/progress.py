@@ -33,9 +33,11 @@ def reporting(listener: Listener) -> Iterator[None]:
 
 @contextlib.contextmanager
 def collector_paused():
-    """Pause Python's cyclic garbage collector while a pass runs: it would rescan the ever larger
-    graph many times (half the build time of a 20,000-node model); the garbage a pass leaves
-    (removed nodes) is collected once, afterwards."""
+    """Within: Python's cyclic garbage collector is paused (process-wide; as it was afterwards).
+    While a large model is built it would rescan the ever larger graphs many times (half the build
+    time of a 20,000-node model); the garbage a build leaves (removed nodes) is collected once,
+    afterwards. The passes leave the collector alone: the command line builds inside this, and so
+    can a caller."""
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -12,7 +12,6 @@ from onnx import helper, numpy_helper
 from onnx_autodiff.commands import CHECK_OUTPUT_HELP, NO_UPGRADE_HELP, CommandError, UsageError, note_left_out, read_model_proto
 from onnx_autodiff.errors import TrainingError, names_summary
 from onnx_autodiff.passes.lora import LoraConfig
-from onnx_autodiff.passes.progress import collector_paused
 from onnx_autodiff.passes.quantize import BLOCK_SIZES, FORMATS, KINDS
 from onnx_autodiff.training.artifacts import TrainingArtifacts, generate_artifacts, quantized_weight_names
 from onnx_autodiff.training.losses import LOSSES
@@ -112,14 +111,11 @@ def run(args) -> int:
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise UsageError(f"-o {args.output} is a file: name the directory to write the artifacts to")
     start = time.perf_counter()
-    # Paused until written: the garbage of the build (its onnx-ir graphs) is not collected on the
-    # way (1.7 s for a 20,001-node chain), and the program leaves it to the OS at exit (cli.main).
-    with collector_paused():
-        artifacts = artifacts_from_args(args, args.gradient_accumulation)
-        try:
-            written = artifacts.save(args.output, True if args.external_data else None, args.checkpoint_format)
-        except OSError as error:  # each file is written atomically: none is half-written
-            raise CommandError(f"cannot write the artifacts to {args.output}: {error.strerror or error}") from error
+    artifacts = artifacts_from_args(args, args.gradient_accumulation)
+    try:
+        written = artifacts.save(args.output, True if args.external_data else None, args.checkpoint_format)
+    except OSError as error:  # each file is written atomically: none is half-written
+        raise CommandError(f"cannot write the artifacts to {args.output}: {error.strerror or error}") from error
     seconds = time.perf_counter() - start
     note_left_out(getattr(artifacts, "left_out", []), "--requires-grad", "train",
                   quantized_weight_names(artifacts.inference_model))

@@ -214,7 +214,8 @@ def _started(args, gradient_accumulation: bool = False) -> tuple[TrainingArtifac
                              "options (--lr alone applies to them)")
         artifacts = _load_artifacts(args.model)
     else:
-        artifacts = artifacts_from_args(args, gradient_accumulation)
+        with progress.collector_paused():  # (see generate_artifacts)
+            artifacts = artifacts_from_args(args, gradient_accumulation)
         note_left_out(artifacts.left_out, "--requires-grad", "train", quantized_weight_names(artifacts.inference_model))
     return artifacts, RunState(_settings(args)), None
 

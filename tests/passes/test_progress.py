@@ -69,3 +69,30 @@ def test_the_bar_follows_the_stages(monkeypatch):
 
 def test_no_progress_bar_where_stderr_is_not_a_terminal(tmp_path, monkeypatch):
     assert _grad_stderr(tmp_path, monkeypatch, io.StringIO()) == ""
+
+
+def test_the_library_leaves_pythons_collector_alone_and_the_command_line_pauses_it(tmp_path, monkeypatch):
+    """The passes and generate_artifacts never switch the cyclic collector off (a process-wide
+    effect); collector_paused does, for a caller's large build, and the command line builds inside
+    it, switching it back on after an in-process call."""
+    import gc
+
+    from onnx_autodiff import collector_paused
+    from onnx_autodiff.training import generate_artifacts
+
+    def refused():
+        raise AssertionError("a library call switched the collector off")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gc, "disable", refused)
+        ir.passes.PassManager([autodiff_pass(of="loss"), *cleanup_passes()])(ir.from_proto(chain(4)))
+        generate_artifacts(chain(4), loss=None, optimizer="adamw")
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    seen = []
+    with monkeypatch.context() as patch:
+        patch.setattr(cli, "cmd_grad", lambda args: seen.append(gc.isenabled()) or 0)
+        assert cli.main(["grad", "m.onnx", "-o", str(tmp_path / "out.onnx")]) == 0
+    assert seen == [False] and gc.isenabled()
