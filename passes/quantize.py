@@ -395,29 +395,21 @@ def nbits_read_as_dequantizelinear(graph: ir.Graph) -> tuple[list[str], dict[str
     dequantization at each read. Returns the names of the initializers the DequantizeLinear nodes
     read, and {node name: why it stays} for the nodes left as they are (act-order g_idx, float
     zero points, K not a whole number of blocks, stored parts that are not initializers)."""
-    kept, done = {}, {}
-    namer = None
-    for node in list(graph):
-        if node.op_type != "MatMulNBits" or node.domain != "com.microsoft":
+    nodes = [n for n in graph if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"]
+    whys = {node: _why_kept(node) for node in nodes}
+    kept = {node.name or node.inputs[1].name: why for node, why in whys.items() if why is not None}
+    converted = {node for node, why in whys.items() if why is None}
+    done = {}
+    namer = Namer.for_graph(graph, prefix="nbits") if converted else None
+    for node in nodes:
+        if node not in converted:
             continue
-        A, B, scales, zero_points, g_idx, bias = (list(node.inputs) + [None] * 6)[:6]
+        A, B, scales, zero_points, _, bias = (list(node.inputs) + [None] * 6)[:6]
         K, N = shapes.attr(node, "K", None), shapes.attr(node, "N", None)
         bits, block = shapes.attr(node, "bits", 4), shapes.attr(node, "block_size", None)
-        stored = [v for v in (B, scales, zero_points) if v is not None]
-        why = ("act-order g_idx" if g_idx is not None
-               else f"{bits}-bit weights" if bits not in (4, 8) or K is None or N is None or not block
-               else f"K={K} is not a whole number of blocks of {block}" if K % block
-               else "float zero points" if zero_points is not None and zero_points.dtype != ir.DataType.UINT8
-               else "its weights are not initializers" if not all(v.is_initializer() and v.const_value is not None
-                                                                  for v in stored)
-               else None)
-        if why is not None:
-            kept[node.name or B.name] = why
-            continue
-        namer = namer or Namer.for_graph(graph, prefix="nbits")
         key = (B, scales, zero_points, bits, block)
         if key not in done:
-            done[key] = _as_dequantizelinear_inputs(graph, namer, B, scales, zero_points, N, K, bits, block)
+            done[key] = _as_dequantizelinear_inputs(graph, namer, converted, B, scales, zero_points, N, K, bits, block)
         floats = ir.node("DequantizeLinear", done[key], attributes={"axis": 1, "block_size": block})
         transposed = ir.node("Transpose", floats.outputs, attributes={"perm": [1, 0]})
         product = ir.node("MatMul", [A, transposed.outputs[0]])
@@ -435,28 +427,42 @@ def nbits_read_as_dequantizelinear(graph: ir.Graph) -> tuple[list[str], dict[str
         old.name, new.name = None, old.name
         if bias is not None:
             product.outputs[0].dtype = old.dtype
-    for B, scales, zero_points, _, _ in done:
-        for value in (B, scales, zero_points):
-            if value is not None and not value.uses() and graph.initializers.get(value.name) is value:
-                graph.initializers.pop(value.name)
     return [v.name for inputs in done.values() for v in inputs], kept
 
 
-def _as_dequantizelinear_inputs(graph: ir.Graph, namer: Namer, B: ir.Value, scales: ir.Value,
+def _why_kept(node: ir.Node) -> str | None:
+    """Why standard operators cannot read the MatMulNBits ``node``'s weights as stored (None: they can)."""
+    _, B, scales, zero_points, g_idx, _ = (list(node.inputs) + [None] * 6)[:6]
+    K, N = shapes.attr(node, "K", None), shapes.attr(node, "N", None)
+    bits, block = shapes.attr(node, "bits", 4), shapes.attr(node, "block_size", None)
+    if g_idx is not None:
+        return "act-order g_idx"
+    if bits not in (4, 8) or K is None or N is None or not block:
+        return f"{bits}-bit weights"
+    if K % block:
+        return f"K={K} is not a whole number of blocks of {block}"
+    if zero_points is not None and zero_points.dtype != ir.DataType.UINT8:
+        return "float zero points"
+    if not all(v.is_initializer() and v.const_value is not None for v in (B, scales, zero_points) if v is not None):
+        return "its weights are not initializers"
+    return None
+
+
+def _as_dequantizelinear_inputs(graph: ir.Graph, namer: Namer, converted: set[ir.Node], B: ir.Value, scales: ir.Value,
                                 zero_points: ir.Value | None, N: int, K: int, bits: int, block: int) -> list[ir.Value]:
     """MatMulNBits' B, scales and zero points as DequantizeLinear's [N, K], [N, blocks] and
     [N, blocks]: B's and the scales' bytes as they are (a tensor stored in a file stays there),
     the zero points unpacked from their padded rows, or 2^(bits-1)."""
     kind = ir.DataType.UINT4 if bits == 4 else ir.DataType.UINT8
     blocks = K // block
-    data = _retyped(graph, namer, B, kind, [N, K])
-    values = [data, _retyped(graph, namer, scales, scales.dtype, [N, blocks])]
+    data = _retyped(graph, namer, converted, B, kind, [N, K])
+    values = [data, _retyped(graph, namer, converted, scales, scales.dtype, [N, blocks])]
     if zero_points is None:
         zero = np.full((N, blocks), 2 ** (bits - 1), np.uint8)
         name = namer.fresh(f"{data.name}.zero_point")
         return [*values, _initializer_named(graph, name, ir.Tensor(zero.astype(kind.numpy()), dtype=kind))]
     zero = _unpacked(zero_points.const_value.numpy().reshape(N, -1), bits)[:, :blocks]
-    return [*values, _taking_over(graph, namer, zero_points, ir.Tensor(zero.astype(kind.numpy()), dtype=kind))]
+    return [*values, _taking_over(graph, namer, converted, zero_points, ir.Tensor(zero.astype(kind.numpy()), dtype=kind))]
 
 
 def _initializer_named(graph: ir.Graph, name: str, tensor) -> ir.Value:
@@ -465,22 +471,22 @@ def _initializer_named(graph: ir.Graph, name: str, tensor) -> ir.Value:
     return value
 
 
-def _taking_over(graph: ir.Graph, namer: Namer, value: ir.Value, tensor) -> ir.Value:
+def _taking_over(graph: ir.Graph, namer: Namer, converted: set[ir.Node], value: ir.Value, tensor) -> ir.Value:
     """A new initializer of ``tensor`` that takes the initializer ``value``'s name and marks where
-    MatMulNBits nodes alone read ``value`` (the tensors of the model's own form keep their names:
-    a merge's re-quantized tensors find them), one named after it otherwise."""
-    readers = {user for user, _ in value.uses()}
-    only_nbits = all(user.op_type == "MatMulNBits" for user in readers)
-    name = value.name if only_nbits else namer.fresh(f"{value.name}.{tensor.dtype.name.lower()}")
-    if only_nbits:  # (value keeps its name: renaming it would rename the tensor it wraps, the caller's)
+    the ``converted`` MatMulNBits nodes alone read ``value`` (the tensors of the model's own form
+    keep their names: a merge's re-quantized tensors find them), one named after it otherwise."""
+    only_converted = all(user in converted for user, _ in value.uses())
+    name = value.name if only_converted else namer.fresh(f"{value.name}.{tensor.dtype.name.lower()}")
+    if only_converted:  # (value keeps its name: renaming it would rename the tensor it wraps, the caller's)
         graph.initializers.pop(value.name)
     new = _initializer_named(graph, name, tensor)
-    if only_nbits:
+    if only_converted:
         new.metadata_props.update(value.metadata_props)
     return new
 
 
-def _retyped(graph: ir.Graph, namer: Namer, value: ir.Value, dtype: ir.DataType, shape: list[int]) -> ir.Value:
+def _retyped(graph: ir.Graph, namer: Namer, converted: set[ir.Node], value: ir.Value, dtype: ir.DataType,
+             shape: list[int]) -> ir.Value:
     """The initializer ``value``'s bytes as a tensor of ``dtype`` and ``shape`` (see :func:`_taking_over`)."""
     tensor = value.const_value
     if isinstance(tensor, ir.ExternalTensor):
@@ -490,7 +496,7 @@ def _retyped(graph: ir.Graph, namer: Namer, value: ir.Value, dtype: ir.DataType,
         retyped = ir.PackedTensor(np.frombuffer(tensor.tobytes(), np.uint8), dtype, shape=shape)
     else:
         retyped = ir.Tensor(tensor.numpy().reshape(shape))
-    return _taking_over(graph, namer, value, retyped)
+    return _taking_over(graph, namer, converted, value, retyped)
 
 
 def as_read(tensor: onnx.TensorProto, part: np.ndarray) -> onnx.TensorProto:

@@ -389,6 +389,20 @@ def test_matmulnbits_that_standard_operators_cannot_read_as_stored_stay():
     stored, kept = nbits_read_as_dequantizelinear(model.graph)
     assert stored == [] and kept == {"product": "K=40 is not a whole number of blocks of 16"}
     assert [n.op_type for n in model.graph] == ["MatMulNBits"]
+    # a weight also read by a node that stays: it keeps its name for that node, the read its own
+    proto, _ = nbits_model(4, False, False, 64, np.random.default_rng(0))
+    staying = onnx.NodeProto()
+    staying.CopyFrom(proto.graph.node[0])
+    staying.name, staying.output[0] = "staying", "z"
+    staying.input.append("g_idx")
+    proto.graph.node.append(staying)
+    proto.graph.initializer.append(numpy_helper.from_array(np.repeat(np.arange(4, dtype=np.int32), 16), "g_idx"))
+    model = ir.from_proto(proto)
+    stored, kept = nbits_read_as_dequantizelinear(model.graph)
+    assert kept == {"staying": "act-order g_idx"} and stored[0] != "B" and stored[1] != "scales"
+    assert [n.op_type for n in model.graph] == ["DequantizeLinear", "Transpose", "MatMul", "MatMulNBits"]
+    assert model.graph.initializers["B"].const_value.dtype == ir.DataType.UINT8
+    assert model.graph.node(3).inputs[1] is model.graph.initializers["B"]
 
 
 @pytest.mark.parametrize("bits,zero_points", [(4, False), (4, True), (8, False)])
