@@ -376,24 +376,23 @@ def onnx_inferred(proto: onnx.ModelProto) -> onnx.ModelProto | None:
         inferred = onnx.shape_inference.infer_shapes(stand_in or proto, strict_mode=False, data_prop=True)
     except Exception:  # noqa: BLE001 - inference is a help, not a requirement
         return None
-    if stand_in is not None:
-        typed = onnx.ModelProto()
-        typed.CopyFrom(proto)
-        produced = {name for node in proto.graph.node for name in node.output}
-        del typed.graph.value_info[:]
-        typed.graph.value_info.extend(v for v in inferred.graph.value_info if v.name in produced)
-        del typed.graph.output[:]
-        typed.graph.output.extend(inferred.graph.output)
-        inferred = typed
+    if stand_in is not None:  # the stand-in typed: its MatMulNBits put back, its weight inputs dropped
+        for index, node in enumerate(proto.graph.node):
+            if _is_nbits(node):
+                inferred.graph.node[index].CopyFrom(node)
+        del inferred.graph.input[len(proto.graph.input):]
     forget_element_names(inferred)
     return inferred
+
+
+def _is_nbits(node: onnx.NodeProto) -> bool:
+    return node.op_type == "MatMulNBits" and node.domain == "com.microsoft"
 
 
 def _nbits_as_matmul(proto: onnx.ModelProto) -> onnx.ModelProto | None:
     """A copy of ``proto`` whose main graph's MatMulNBits nodes are MatMuls by a graph input
     [K, N] of the scales' type; None where it has none."""
-    nodes = [n for n in proto.graph.node if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"]
-    if not nodes:
+    if not any(_is_nbits(node) for node in proto.graph.node):
         return None
     types = {t.name: t.data_type for t in proto.graph.initializer}
     types.update((v.name, v.type.tensor_type.elem_type) for v in proto.graph.input)
@@ -401,7 +400,7 @@ def _nbits_as_matmul(proto: onnx.ModelProto) -> onnx.ModelProto | None:
     stand_in.CopyFrom(proto)
     graph = stand_in.graph
     for node in graph.node:
-        if node.op_type != "MatMulNBits" or node.domain != "com.microsoft":
+        if not _is_nbits(node):
             continue
         sizes = {a.name: a.i for a in node.attribute}
         weight = f"{node.output[0]}.nbits_weight"

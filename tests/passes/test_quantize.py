@@ -474,3 +474,4 @@ def test_shapes_are_inferred_through_matmulnbits():
     shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in [*inferred.graph.value_info, *inferred.graph.output]}
     assert shapes == {"h": [2, 3, 24], "a": [2, 3, 24], "y": [2, 3, 24]}
     assert [n.op_type for n in inferred.graph.node] == ["MatMulNBits", "Relu", "MatMulNBits"]
+    assert [v.name for v in inferred.graph.input] == [v.name for v in proto.graph.input]
