@@ -952,7 +952,7 @@ def _frozen_bases_read_at_use(model: ir.Model) -> None:
       MatMulNBits backward's unpacking): onnxruntime's order visits a node's later inputs first,
       so what comes first runs just before the node that uses it. Where such a node comes after
       the activation it meets, the backward's reads all run before the loss's gradient and
-      stay alive until their layer's turn (a 155 M Llama's MatMulNBits step: 18 MB more at
+      stay alive until their layer's turn (a 155 M Llama's MatMulNBits step: 20 MB more at
       its peak)."""
     graph = model.graph
     inputs = set(graph.inputs)
