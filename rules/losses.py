@@ -168,11 +168,57 @@ def _log_softmax_axis1(op, scores, labels):
     return op.Transpose(moved, perm=shapes.inverse_perm(perm))
 
 
+def _labels_index_scores(node) -> bool:
+    """Whether every label, ignore_index included, indexes the class axis of the scores (from −C;
+    the labels a loss accepts are classes or its ignore_index)."""
+    ignore_index = shapes.attr(node, "ignore_index")
+    C = (shapes.dims(node.inputs[0]) or (None, None))[1]
+    return ignore_index is None or isinstance(C, int) and -C <= ignore_index < C
+
+
+def _label_count(op, scores):
+    """N·d1·... of scores (N, C, d...) in their type, read from their shape (the labels are read
+    by the loss and its one-hot alone, see :mod:`~onnx_autodiff.passes.rewrite_rules.webgpu`)."""
+    shape = shapes.dims(scores)
+    if shape is not None and all(isinstance(d, int) for d in shape):
+        return op.const(float(np.prod(shape) // shape[1]), like=scores)
+    size = shapes.cast_like(op, op.Size(scores), scores)
+    return op.Div(size, shapes.cast_like(op, op.Gather(op.Shape(scores), op.const(np.int64(1))), scores))
+
+
+def _minus_one_hot(op, node, probabilities, dL):
+    """dscores = a · (probabilities − one-hot(t)), a the loss's weight of each label (zero where
+    ignored): the product, then a taken off at each label (a ScatterElements of its classes),
+    without a one-hot of the scores' size."""
+    scores, labels = node.inputs[0], node.inputs[1]
+    reduction = shapes.attr(node, "reduction", "mean")
+    ignore_index = shapes.attr(node, "ignore_index")
+    if labels.dtype != ir.DataType.INT64:
+        labels = op.Cast(labels, to=ir.DataType.INT64)
+    labels = op.unsqueeze(labels, [1])  # (N, 1, d...), indices of the class axis
+    counted = None if ignore_index is None else shapes.cast_like(
+        op, op.Not(op.Equal(labels, op.const(np.int64(ignore_index)))), scores)
+    if reduction == "none":
+        a = op.unsqueeze(dL, [1])
+    elif reduction == "sum":
+        a = dL
+    elif reduction == "mean":
+        a = op.Div(dL, op.reduce_sum(counted, None, keepdims=False) if counted is not None else _label_count(op, scores))
+    else:
+        raise RuleError(f"unknown reduction '{reduction}' (expected none, sum or mean)")
+    if counted is not None:
+        a = op.Mul(counted, a)
+    scaled = op.Mul(probabilities, a)
+    at_labels = op.Sub(op.GatherElements(scaled, labels, axis=1), a)
+    return op.ScatterElements(scaled, labels, at_labels, axis=1)
+
+
 @rule("SoftmaxCrossEntropyLoss", differentiable=("scores", "weights"), since=12)
 def softmax_cross_entropy_loss(op, node, dL, dLogProb=None):
     """loss = NLL(LogSoftmax(scores, axis=1), labels, weights); log_prob = LogSoftmax(scores, 1)
 
-    dscores = G - softmax * Σ_c G with G = dlog_prob + ∂loss/∂log_prob.
+    dscores = G - softmax * Σ_c G with G = dlog_prob + ∂loss/∂log_prob; without dlog_prob and
+    weights, a · (softmax − one-hot(t)) with a the weight of each label in the loss.
     """
     scores = node.inputs[0]
     has_log_prob = len(node.outputs) > 1 and node.outputs[1].name
@@ -182,6 +228,8 @@ def softmax_cross_entropy_loss(op, node, dL, dLogProb=None):
         probabilities = op.Exp(logp)
     else:  # the log-probabilities themselves are not needed
         logp, probabilities = None, op.Softmax(scores, axis=1)
+    if dL is not None and dLogProb is None and not weighted and _labels_index_scores(node):
+        return {"scores": _minus_one_hot(op, node, probabilities, dL)}
     d_logp, d_weights = (dLogProb, None) if dL is None else _nll_backward(op, node, logp, dL)
     if dL is not None and dLogProb is not None:
         d_logp = op.Add(d_logp, dLogProb)

@@ -62,7 +62,13 @@ def _times_weight(op, node, dY):
             op.Concat(*[op.reshape(half, [N, per_row, 1]) for half in halves], axis=-1), [N, per_row * 2])
         zero = op.reshape(op.slice(zero, [0], [blocks], axes=[1]), [N, blocks, 1])
     packed = op.reshape(packed, [N, blocks, per_block])
-    products = None
+    if bits == 4:  # columns 2j and 2j + 1 of Wᵀ: the products of the two halves, interleaved
+        rank = node.inputs[0].shape.rank() if node.inputs[0].shape is not None else None
+        if rank is not None:
+            shape = op.const([0] * (rank - 1) + [blocks * block])
+        else:
+            shape = op.Concat(op.slice(op.Shape(dY), [0], [-1]), op.const([blocks * block]), axis=0)
+    dA = None
     rows = max(1, CHUNK // K)
     for start in range(0, N, rows):  # a slice of Wᵀ's rows at a time: one slice's floats live at once
         end = min(N, start + rows)
@@ -73,16 +79,11 @@ def _times_weight(op, node, dY):
                    for half in halves]
         rows_of_dY = dY if (start, end) == (0, N) else op.slice(dY, [start], [end], axes=[-1])
         partial = [op.MatMul(rows_of_dY, w) for w in weights]
-        products = partial if products is None else [op.Add(a, b) for a, b in zip(products, partial)]
-    if bits == 4:  # columns 2j and 2j + 1 of Wᵀ: interleave the products along the last axis
-        pairs = op.Concat(*[op.Unsqueeze(p, op.const([-1])) for p in products], axis=-1)
-        rank = node.inputs[0].shape.rank() if node.inputs[0].shape is not None else None
-        if rank is not None:
-            shape = op.const([0] * (rank - 1) + [blocks * block])
-        else:
-            shape = op.Concat(op.slice(op.Shape(dY), [0], [-1]), op.const([blocks * block]), axis=0)
-        products = [op.Reshape(pairs, shape)]
-    dA = products[0]
+        # Both halves' products are taken before the next slice's: the high nibbles, which the
+        # low ones are computed from, then die with their slice.
+        product = partial[0] if bits == 8 else op.Reshape(
+            op.Concat(*[op.Unsqueeze(p, op.const([-1])) for p in partial], axis=-1), shape)
+        dA = product if dA is None else op.Add(dA, product)
     return dA if blocks * block == K else op.slice(dA, [0], [K], axes=[-1])
 
 

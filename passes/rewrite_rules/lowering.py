@@ -15,6 +15,10 @@ that chose them (benchmarks/README.md, "Why the onnxruntime lowering"):
 - a bias sum, ReduceSum over every axis but the last, is the product of a stored vector of ones
   with the rows (at most :data:`COLUMN_SUM_ROWS` of them, static shapes);
 - a slope Where(mask, 1, b) with one number 0 <= b <= 1 is Max(Cast(mask), b);
+- SoftmaxCrossEntropyLoss (opset 13 on, without log_prob) is NegativeLogLikelihoodLoss of
+  LogSoftmax(scores, axis=1): onnxruntime runs the loss as its function, which moves the class
+  axis last and back, two copies of the scores; a Softmax of scores that a LogSoftmax also reads
+  (its gradient's) is the Exp of that LogSoftmax, so the scores die at the forward's;
 - Relu's gate Where(X > 0, dY, 0) is dY·Cast(X > 0): a NaN or infinite dY where X <= 0 then gives
   NaN there (0·NaN), not 0. Only the gate the Relu rule emitted (its node's provenance,
   :func:`~onnx_autodiff.passes.metadata.provenance`, names a default-domain Relu):
@@ -178,7 +182,54 @@ def _masked(op, cond, a, b):
     return op.Mul(a, op.Cast(cond, to=int(a.dtype)))
 
 
-def onnxruntime_rules() -> list[RewriteRule]:
+# SoftmaxCrossEntropyLoss as LogSoftmax and NegativeLogLikelihoodLoss
+
+
+def _plain_cross_entropy(context, node: ir.Node):
+    log_prob = len(node.outputs) > 1 and node.outputs[1].name
+    return verdict(opset(context.model) >= 13 and not log_prob and node.inputs[0].dtype in FLOAT_TYPES,
+                   "not a float SoftmaxCrossEntropyLoss without log_prob at opset 13 or later")
+
+
+def _cross_entropy(op, scores, labels):
+    return op.SoftmaxCrossEntropyLoss(scores, labels, _allow_other_inputs=True, _allow_other_attributes=True,
+                                      _check=_plain_cross_entropy, _outputs=["y"])
+
+
+def _nll_of_log_softmax(op, scores, labels, y):
+    node = y.producer()
+    weights = node.inputs[2:3] if len(node.inputs) > 2 and node.inputs[2] is not None else []
+    attributes = {name: node.attributes[name].value for name in ("reduction", "ignore_index") if name in node.attributes}
+    return op.NegativeLogLikelihoodLoss(op.LogSoftmax(scores, axis=1), labels, *weights, **attributes)
+
+
+# Softmax beside the LogSoftmax of the same scores
+
+
+def _log_softmax_beside(node: ir.Node) -> ir.Value | None:
+    """The output of a LogSoftmax over the same scores and axis as the Softmax ``node``."""
+    x, axis = node.inputs[0], node.attributes.get_int("axis", -1)
+    for user, _ in x.uses():
+        if (user.op_type == "LogSoftmax" and user.domain == "" and user.graph is node.graph
+                and user.attributes.get_int("axis", -1) == axis):
+            return user.outputs[0]
+    return None
+
+
+def _softmax_of_log_softmaxed(context, node: ir.Node):
+    return verdict(opset(context.model) >= 13 and _log_softmax_beside(node) is not None,
+                   "no LogSoftmax of the same scores beside it")
+
+
+def _softmax(op, x):
+    return op.Softmax(x, _allow_other_attributes=True, _check=_softmax_of_log_softmaxed, _outputs=["y"])
+
+
+def _exp_of_log_softmax(op, x, y):
+    return op.Exp(_log_softmax_beside(y.producer()))
+
+
+def _kernel_forms() -> list[RewriteRule]:
     # remove_nodes=False: a Transpose (or a mask) that others read stays for them.
     return [
         RewriteRule(_product_with_vector, _vector_product, remove_nodes=False, name="ort_vector_product_without_transpose"),
@@ -190,10 +241,18 @@ def onnxruntime_rules() -> list[RewriteRule]:
     ]
 
 
+def onnxruntime_rules() -> list[RewriteRule]:
+    return [
+        *_kernel_forms(),
+        RewriteRule(_cross_entropy, _nll_of_log_softmax, name="ort_cross_entropy_as_nll"),
+        RewriteRule(_softmax, _exp_of_log_softmax, name="ort_softmax_as_exp_of_log_softmax"),
+    ]
+
+
 def webgpu_target_rules() -> list[RewriteRule]:
     """onnxruntime-web's WebGPU provider: the rewrites of what it lacks (:mod:`.webgpu`), then the
-    onnxruntime rules, whose forms it runs too."""
-    return [*webgpu_rules(), *onnxruntime_rules()]
+    onnxruntime rules whose forms it runs too (not the loss's: it has no kernel for either)."""
+    return [*webgpu_rules(), *_kernel_forms()]
 
 
 TARGETS = {"onnxruntime": onnxruntime_rules, "webgpu": webgpu_target_rules}

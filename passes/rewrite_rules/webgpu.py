@@ -20,6 +20,8 @@ differentiating, in :mod:`onnx_autodiff.training.artifacts`.) The rules:
 - ``NegativeLogLikelihoodLoss(logp, t, w)`` is ``l[n, d] = −Σ_c [c = t'] w[c] logp[n, c, d]``,
   reduced (none; sum; mean: divided by ``Σ_n,d w[t']`` over the labels not ignored), where
   ``t' = T[t]`` is the label's class id, −1 where it is ignored (so no class is selected);
+- the cross-entropy gradient's ``ScatterElements(x, Unsqueeze(t), GatherElements(x, Unsqueeze(t)) − a)``
+  over the class axis is ``Where(Equal(Unsqueeze(t), k), x − a, x)`` with ``k`` the classes;
 - ``Equal(t, k)`` and ``Equal(Unsqueeze(t), k)`` of labels ``t`` and int64 constants ``k`` (the
   cross-entropy gradient's one-hot and ignore mask) compare ``T[t]`` with ``T``'s id of ``k``.
 
@@ -285,6 +287,39 @@ def _equal_of_ids(op, a, k):
     return op.Equal(ids, _const(op, label_ids(constant(k, computed=False), classes, ignore_index)))
 
 
+# The cross-entropy gradient's label term: a ScatterElements at the labels
+
+
+def _scatter_of_labels(context, node: ir.Node):
+    x, indices, _ = node.inputs
+    _noted_opset(context, node)
+    shape = dims(x)
+    compared = _compared_labels(indices) if indices is not None else None
+    if compared is None or compared[1] is None or shape is None or len(shape) < 2:
+        return verdict(False, "not indices of labels a loss reads, unsqueezed")
+    unsqueeze = compared[1]
+    unsqueezed = shapes.attr(unsqueeze, "axes")
+    if unsqueezed is None and len(unsqueeze.inputs) > 1:
+        unsqueezed = constant(unsqueeze.inputs[1], computed=False)
+    classes, _ = label_domain(compared[0])
+    return verdict(shape[1] == classes and unsqueezed is not None and list(np.ravel(unsqueezed)) == [1]
+                   and shapes.attr(node, "reduction", "none") == "none",
+                   "not a ScatterElements over the class axis 1 at the labels")
+
+
+def _label_term(op, x, indices, a):
+    at_labels = op.Sub(op.GatherElements(x, indices, axis=1), a)
+    return op.ScatterElements(x, indices, at_labels, axis=1, _check=_scatter_of_labels, _outputs=["y"])
+
+
+def _label_term_by_mask(op, x, indices, a, y):
+    """x with a taken off at each label: Where(one-hot(t), x − a, x), whose one-hot the label
+    comparison below rewrites (the ScatterElements and GatherElements read int64 labels)."""
+    shape = dims(x)
+    class_ids = _const(op, np.arange(shape[1], dtype=np.int64).reshape([shape[1], *[1] * (len(shape) - 2)]))
+    return op.Where(op.Equal(indices, class_ids), op.Sub(x, a), x)
+
+
 # SoftmaxCrossEntropyLoss and NegativeLogLikelihoodLoss
 
 
@@ -361,6 +396,7 @@ def _decomposed_nll(op, logp, labels, y):
 def webgpu_rules() -> list[RewriteRule]:
     # The label comparisons before the losses: a loss is decomposed once they are rewritten.
     return [
+        RewriteRule(_label_term, _label_term_by_mask, name="webgpu_label_term_by_mask"),
         RewriteRule(_label_equal, _equal_of_ids, remove_nodes=False, name="webgpu_label_equal_by_lookup"),
         RewriteRule(_cross_entropy, _decomposed_cross_entropy, remove_nodes=False, name="webgpu_cross_entropy_decomposed"),
         RewriteRule(_nll, _decomposed_nll, remove_nodes=False, name="webgpu_nll_decomposed"),

@@ -352,3 +352,64 @@ def test_provenance_records_a_custom_domain():
     assert provenance(tagged) == origin
     mark(tagged, Provenance("Neg", "", "Neg:m"), overwrite=True)  # replaced whole: no stale domain
     assert dict(tagged.metadata_props) == {GRAD_OF: "Neg:m", GRAD_OF_OP: "Neg"}
+
+
+# SoftmaxCrossEntropyLoss: NegativeLogLikelihoodLoss of a LogSoftmax, its gradient's Softmax the
+# Exp of that LogSoftmax, and no one-hot of the scores' size.
+
+def _cross_entropy(reduction, ignore_index, extra_dims=(), classes=5, n=6, log_prob=False):
+    scores = f32(n, classes, *extra_dims) * 3
+    labels = R.integers(0, classes, size=(n, *extra_dims)).astype(np.int64)
+    if ignore_index is not None:
+        labels.flat[::3] = ignore_index
+    attributes = {"reduction": reduction} | ({} if ignore_index is None else {"ignore_index": ignore_index})
+    outputs = ["loss", "log_prob"] if log_prob else ["loss"]
+    node = helper.make_node("SoftmaxCrossEntropyLoss", ["scores", "labels"], outputs, **attributes)
+    feeds = {"scores": scores, "labels": labels}
+    if reduction == "none":  # a scalar to differentiate
+        return make_model([node, helper.make_node("ReduceSum", ["loss"], ["total"], keepdims=0)], feeds, ["total"]), feeds
+    return make_model([node], feeds, ["loss"]), feeds
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("ignore_index", [None, -3, 2, -100, 9])
+@pytest.mark.parametrize("extra_dims", [(), (3,)])
+def test_cross_entropy_is_lowered_to_nll_of_log_softmax_with_a_lean_gradient(reduction, ignore_index, extra_dims):
+    """The gradient takes its weight off at each label with a ScatterElements (no one-hot of the
+    scores' size) where every label, ignore_index included, indexes the 5 classes."""
+    model, feeds = _cross_entropy(reduction, ignore_index, extra_dims)
+    of = model.graph.output[0].name
+    expected = fd_vjp(model, feeds, ["scores"], [np.ones((), np.float32)])
+    for target in ("onnxruntime", None):
+        ir_model = ir.from_proto(model)
+        grad = autodiff_pass(of=of, wrt=["scores"])
+        grad(ir_model)
+        CleanupPass(target=target)(ir_model)
+        proto = ir.to_proto(ir_model)
+        onnx.checker.check_model(proto, full_check=True)
+        got = run(proto, feeds)
+        np.testing.assert_allclose(got[grad.gradient_names["scores"]], expected["scores"], rtol=1e-3, atol=1e-4,
+                                   err_msg=f"target {target}")
+        np.testing.assert_allclose(got[of], run(model, feeds)[of], rtol=1e-6, atol=1e-7)
+        assert ("ScatterElements" in ops(proto)) == (ignore_index in (None, -3, 2)), ops(proto)
+        if target == "onnxruntime":
+            assert "SoftmaxCrossEntropyLoss" not in ops(proto) and "Softmax" not in ops(proto), ops(proto)
+            assert {"NegativeLogLikelihoodLoss", "LogSoftmax", "Exp"} <= set(ops(proto))
+        else:
+            assert "SoftmaxCrossEntropyLoss" in ops(proto)
+
+
+def test_cross_entropy_with_log_prob_stays_and_softmax_alone_stays():
+    model, feeds = _cross_entropy("mean", None, log_prob=True)
+    lowered = cleaned(model)
+    assert ops(lowered) == ["SoftmaxCrossEntropyLoss"]
+    softmax = make_model([helper.make_node("Softmax", ["x"], ["y"], axis=1)], {"x": f32(3, 4)}, ["y"])
+    assert ops(cleaned(softmax)) == ["Softmax"]
+    both = make_model([helper.make_node("Softmax", ["x"], ["y"], axis=1),
+                       helper.make_node("LogSoftmax", ["x"], ["z"], axis=0)], {"x": f32(3, 4)}, ["y", "z"])
+    assert sorted(ops(cleaned(both))) == ["LogSoftmax", "Softmax"]  # another axis
+    same = make_model([helper.make_node("Softmax", ["x"], ["y"], axis=1),
+                       helper.make_node("LogSoftmax", ["x"], ["z"], axis=1)], {"x": f32(3, 4)}, ["y", "z"])
+    lowered = cleaned(same)
+    assert sorted(ops(lowered)) == ["Exp", "LogSoftmax"]
+    assert_same_function(same, lowered, {"x": f32(3, 4)})
