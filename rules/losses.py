@@ -4,7 +4,9 @@ Softmax and LogSoftmax reuse their forward output Y. The losses are written as a
 log-likelihood over log-probabilities: a one-hot selection of the labels (zero where a label equals
 ignore_index) gives the gradient for the log-probabilities and for the class weights; the softmax
 of SoftmaxCrossEntropyLoss is then undone like LogSoftmax's, so its optional log_prob output is
-used when present but never required.
+used when present but never required. Without log_prob's gradient and class weights, the
+cross-entropy's gradient is a · (softmax − one-hot) with the one-hot as a ScatterElements at the
+labels: one tensor of the scores' size besides the softmax (a large vocabulary's logits).
 """
 
 from __future__ import annotations

@@ -339,12 +339,13 @@ def folded_linear_model(lead) -> onnx.ModelProto:
 
 @pytest.mark.parametrize("layout", ["torch", "folded"])
 @pytest.mark.parametrize("kind", ["float16", "int8", "int4", "int4-asymmetric"])
-def test_products_contracting_a_frozen_bases_longer_axis_read_it_in_pieces(kind, layout, tmp_path, monkeypatch):
+def test_a_frozen_4_bit_weight_over_chunk_is_read_in_pieces_along_its_shorter_axis(kind, layout, tmp_path, monkeypatch):
     """A frozen base weight stored in 4 bits (read through DequantizeLinear) whose floats are over
-    CHUNK (a language model's head) is read in pieces by the products that contract its longer axis (the
-    backward's dY @ W, or dY @ Transpose(W) where it is stored transposed): each piece stored and
-    read by itself, the partial products summed; the forward keeps reading it whole. The steps
-    are those of the whole read, up to the order of the sums."""
+    CHUNK (a language model's head) is read in pieces along its shorter axis, each piece stored and
+    read by itself: the forward's product (contracting that axis) sums the pieces' products
+    through Gemm's C, the backward's takes them side by side, and W itself is no longer read by
+    the train model. The steps are those of the whole read, up to the order of
+    the sums."""
     path = str(tmp_path / "linear.onnx")
     model = linear_model([2, 3]) if layout == "torch" else folded_linear_model([2, 3])
     onnx.save_model(model, path, save_as_external_data=True, location="weights.bin", size_threshold=1024)
@@ -353,19 +354,25 @@ def test_products_contracting_a_frozen_bases_longer_axis_read_it_in_pieces(kind,
                "lora": LoraConfig(rank=2, quantize_base=base, quantize_symmetric=form != "asymmetric")}
     whole = generate_artifacts(path, **options)
     with monkeypatch.context() as patch:
-        patch.setattr(artifacts_module, "CHUNK", 100 * 256)  # W1 is 384 x 256: pieces of 100
+        patch.setattr(artifacts_module, "CHUNK", 100 * 256)  # W1 is 384 x 256 (or 256 x 384): 4 pieces of 64
         pieced = generate_artifacts(path, **options)
     read = "Cast" if base == "float16" else "DequantizeLinear"
-    axis = "rows" if layout == "torch" else "columns"
-    for artifacts, count in ((whole, 0), (pieced, 4 if base == "int4" else 0)):
-        pieces = [n for n in artifacts.train_model.graph.node if n.op_type == read and n.input[0].startswith(f"W1.{axis}")]
-        assert len(pieces) == count
-        assert all(len(list(_users(artifacts.train_model, n.output[0]))) == 1 for n in pieces)
-    # with the pieces, the forward's read of W1 whole is the only one left (float16 and int8: a
-    # stored copy would cost half or a quarter of the floats it spares, and W1 stays read whole)
-    assert len([n for n in pieced.train_model.graph.node if n.op_type == read and n.input[0] == "W1"]) == (
-        1 if base == "int4" else len([n for n in whole.train_model.graph.node if n.op_type == read and n.input[0] == "W1"]))
-    assert len([n for n in pieced.eval_model.graph.node if n.op_type == read and n.input[0] == "W1"]) == 1
+    axis = "columns" if layout == "torch" else "rows"
+    nodes = pieced.train_model.graph.node
+    pieces = [n for n in nodes if n.op_type == read and n.input[0].startswith(f"W1.{axis}")]
+    reads_of_w1 = [n for n in nodes if n.op_type == read and n.input[0] == "W1"]
+    if base == "int4":
+        assert len(pieces) == 8 and len({n.input[0] for n in pieces}) == 4  # each piece read forward and backward
+        assert all(len(list(_users(pieced.train_model, n.output[0]))) == 1 for n in pieces)
+        assert not reads_of_w1 and "W1" not in {t.name for t in pieced.train_model.graph.initializer}
+        gemms = [n for n in nodes if n.op_type == "Gemm" and any(n.input[1] == p.output[0] for p in pieces)]
+        assert [len(n.input) for n in gemms] == [2, 3, 3, 3]  # the sum so far is the next one's C
+    else:  # float16 and int8: a stored copy would cost half or a quarter of the floats it spares
+        assert not pieces
+        assert len(reads_of_w1) == len([n for n in whole.train_model.graph.node if n.op_type == read and n.input[0] == "W1"])
+    eval_reads = [n.input[0] for n in pieced.eval_model.graph.node if n.op_type == read and n.input[0].startswith("W1")]
+    assert len(eval_reads) == (4 if base == "int4" else 1) and ("W1" in eval_reads) == (base != "int4")  # the forward's
+    onnx.checker.check_model(pieced.train_model, full_check=True)
     # onnxruntime's extended optimisations compute some int8 products of its own way, differently
     # where the graphs differ: the same arithmetic is compared at the basic level
     basic = ort.SessionOptions()

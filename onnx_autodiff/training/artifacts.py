@@ -819,19 +819,26 @@ _PIECES_BITS = 4  # bits of a stored weight, at most, that _frozen_bases_read_in
 
 
 def _frozen_bases_read_in_pieces(model: ir.Model) -> None:
-    """A product that contracts the longer axis of a frozen base weight W read as floats (a
-    language model's head in the backward: ``dY @ W`` turns 32,000 x 768 weights into 768 numbers
-    per token) reads W in pieces along that axis, each piece stored and read as floats by itself,
-    and sums the pieces' products, when W's floats are more than
-    :data:`~onnx_autodiff.rules.quantized.CHUNK` (the head: 98 MB). One piece's floats are alive
-    at once, never the whole weight's, as in MatMulNBits' backward (rules/quantized.py); the whole
-    read would be alive where a step peaks, as the backward starts at the head. Each partial
-    product is the size of the output, which contracting the longer axis keeps small; a product
-    that contracts the shorter one (the head's forward, ``x @ Wᵀ``) keeps reading W whole: its
-    pieces' outputs side by side cost a 155 M Llama's 4-bit step 46 MB more at its peak. The
-    pieces are stored beside W, so only where W is stored in at most :data:`_PIECES_BITS` bits:
-    their bytes are then an eighth of the floats they spare (a float16 head's pieces cost that
-    step 48 MB more than they spared)."""
+    """A frozen base weight W [R, C] stored in at most :data:`_PIECES_BITS` bits whose floats are
+    more than :data:`~onnx_autodiff.rules.quantized.CHUNK` (a language model's head: 32,000 x 768,
+    98 MB of floats) is read in pieces along its shorter axis by the products that multiply by it,
+    each piece stored and read as floats by itself, never the whole weight's floats at once (as in
+    MatMulNBits' backward, rules/quantized.py):
+
+    - a product contracting that axis (the head's forward, ``x @ Wᵀ``: the logits) sums the
+      pieces' products through Gemm's C, which onnxruntime's order computes first: the sum so
+      far, the next product and one piece's floats are alive (2 x 33 + 16 MB, where the whole
+      read held 33 + 98: a 155 M Llama's 4-bit steps, 619 -> 560 MB at their peak);
+    - a product contracting the other axis (the head's backward, ``dY @ W``: 768 numbers per
+      token) takes the pieces' products side by side.
+
+    The pieces replace W in the train and eval models; stored in 4 bits, they cost an eighth of
+    the floats they spare (a float16 head's pieces cost a step more than they spared). A weight
+    stored in a file (a model's own) is cut in rows, the bytes of that file (columns would be
+    copies, and the artifacts would no longer read the model's file where it is), and its
+    products contracting the columns keep reading it whole (pieces of rows side by side there
+    cost that step 14 MB more than the whole read: onnxruntime's arena, the pieces' outputs and
+    their Concat)."""
     graph = model.graph
     opset = default_opset(model)  # (21 or later: DequantizeLinear of 4 bits)
     namer = None
@@ -839,29 +846,60 @@ def _frozen_bases_read_in_pieces(model: ir.Model) -> None:
         shape = stored.const_value.shape
         if len(shape) != 2 or shape[0] * shape[1] <= CHUNK or stored.const_value.dtype.bitwidth > _PIECES_BITS:
             continue
-        axis = int(shape[0] < shape[1])
-        for product in _products_contracting(read.outputs[0], axis):
-            namer = namer or Namer.for_graph(graph, prefix="frozen")
+        along, side_by_side = int(shape[1] < shape[0]), True
+        if along and isinstance(stored.const_value, ir.ExternalTensor):
+            along, side_by_side = 0, False
+        products = [(product, axis) for axis in (0, 1) if axis == along or side_by_side
+                    for product in _products_contracting(read.outputs[0], axis)]
+        if not products:
+            continue
+        namer = namer or Namer.for_graph(graph, prefix="frozen")
+        length = _piece_length(read, along, CHUNK // shape[1 - along])
+        cuts = [(start, min(shape[along], start + length)) for start in range(0, shape[along], length)]
+        pieces = [_stored_piece(graph, namer, read, along, start, end) for start, end in cuts]
+        for product, axis in products:
             op = OpBuilder(opset, namer)
-            length = _piece_length(read, axis, CHUNK // shape[1 - axis])
-            total = None
-            for start in range(0, shape[axis], length):
-                end = min(shape[axis], start + length)
-                piece = _read_piece(op, read, _stored_piece(graph, namer, read, axis, start, end))
-                piece = op.Transpose(piece, perm=[1, 0]) if axis else piece
-                part = op.MatMul(op.Slice(product.inputs[0], [start], [end], [-1]), piece)
-                total = part if total is None else op.Add(total, part)
-            out = product.outputs[0]
+            x, out = product.inputs[0], product.outputs[0]
+            if axis == along:
+                total = _summed_through_gemm(op, read, x, out, along, cuts, pieces)
+            else:
+                floats = (_read_piece(op, read, stored_inputs) for stored_inputs in pieces)
+                total = op.Concat(*[op.MatMul(x, op.Transpose(piece, perm=[1, 0]) if along == 0 else piece)
+                                    for piece in floats], axis=-1)
             total.type, total.shape = out.type, out.shape
             ir.convenience.replace_nodes_and_values(graph, product, [product], op.nodes, [out], [total])
         for user in list(dict.fromkeys(user for user, _ in read.outputs[0].uses())):
             if user.op_type == "Transpose" and not user.outputs[0].uses():
                 graph.remove(user, safe=True)
         if not read.outputs[0].uses():
-            graph.remove(read, safe=True)
-            for value in read.inputs:
-                if value is not None and not value.uses() and not value.is_graph_input():
+            stored_inputs = [value for value in read.inputs if value is not None]
+            graph.remove(read, safe=True)  # (which detaches its inputs)
+            for value in stored_inputs:
+                if not value.uses() and not value.is_graph_input():
                     graph.initializers.pop(value.name)
+
+
+def _summed_through_gemm(op: OpBuilder, read: ir.Node, x: ir.Value, out: ir.Value, along: int, cuts, pieces) -> ir.Value:
+    """x @ W (``along`` 0) or x @ Wᵀ (``along`` 1) of W's pieces along the contracted axis: the
+    pieces' products summed, each through the C of the next one's Gemm, over x's rows (x
+    flattened to a matrix and back)."""
+    rank = x.shape.rank() if x.shape is not None else None
+    rows = x if rank == 2 else op.Reshape(x, op.const(np.array([-1, x.shape[-1]], np.int64)))
+    total = None
+    for (start, end), stored_inputs in zip(cuts, pieces):
+        piece = _read_piece(op, read, stored_inputs)
+        columns = op.Slice(rows, op.const(np.array([start], np.int64)), op.const(np.array([end], np.int64)),
+                           op.const(np.array([1], np.int64)))
+        total = op.Gemm(columns, piece, *([total] if total is not None else []), transB=along)
+    if rank == 2:
+        return total
+    lead = list(x.shape.dims[:-1])
+    if all(isinstance(d, int) for d in lead):
+        shape = op.const(np.array([*lead, out.shape[-1]], np.int64))
+    else:  # the leading dims of x, then the output's columns
+        shape = op.Concat(op.Slice(op.Shape(x), op.const(np.array([0], np.int64)), op.const(np.array([-1], np.int64))),
+                          op.const(np.array([out.shape[-1]], np.int64)), axis=0)
+    return op.Reshape(total, shape)
 
 
 def _products_contracting(floats: ir.Value, axis: int) -> list[ir.Node]:

@@ -322,8 +322,8 @@ def nbits_model(bits: int, zero_points: bool, bias: bool, K: int, rng, N: int = 
 
 def test_a_stored_bases_pieces_are_its_files_bytes(tmp_path, monkeypatch):
     """A weight the model stores in a file, read through DequantizeLinear (here a MatMulNBits
-    read so) and large enough to be read in pieces by the backward: the pieces are rows of that
-    file where they are, nothing copied, and the steps are those of the whole read."""
+    read so) and large enough to be read in pieces: the pieces are rows of that file where they
+    are, nothing copied, and the steps are those of the whole read."""
     from onnx_autodiff.training import Trainer, generate_artifacts
     from onnx_autodiff.training import artifacts as artifacts_module
 
@@ -345,6 +345,8 @@ def test_a_stored_bases_pieces_are_its_files_bytes(tmp_path, monkeypatch):
     assert len(pieces) == 3 * 3  # the weight's, the scales' and the zero points' rows
     data = {e.key: e.value for t in pieces if t.name.startswith("B.rows") for e in t.external_data}
     assert data["location"] == "q4.bin" and not any(".rows" in t.name for t in whole.train_model.graph.initializer)
+    # its columns would be copies: the forward, contracting them, keeps reading the weight whole
+    assert len([n for n in pieced.train_model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == "B"]) == 1
     pieced.save(tmp_path / "pieced")
     assert not any(f.endswith(".data") for f in os.listdir(tmp_path / "pieced"))  # nothing written beside it
     batch = {"x": rng.standard_normal((2, 3, 16)).astype(np.float32), "labels": rng.standard_normal((2, 3, 48)).astype(np.float32)}
