@@ -21,7 +21,8 @@ process so that its peak RSS is its own:
 - Trainer: ``--steps`` AdamW steps on fixed batches, then ``export()`` merged, with external data;
 - the merged model once on onnxruntime: its loss against the Trainer's eval loss;
 - with ``--quantize-base`` (QLoRA): the artifacts, the Trainer and the merged model again, on
-  the base quantized at build time; for ``--quantize-format matmulnbits`` (the default), also the
+  the base quantized at build time, read as ``artifacts --quantize-base`` reads it by default
+  (``--quantize-format dequantizelinear``); for ``--quantize-format matmulnbits``, also the
   merged export in that form (a ``model_q4.onnx`` as shipped) trained with its weights read
   through DequantizeLinear (``--quantize-format dequantizelinear``): onnxruntime's kernel holds
   a pre-packed copy of the weights beside those the backward reads;
@@ -273,8 +274,9 @@ def main(argv=None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the files")
     parser.add_argument("--quantize-base", choices=["int4", "int8", "float16"],
                         help="also train LoRA on the base quantized at build time (QLoRA), side by side")
-    parser.add_argument("--quantize-format", choices=["dequantizelinear", "matmulnbits"], default="matmulnbits",
-                        help="how the quantized base is read (default: onnxruntime's MatMulNBits kernel)")
+    parser.add_argument("--quantize-format", choices=["dequantizelinear", "matmulnbits"], default="dequantizelinear",
+                        help="how the quantized base is read (default, as the command line's: DequantizeLinear; "
+                             "matmulnbits: onnxruntime's MatMulNBits kernel, and its merged export trained again)")
     parser.add_argument("--base", choices=BASES, default="float", help=argparse.SUPPRESS)
     parser.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)

@@ -121,13 +121,13 @@ def test_llama_lora_runs_at_a_toy_size(tmp_path, capsys):
 
 
 def test_llama_lora_trains_quantized_bases_at_a_toy_size(tmp_path, capsys):
-    """--quantize-base int4 (MatMulNBits): the quantized base trains, and so does its merged export
+    """--quantize-base int4 --quantize-format matmulnbits: the quantized base trains, and so does its merged export
     (the shipped form) read through DequantizeLinear, from the merged model's loss."""
     for name in ("torch", "transformers", "onnxscript"):
         pytest.importorskip(name)
     bench = load("llama_lora")
     assert bench.main(["--tiny", "--layers", "1", "--steps", "3", "--seq", "8", "--dir", str(tmp_path), "--no-torch",
-                       "--quantize-base", "int4"]) == 0
+                       "--quantize-base", "int4", "--quantize-format", "matmulnbits"]) == 0
     out = capsys.readouterr().out
     rows = table_rows(out)
     assert len(rows) == 9, rows
