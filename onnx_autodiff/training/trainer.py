@@ -207,6 +207,30 @@ def _shared_frozen(artifacts: TrainingArtifacts, options) -> dict[str, tuple]:
     return shared
 
 
+def _session_options(artifacts: TrainingArtifacts, session_options):
+    """``session_options`` (the trainer's own where None) reading the artifacts' external tensors
+    from their folder."""
+    import onnxruntime as ort
+
+    if session_options is None:
+        session_options = ort.SessionOptions()
+        session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # the memory pattern adds a planned block of every activation beside the arena's
+        # (GPT benchmark: a step's peak +100 MB) and no measurable speed
+        session_options.enable_mem_pattern = False
+        # warnings only about the models' form, which is ours: frozen weights stored as half
+        # floats are overridable inputs on purpose (one warning per weight otherwise)
+        session_options.log_severity_level = 3
+        # onnxruntime's arena would keep one step's gradient buffers and take new ones for the
+        # next (4x the parameters' memory where 3x will do): large models allocate directly
+        if sum(a.nbytes for a in artifacts.checkpoint.values()) >= LARGE_STATE:
+            session_options.enable_cpu_mem_arena = False
+    if artifacts.base_dir:  # the models' external tensors are read from there
+        session_options.add_session_config_entry(
+            "session.model_external_initializers_file_folder_path", os.path.abspath(artifacts.base_dir))
+    return session_options
+
+
 def default_providers() -> list[str]:
     """CUDA first when this onnxruntime has it, then CPU."""
     import onnxruntime as ort
@@ -393,8 +417,6 @@ class Trainer:
     def __init__(self, artifacts: TrainingArtifacts | str | os.PathLike, lr: float | None = None,
                  providers: Sequence | None = None, session_options=None, checkpoint: Mapping | None = None,
                  nonfinite: str = "raise", comm=None) -> None:
-        import onnxruntime as ort
-
         if nonfinite not in ("raise", "skip"):
             raise TrainingError(f"nonfinite must be 'raise' or 'skip', not {nonfinite!r}")
         self.nonfinite = nonfinite
@@ -409,22 +431,7 @@ class Trainer:
         self.lr = float(self.optimizer.lr if lr is None else lr)
         self.providers = list(providers) if providers is not None else default_providers()
         own_options = session_options is None
-        if session_options is None:
-            session_options = ort.SessionOptions()
-            session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            # the memory pattern adds a planned block of every activation beside the arena's
-            # (GPT benchmark: a step's peak +100 MB) and no measurable speed
-            session_options.enable_mem_pattern = False
-            # warnings only about the models' form, which is ours: frozen weights stored as half
-            # floats are overridable inputs on purpose (one warning per weight otherwise)
-            session_options.log_severity_level = 3
-            # onnxruntime's arena would keep one step's gradient buffers and take new ones for the
-            # next (4x the parameters' memory where 3x will do): large models allocate directly
-            if sum(a.nbytes for a in artifacts.checkpoint.values()) >= LARGE_STATE:
-                session_options.enable_cpu_mem_arena = False
-        if artifacts.base_dir:  # the models' external tensors are read from there
-            session_options.add_session_config_entry(
-                "session.model_external_initializers_file_folder_path", os.path.abspath(artifacts.base_dir))
+        session_options = _session_options(artifacts, session_options)
         self.session_options = session_options
         self._values: dict[str, list] = {}
         self._current: dict[str, int] = {}
@@ -661,7 +668,13 @@ class Trainer:
                 proto.graph.initializer[i].CopyFrom(numpy_helper.from_array(part, tensor.name))
             else:  # a MatMulNBits base the eval model reads through DequantizeLinear
                 proto.graph.initializer[i].CopyFrom(as_read(tensor, part))
-        session = ort.InferenceSession(proto.SerializeToString(), sess_options=self.session_options, providers=self.providers)
+        options = self.session_options
+        if any(name in self._frozen for name in merged):  # the shared weights would override the merged ones
+            options = _session_options(self.artifacts, None)
+            for name, (_, value) in self._frozen.items():
+                if name not in merged:
+                    options.add_initializer(name, value)
+        session = ort.InferenceSession(proto.SerializeToString(), sess_options=options, providers=self.providers)
         runner = self._runner("eval")
         zeros = {a["B"] for a in lora["adapters"]}
         feeds = dict(runner.feeds(batch))

@@ -226,6 +226,33 @@ def test_merge_cost_is_the_loss_of_the_merged_export(kind):
     assert cost["merged"] != cost["adapted"]  # rounding the merged weights costs something
 
 
+def test_merge_cost_reads_the_merged_scales_where_the_trainer_shares_the_stored_ones(tmp_path, monkeypatch):
+    """A trainer maps large stored float tensors (a quantized base's scales) once for all its
+    sessions; merge_cost's session reads the merged weights' own scales, not those."""
+    from onnx_autodiff.training import Trainer, TrainingArtifacts, generate_artifacts
+    from onnx_autodiff.training import trainer as trainer_module
+
+    rng = np.random.default_rng(3)
+    weight = (rng.standard_normal((128, 256)) / 16).astype(np.float32)  # scales [128, 8]: 4 KB, stored in a file
+    proto = helper.make_model(helper.make_graph(
+        [helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]), helper.make_node("MatMul", ["x", "Wt"], ["y"])], "linear",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n", 256])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["n", 128])], [numpy_helper.from_array(weight, "W")]),
+        opset_imports=[helper.make_opsetid("", 21)])
+    batch = {"x": rng.standard_normal((3, 256)).astype(np.float32), "labels": rng.standard_normal((3, 128)).astype(np.float32)}
+    artifacts = generate_artifacts(proto, loss="mse", optimizer="adamw", optimizer_options={"lr": 3e-2},
+                                   lora=LoraConfig(rank=4, quantize_base="int4"))
+    artifacts.save(tmp_path / "artifacts", external_data=True)
+    monkeypatch.setattr(trainer_module, "FROZEN_IN_PLACE", 16)  # (the scales here are small)
+    trainer = Trainer(TrainingArtifacts.load(tmp_path / "artifacts"))
+    assert any(name.endswith(".scale") for name in trainer._frozen)
+    for _ in range(10):
+        trainer.step(batch)
+    cost = trainer.merge_cost(batch)
+    merged = _session(trainer.export()).run(None, {"x": batch["x"]})[0]
+    np.testing.assert_allclose(cost["merged"], float(np.mean((merged.astype(np.float64) - batch["labels"]) ** 2)), rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind,fmt", [("int4", "matmulnbits"), ("int8", "dequantizelinear")])
 def test_module_state_dict_of_a_quantized_base_loads_into_the_module(kind, fmt):
     """module_state_dict gives a quantized base's parameters dequantized, adapters merged, in the
