@@ -627,7 +627,7 @@ def test_equal_gradients_reach_a_fixed_point():
 def test_removing_unused_parts_matches_onnx_ir(monkeypatch):
     """The cleanup's own removal of unused optional outputs, omitted trailing inputs and
     initializers does what onnx-ir's RemoveUnusedNodesPass does (reading fewer schemas)."""
-    from onnx_autodiff.passes import cleanup
+    from onnx_autodiff.passes import unused
 
     x = R.standard_normal((2, 3, 4)).astype(np.float32)
     nodes = [
@@ -642,7 +642,7 @@ def test_removing_unused_parts_matches_onnx_ir(monkeypatch):
                        initializers={"s": np.ones(4, np.float32), "b": np.zeros(4, np.float32),
                                      "lo": np.array(0, np.float32), "unused": np.ones(2, np.float32)})
     ours, theirs = ir.from_proto(model), ir.from_proto(model)
-    assert cleanup._remove_unused(ours) is True  # the unused initializer went
+    assert unused.remove_unused(ours) is True  # the unused initializer went
     ir.passes.common.RemoveUnusedNodesPass()(theirs)
     assert ir.to_proto(ours).SerializeToString() == ir.to_proto(theirs).SerializeToString()
     assert [len(n.outputs) for n in ours.graph] == [3, 1, 2, 1, 1, 1]  # mean lost its name, mask went
