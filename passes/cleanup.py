@@ -106,8 +106,8 @@ class CleanupPass(ir.passes.InPlacePass):
         graphs = _graph_lister(model)
         one_round = _Round(
             hidden,
-            fold=FoldPass(self.fold_limit, graphs) if self.fold else None,
-            rewrite=RewriteRulesPass(self.rules, graphs),
+            fold=FoldPass(limit=self.fold_limit, graphs=graphs) if self.fold else None,
+            rewrite=RewriteRulesPass(self.rules, graphs=graphs),
             remove_unused=RemoveUnusedPass(),
             cse=CommonSubexpressionPass() if self.cse else None,
         )
@@ -152,8 +152,8 @@ class _Round(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.count += 1
         stage = f"cleanup, round {self.count}"
-        # Every round but the first follows one that changed the graph (else the manager stops):
-        # folding can make more shapes known (a Reshape to a folded Shape).
+        # Shapes first in every round: each but the first follows one that changed the graph (else
+        # the manager stops), and folding can make more shapes known (a Reshape to a folded Shape).
         progress.report(stage, 0, 5)
         self.hidden.show()
         infer_shapes(model, missing_only=True)
