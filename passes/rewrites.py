@@ -1,10 +1,11 @@
 """The cleanup's sweep of its rewrite rules (:mod:`onnx_autodiff.passes.rewrite_rules`) over a
 model's graphs, subgraphs and functions: each node rewritten by the first rule that applies, its
-output replaced while graph outputs keep their names and the new nodes the provenance (GRAD_OF and its fields, :mod:`~onnx_autodiff.passes.metadata`)."""
+output replaced while graph outputs keep their names and the new nodes the provenance (GRAD_OF and its fields, :mod:`~onnx_autodiff.passes.metadata`).
+:class:`RewriteRulesPass` is one sweep as a pass."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import onnx_ir as ir
 
@@ -12,6 +13,22 @@ from onnx_autodiff.toolkit import all_graphs, detach
 from onnx_autodiff.passes.metadata import mark, provenance
 from onnx_autodiff.passes.rewrite_rules import RuleIndex, cleanup_rules
 from onnx_autodiff.passes.rewrite_rules.analysis import renamable
+
+
+class RewriteRulesPass(ir.passes.InPlacePass):
+    """One sweep of ``rules`` (default: the project's :func:`~onnx_autodiff.passes.rewrite_rules.cleanup_rules`)
+    over the graphs that ``graphs`` lists (:func:`~onnx_autodiff.toolkit.all_graphs`; the cleanup
+    passes one that lists them once); modified when a rule fired. The rules decide from shapes:
+    run onnx's inference first where values lack them."""
+
+    def __init__(self, rules: RuleIndex | None = None,
+                 graphs: Callable[[ir.Model], list[ir.Graph]] = all_graphs) -> None:
+        super().__init__()
+        self.rules = rules if rules is not None else RuleIndex([cleanup_rules()])
+        self.graphs = graphs
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        return ir.passes.PassResult(model, modified=Rewriter(model, self.graphs(model), self.rules).run() > 0)
 
 
 class Rewriter:

@@ -40,7 +40,7 @@ from onnx_autodiff.toolkit.inference import fully_shaped, onnx_inferred
 from onnx_autodiff.passes.lora import LoraConfig, adapted, quantize_bases
 from onnx_autodiff.passes.quantize import INT4_OPSET, STORED_INPUT
 from onnx_autodiff.passes.opsets import OpsetError, build_proto_upgrading, convert_proto, default_opset
-from onnx_autodiff.passes.cleanup import optional_outputs
+from onnx_autodiff.passes.unused import optional_outputs
 from onnx_autodiff.passes.parameters import default_parameters
 from onnx_autodiff.passes.recovery import RecoverParametersPass, is_torch_export
 from onnx_autodiff.passes.rewrite_rules import lowering_rules
@@ -586,7 +586,8 @@ def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], wh
     own (the eval model of a train model); then (the proto, that part's proto or None where it
     cannot be cut out, see :func:`_forward_part`)."""
     from onnx_autodiff.passes import cleanup_passes
-    from onnx_autodiff.passes.cleanup import LoweringPass, RemoveUnusedPass
+    from onnx_autodiff.passes.lowering import LoweringPass
+    from onnx_autodiff.passes.unused import RemoveUnusedPass
 
     graph = model.graph
     graph.inputs.clear()

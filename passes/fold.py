@@ -1,0 +1,71 @@
+"""Bounded constant folding: onnxscript's folder, kept from the folds that only grow a model.
+
+A value whose data is hidden (``const_value`` None, as :class:`~onnx_autodiff.passes.cleanup.CleanupPass`
+does to the initializers being differentiated) counts as unknown: nothing folds through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import onnx_ir as ir
+from onnx_autodiff.passes import rewrites
+from onnx_autodiff.passes.rewrite_rules import analysis
+from onnx_autodiff.toolkit import all_graphs, shapes
+from onnxscript.optimizer import FOLDED_FROM_KEY, fold_constants
+
+FOLD_LIMIT = 1024  # elements: larger folded tensors stay computed (a seed Expand(1, Shape(y)) stays a node)
+
+
+class FoldPass(ir.passes.InPlacePass):
+    """onnxscript's ``fold_constants`` with inputs and outputs of at most ``limit`` elements, fills
+    (ConstantOfShape, Expand of one number) and large Transposes kept as nodes (see
+    :meth:`should_fold`), absent optional outputs left absent. ``graphs`` lists the model's graphs,
+    subgraphs and functions (:func:`~onnx_autodiff.toolkit.all_graphs`; the cleanup passes one that
+    lists them once). The folder's provenance notes stay on the folded values:
+    :func:`drop_folding_notes` removes them."""
+
+    def __init__(self, limit: int = FOLD_LIMIT, graphs: Callable[[ir.Model], list[ir.Graph]] = all_graphs) -> None:
+        super().__init__()
+        self.limit = limit
+        self.graphs = graphs
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        # The folder writes Constant(value_ints=...) (opset 12 on) and initializers that are not
+        # graph inputs (IR version 4 on): older models are left as they are.
+        if analysis.opset(model) < 12 or (model.ir_version or 0) < 4:
+            return ir.passes.PassResult(model, modified=False)
+        # The folder's final NameFixPass names absent optional outputs ("" in ONNX), which then
+        # count as present (Attention's present_key with nonpad_kv_seqlen is invalid): undo that.
+        absent = [out for graph in self.graphs(model) for node in graph for out in node.outputs if not out.name]
+        modified = fold_constants(model, input_size_limit=self.limit, output_size_limit=self.limit,
+                                  should_fold=self.should_fold).modified
+        for out in absent:
+            if not out.uses() and not out.is_graph_output():
+                out.name = ""
+        return ir.passes.PassResult(model, modified=modified)
+
+    def should_fold(self, node: ir.Node) -> bool | None:
+        """Keep fills (ConstantOfShape, Expand of one number) as nodes: folded, they only grow.
+        The folder cannot fold multi-output nodes (it would evaluate them, then log a warning).
+        It folds every Transpose whatever its size: a frozen weight's would become a second,
+        in-memory copy of it (a multi-GB model's external data read into the model)."""
+        if len(node.outputs) != 1:
+            return False
+        if node.domain == "" and node.op_type == "Transpose":
+            shape = shapes.dims(node.inputs[0])
+            if not analysis.static(shape) or analysis.size(shape) > self.limit:
+                return False
+        if node.domain == "" and node.op_type in ("ConstantOfShape", "Expand"):
+            out = shapes.dims(node.outputs[0])
+            if not analysis.static(out) or analysis.size(out) > analysis.SMALL:
+                return False
+        return None
+
+
+def drop_folding_notes(graphs: list[ir.Graph]) -> None:
+    """Remove the provenance notes the folder attaches to folded values (noise in saved models;
+    the folder reads them while it folds, so they go once it is done)."""
+    for value in rewrites._all_values(graphs):
+        value.meta.pop(FOLDED_FROM_KEY, None)
+        value.metadata_props.pop(FOLDED_FROM_KEY, None)
