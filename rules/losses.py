@@ -117,6 +117,18 @@ def _scores_rank(scores, labels) -> int:
     return r
 
 
+def _coefficient(op, reduction: str, dL, total):
+    """dloss/dl for each label's term l (broadcastable to the class axis 1): dL per label
+    (none), dL (sum), dL / total() (mean, ``total`` the weight of the labels counted)."""
+    if reduction == "none":
+        return op.unsqueeze(dL, [1])
+    if reduction == "sum":
+        return dL
+    if reduction == "mean":
+        return op.Div(dL, total())
+    raise RuleError(f"unknown reduction '{reduction}' (expected none, sum or mean)")
+
+
 def _nll_backward(op, node, logp, dL):
     """Gradients of loss = reduce(-w[t] * logp[n, t, ...]) for logp (N, C, d...) and weights w.
 
@@ -140,14 +152,7 @@ def _nll_backward(op, node, logp, dL):
     if weights is not None:
         class_weights = op.Reshape(weights, [-1, *trailing]) if trailing else weights
     weighted = pick if weights is None else op.Mul(pick, class_weights)
-    if reduction == "none":
-        coef = op.unsqueeze(dL, [1])
-    elif reduction == "sum":
-        coef = dL
-    elif reduction == "mean":
-        coef = op.Div(dL, op.reduce_sum(weighted, None, keepdims=False))
-    else:
-        raise RuleError(f"unknown reduction '{reduction}' (expected none, sum or mean)")
+    coef = _coefficient(op, reduction, dL, lambda: op.reduce_sum(weighted, None, keepdims=False))
     d_logp = op.Neg(op.Mul(weighted, coef))
     if weights is None:
         return d_logp, None
@@ -200,14 +205,8 @@ def _minus_one_hot(op, node, probabilities, dL):
     labels = op.unsqueeze(labels, [1])  # (N, 1, d...), indices of the class axis
     counted = None if ignore_index is None else shapes.cast_like(
         op, op.Not(op.Equal(labels, op.const(np.int64(ignore_index)))), scores)
-    if reduction == "none":
-        a = op.unsqueeze(dL, [1])
-    elif reduction == "sum":
-        a = dL
-    elif reduction == "mean":
-        a = op.Div(dL, op.reduce_sum(counted, None, keepdims=False) if counted is not None else _label_count(op, scores))
-    else:
-        raise RuleError(f"unknown reduction '{reduction}' (expected none, sum or mean)")
+    a = _coefficient(op, reduction, dL, lambda: op.reduce_sum(counted, None, keepdims=False) if counted is not None
+                     else _label_count(op, scores))
     if counted is not None:
         a = op.Mul(counted, a)
     scaled = op.Mul(probabilities, a)

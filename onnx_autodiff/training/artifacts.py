@@ -885,22 +885,19 @@ def _summed_through_gemm(op: OpBuilder, read: ir.Node, x: ir.Value, out: ir.Valu
     pieces' products summed, each through the C of the next one's Gemm, over x's rows (x
     flattened to a matrix and back)."""
     rank = x.shape.rank() if x.shape is not None else None
-    rows = x if rank == 2 else op.Reshape(x, op.const(np.array([-1, x.shape[-1]], np.int64)))
+    rows = x if rank == 2 else op.reshape(x, [-1, x.shape[-1]])
     total = None
     for (start, end), stored_inputs in zip(cuts, pieces):
         piece = _read_piece(op, read, stored_inputs)
-        columns = op.Slice(rows, op.const(np.array([start], np.int64)), op.const(np.array([end], np.int64)),
-                           op.const(np.array([1], np.int64)))
+        columns = op.slice(rows, [start], [end], axes=[1])
         total = op.Gemm(columns, piece, *([total] if total is not None else []), transB=along)
     if rank == 2:
         return total
     lead = list(x.shape.dims[:-1])
     if all(isinstance(d, int) for d in lead):
-        shape = op.const(np.array([*lead, out.shape[-1]], np.int64))
-    else:  # the leading dims of x, then the output's columns
-        shape = op.Concat(op.Slice(op.Shape(x), op.const(np.array([0], np.int64)), op.const(np.array([-1], np.int64))),
-                          op.const(np.array([out.shape[-1]], np.int64)), axis=0)
-    return op.Reshape(total, shape)
+        return op.reshape(total, [*lead, out.shape[-1]])
+    # the leading dims of x, then the output's columns
+    return op.reshape(total, op.Concat(op.slice(op.Shape(x), [0], [-1]), op.const([out.shape[-1]]), axis=0))
 
 
 def _products_contracting(floats: ir.Value, axis: int) -> list[ir.Node]:

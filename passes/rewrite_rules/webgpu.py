@@ -297,12 +297,8 @@ def _scatter_of_labels(context, node: ir.Node):
     compared = _compared_labels(indices) if indices is not None else None
     if compared is None or compared[1] is None or shape is None or len(shape) < 2:
         return verdict(False, "not indices of labels a loss reads, unsqueezed")
-    unsqueeze = compared[1]
-    unsqueezed = shapes.attr(unsqueeze, "axes")
-    if unsqueezed is None and len(unsqueeze.inputs) > 1:
-        unsqueezed = constant(unsqueeze.inputs[1], computed=False)
     classes, _ = label_domain(compared[0])
-    return verdict(shape[1] == classes and unsqueezed is not None and list(np.ravel(unsqueezed)) == [1]
+    return verdict(shape[1] == classes and shapes.axes(compared[1], computed=False) == [1]
                    and shapes.attr(node, "reduction", "none") == "none",
                    "not a ScatterElements over the class axis 1 at the labels")
 
