@@ -106,7 +106,7 @@ class CleanupPass(ir.passes.InPlacePass):
         graphs = _graph_lister(model)
         one_round = _Round(
             hidden,
-            fold=FoldPass(limit=self.fold_limit, graphs=graphs) if self.fold else None,
+            fold=FoldPass(limit=self.fold_limit) if self.fold else None,
             rewrite=RewriteRulesPass(self.rules, graphs=graphs),
             remove_unused=RemoveUnusedPass(),
             cse=CommonSubexpressionPass() if self.cse else None,

@@ -6,44 +6,34 @@ does to the initializers being differentiated) counts as unknown: nothing folds 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 
 import onnx_ir as ir
 from onnx_autodiff.passes import rewrites
 from onnx_autodiff.passes.rewrite_rules import analysis
-from onnx_autodiff.toolkit import all_graphs, shapes
-from onnxscript.optimizer import FOLDED_FROM_KEY, fold_constants
+from onnx_autodiff.toolkit import shapes
+from onnx_autodiff.toolkit.onnxscript_compat import Folder
+from onnxscript.optimizer import FOLDED_FROM_KEY
 
 FOLD_LIMIT = 1024  # elements: larger folded tensors stay computed (a seed Expand(1, Shape(y)) stays a node)
 
 
 class FoldPass(ir.passes.InPlacePass):
-    """onnxscript's ``fold_constants`` with inputs and outputs of at most ``limit`` elements, fills
-    (ConstantOfShape, Expand of one number) and large Transposes kept as nodes (see
-    :meth:`should_fold`), absent optional outputs left absent. ``graphs`` lists the model's graphs,
-    subgraphs and functions (:func:`~onnx_autodiff.toolkit.all_graphs`; the cleanup passes one that
-    lists them once). The folder's provenance notes stay on the folded values:
+    """onnxscript's ``fold_constants`` (as :class:`~onnx_autodiff.toolkit.onnxscript_compat.Folder`
+    runs it) with inputs and outputs of at most ``limit`` elements, fills (ConstantOfShape, Expand
+    of one number) and large Transposes kept as nodes (see :meth:`should_fold`), absent optional
+    outputs left absent. The folder's provenance notes stay on the folded values:
     :func:`drop_folding_notes` removes them."""
 
-    def __init__(self, limit: int = FOLD_LIMIT, graphs: Callable[[ir.Model], list[ir.Graph]] = all_graphs) -> None:
+    def __init__(self, limit: int = FOLD_LIMIT) -> None:
         super().__init__()
         self.limit = limit
-        self.graphs = graphs
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         # The folder writes Constant(value_ints=...) (opset 12 on) and initializers that are not
         # graph inputs (IR version 4 on): older models are left as they are.
         if analysis.opset(model) < 12 or (model.ir_version or 0) < 4:
             return ir.passes.PassResult(model, modified=False)
-        # The folder's final NameFixPass names absent optional outputs ("" in ONNX), which then
-        # count as present (Attention's present_key with nonpad_kv_seqlen is invalid): undo that.
-        absent = [out for graph in self.graphs(model) for node in graph for out in node.outputs if not out.name]
-        modified = fold_constants(model, input_size_limit=self.limit, output_size_limit=self.limit,
-                                  should_fold=self.should_fold).modified
-        for out in absent:
-            if not out.uses() and not out.is_graph_output():
-                out.name = ""
-        return ir.passes.PassResult(model, modified=modified)
+        return Folder(input_size_limit=self.limit, output_size_limit=self.limit, should_fold=self.should_fold)(model)
 
     def should_fold(self, node: ir.Node) -> bool | None:
         """Keep fills (ConstantOfShape, Expand of one number) as nodes: folded, they only grow.

@@ -65,3 +65,52 @@ def test_what_the_compatibility_module_reads_is_there():
         opset_imports=[helper.make_opsetid("", 18)]))
     assert RewriteRule(mul_by_one, lambda op, x: op.Identity(x), refuse).apply_to_model(model) == 0
     assert rule.apply_to_model(model) == 1
+
+
+def _folding_case() -> ir.Model:
+    """Nodes of every kind the folder treats apart: folded whole (a Constant chain), forwarded
+    (Identity), partly evaluated (Shape, Gather, Concat, Reshape), evaluated into new nodes
+    (CastLike), a subgraph (If on a known condition), and plain nodes it leaves alone."""
+    then = helper.make_graph([helper.make_node("Neg", ["x"], ["t"])], "then", [],
+                             [helper.make_tensor_value_info("t", TensorProto.FLOAT, [2, 3])])
+    other = helper.make_graph([helper.make_node("Abs", ["x"], ["e"])], "else", [],
+                              [helper.make_tensor_value_info("e", TensorProto.FLOAT, [2, 3])])
+    nodes = [
+        helper.make_node("Constant", [], ["two"], value_float=2.0),
+        helper.make_node("Constant", [], ["three"], value_float=3.0),
+        helper.make_node("Mul", ["two", "three"], ["six"]),
+        helper.make_node("Identity", ["x"], ["x_same"]),
+        helper.make_node("Tanh", ["x_same"], ["t0"]),
+        helper.make_node("Mul", ["t0", "six"], ["t1"]),
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Constant", [], ["last"], value_ints=[1]),
+        helper.make_node("Gather", ["shape", "last"], ["width"]),
+        helper.make_node("Constant", [], ["minus_one"], value_ints=[-1]),
+        helper.make_node("Concat", ["minus_one", "width"], ["flat"], axis=0),
+        helper.make_node("Reshape", ["t1", "flat"], ["t2"]),
+        helper.make_node("CastLike", ["t2", "two"], ["t3"]),
+        helper.make_node("Constant", [], ["yes"], value_int=1),
+        helper.make_node("Cast", ["yes"], ["cond"], to=TensorProto.BOOL),
+        helper.make_node("If", ["cond"], ["branch"], then_branch=then, else_branch=other),
+        helper.make_node("Add", ["t3", "branch"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+
+
+def test_the_folder_visiting_fewer_nodes_folds_as_onnxscripts_fold_constants():
+    from onnxscript.optimizer import fold_constants
+
+    ours, theirs = _folding_case(), _folding_case()
+    folder = onnxscript_compat.Folder(input_size_limit=1024, output_size_limit=1024)
+    assert folder(ours).modified
+    assert fold_constants(theirs, input_size_limit=1024, output_size_limit=1024).modified
+    assert ir.to_proto(ours).SerializeToString(deterministic=True) == ir.to_proto(theirs).SerializeToString(deterministic=True)
+    assert [n.op_type for n in ours.graph] == [n.op_type for n in theirs.graph]
+    by_output = {n.outputs[0].name: n for n in ours.graph}
+    assert "six" in ours.graph.initializers and "flat" in ours.graph.initializers
+    assert by_output["t0"].inputs[0].name == "x"  # through the Identity
+    assert by_output["t3"].op_type == "Cast" and by_output["branch"].op_type == "Neg"  # nodes the folds inserted
+    # the folder's pass class, its evaluators' registry and its symbolic values are where Folder reads them
+    assert ("", "Identity") in folder._evaluated and isinstance(folder._state.symbolic_value_map, dict)

@@ -3,17 +3,23 @@
 onnxscript's rewriter keeps private what the cleanup's indexed sweep and the pattern gradient rules
 need: the pattern a rule matches (``_target_pattern``), the pattern's node outputs
 (``_pattern_ir.NodeOutputPattern``) and the error a check raises to fail a match
-(``_basics.MatchFailureError``). Everything else uses its public names. A release that moves these
+(``_basics.MatchFailureError``), and the folder's pass class, its registry of partial evaluators and
+its symbolic values (:class:`Folder`). Everything else uses its public names. A release that moves these
 breaks here alone; :data:`SUPPORTED` says which releases are known to work, and
 ``tests/test_onnxscript_compat.py`` checks the installed one against it.
 """
 
 from __future__ import annotations
 
+import onnx_ir as ir
+import onnx_ir.passes.common
+from onnxscript.optimizer import _constant_folding
 from onnxscript.rewriter._basics import MatchFailureError
 from onnxscript.rewriter._pattern_ir import NodeOutputPattern
 
-__all__ = ["SUPPORTED", "MatchFailureError", "NodeOutputPattern", "pattern_nodes", "pattern_outputs"]
+from onnx_autodiff.toolkit.graphs import all_graphs
+
+__all__ = ["SUPPORTED", "Folder", "MatchFailureError", "NodeOutputPattern", "pattern_nodes", "pattern_outputs"]
 
 # onnxscript releases from the first up to, not including, the second: the full suite runs on 0.7.
 # 0.5 lacks the folder's FOLDED_FROM_KEY; on 0.6.2 the passes' tests pass, but torch's exporter
@@ -30,3 +36,49 @@ def pattern_nodes(rule) -> list:
     """Every node pattern of an onnxscript RewriteRule's pattern."""
     pattern = getattr(rule, "_target_pattern", None)
     return [] if pattern is None else list(pattern)
+
+
+_SUBGRAPH_TYPES = (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+
+
+class Folder(_constant_folding.FoldConstantsPass):
+    """onnxscript's ``fold_constants`` pass (its arguments are that function's, shape inference
+    off), visiting only the nodes it could change: a node whose op has no partial evaluator, that
+    holds no subgraph, reads some value not known as a constant and no value the folder forwards
+    (an Identity's input) passes through its ``process_node`` unchanged, and a backward graph is
+    mostly such nodes. Its closing renaming pass (after any fold, as onnxscript's) leaves absent
+    optional outputs ("" in ONNX) absent: named, they would count as present (Attention's
+    present_key with nonpad_kv_seqlen is invalid)."""
+
+    def __init__(self, **options) -> None:
+        super().__init__(shape_inference=False, **options)
+        self._evaluated = frozenset(_constant_folding.registry.op_evaluators)
+
+    def visit_node(self, node: ir.Node, root) -> None:
+        if self._may_change(node):
+            super().visit_node(node, root)
+
+    def _may_change(self, node: ir.Node) -> bool:
+        if (node.domain, node.op_type) in self._evaluated or node.op_type == "Constant":
+            return True
+        inputs = node.inputs
+        if all(v is None or v.const_value is not None for v in inputs):
+            return True
+        forwarded = self._state.symbolic_value_map
+        if forwarded and any(v is not None and type(forwarded.get(v)) is ir.Value for v in inputs):
+            return True
+        return bool(node.attributes) and any(a.type in _SUBGRAPH_TYPES for a in node.attributes.values())
+
+    def call(self, model: ir.Model):
+        self._reset()
+        self._opset_imports = model.opset_imports
+        self.visit_graph(model.graph)
+        for function in model.functions.values():
+            self.visit_function(function)
+        if self._modified:
+            absent = [out for graph in all_graphs(model) for node in graph for out in node.outputs if not out.name]
+            ir.passes.common.NameFixPass()(model)
+            for out in absent:
+                if not out.uses() and not out.is_graph_output():
+                    out.name = ""
+        return ir.passes.PassResult(model, self._modified)

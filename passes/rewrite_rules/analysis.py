@@ -6,6 +6,8 @@ toolkit (:func:`~onnx_autodiff.toolkit.shapes.constant`, ``axes``, ``zeros``), r
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult
@@ -24,9 +26,18 @@ _CASTABLE = {*FLOAT_TYPES, ir.DataType.BOOL,
 
 
 def verdict(holds: bool, reason: str) -> MatchResult:
-    """A check's MatchResult: success when ``holds``, else a failure saying ``reason``."""
-    check = MatchResult()
-    return check if holds else check.fail(reason)
+    """A check's MatchResult: success when ``holds``, else a failure saying ``reason`` (one shared
+    object per reason: onnxscript only reads a check's result, and the checks run on most nodes
+    of every sweep)."""
+    return _SUCCESS if holds else _failure(reason)
+
+
+_SUCCESS = MatchResult()
+
+
+@functools.lru_cache(maxsize=None)
+def _failure(reason: str) -> MatchResult:
+    return MatchResult().fail(reason)
 
 
 def opset(model: ir.Model) -> int:
