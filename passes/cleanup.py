@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 import onnx_ir as ir
 from onnx_autodiff.passes import progress
 from onnx_autodiff.passes.cse import CSE_TENSOR_LIMIT, CommonSubexpressionPass, eliminate_common_subexpressions  # noqa: F401 - public here too
-from onnx_autodiff.passes.fold import FOLD_LIMIT, FoldPass, drop_folding_notes
+from onnx_autodiff.passes.fold import FOLD_LIMIT, FoldPass
 from onnx_autodiff.passes.lift import LiftConstantsPass
 from onnx_autodiff.passes.lowering import LoweringPass  # noqa: F401 - public here too
 from onnx_autodiff.passes.metadata import DIFFERENTIATED_KEY, differentiated, kept  # noqa: F401 - DIFFERENTIATED_KEY: public here too
@@ -106,7 +106,7 @@ class CleanupPass(ir.passes.InPlacePass):
         graphs = _graph_lister(model)
         one_round = _Round(
             hidden,
-            fold=FoldPass(limit=self.fold_limit) if self.fold else None,
+            fold=FoldPass(limit=self.fold_limit, graphs=graphs) if self.fold else None,
             rewrite=RewriteRulesPass(self.rules, graphs=graphs),
             remove_unused=RemoveUnusedPass(),
             cse=CommonSubexpressionPass() if self.cse else None,
@@ -121,7 +121,8 @@ class CleanupPass(ir.passes.InPlacePass):
                     modified = True
         modified |= LiftConstantsPass()(model).modified
         modified |= SortPass()(model).modified
-        drop_folding_notes(graphs(model))
+        if one_round.fold is not None:
+            one_round.fold.drop_notes()
         self.last_result = CleanupResult(model, modified, one_round.count)
         return self.last_result
 

@@ -7,10 +7,11 @@ does to the initializers being differentiated) counts as unknown: nothing folds 
 from __future__ import annotations
 
 
+from collections.abc import Callable, Iterable
+
 import onnx_ir as ir
-from onnx_autodiff.passes import rewrites
 from onnx_autodiff.passes.rewrite_rules import analysis
-from onnx_autodiff.toolkit import shapes
+from onnx_autodiff.toolkit import all_graphs, shapes
 from onnx_autodiff.toolkit.onnxscript_compat import Folder
 from onnxscript.optimizer import FOLDED_FROM_KEY
 
@@ -21,19 +22,33 @@ class FoldPass(ir.passes.InPlacePass):
     """onnxscript's ``fold_constants`` (as :class:`~onnx_autodiff.toolkit.onnxscript_compat.Folder`
     runs it) with inputs and outputs of at most ``limit`` elements, fills (ConstantOfShape, Expand
     of one number) and large Transposes kept as nodes (see :meth:`should_fold`), absent optional
-    outputs left absent. The folder's provenance notes stay on the folded values:
-    :func:`drop_folding_notes` removes them."""
+    outputs left absent. ``graphs`` lists the model's graphs, subgraphs and functions
+    (:func:`~onnx_autodiff.toolkit.all_graphs`; the cleanup passes one that lists them once). The
+    folder's provenance notes stay on the folded values, which ``folded`` collects over the pass's
+    calls: :meth:`drop_notes` removes them."""
 
-    def __init__(self, limit: int = FOLD_LIMIT) -> None:
+    def __init__(self, limit: int = FOLD_LIMIT, graphs: Callable[[ir.Model], list[ir.Graph]] = all_graphs) -> None:
         super().__init__()
         self.limit = limit
+        self.graphs = graphs
+        self.folded: list[ir.Value] = []
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         # The folder writes Constant(value_ints=...) (opset 12 on) and initializers that are not
         # graph inputs (IR version 4 on): older models are left as they are.
         if analysis.opset(model) < 12 or (model.ir_version or 0) < 4:
             return ir.passes.PassResult(model, modified=False)
-        return Folder(input_size_limit=self.limit, output_size_limit=self.limit, should_fold=self.should_fold)(model)
+        folder = Folder(input_size_limit=self.limit, output_size_limit=self.limit, should_fold=self.should_fold,
+                        graphs=self.graphs)
+        result = folder(model)
+        self.folded += folder.folded
+        return result
+
+    def drop_notes(self) -> None:
+        """Remove the provenance notes of the values this pass folded (noise in saved models; the
+        folder reads them while it folds, so they go once it is done)."""
+        drop_folding_notes(self.folded)
+        self.folded = []
 
     def should_fold(self, node: ir.Node) -> bool | None:
         """Keep fills (ConstantOfShape, Expand of one number) as nodes: folded, they only grow.
@@ -53,9 +68,8 @@ class FoldPass(ir.passes.InPlacePass):
         return None
 
 
-def drop_folding_notes(graphs: list[ir.Graph]) -> None:
-    """Remove the provenance notes the folder attaches to folded values (noise in saved models;
-    the folder reads them while it folds, so they go once it is done)."""
-    for value in rewrites._all_values(graphs):
+def drop_folding_notes(values: Iterable[ir.Value]) -> None:
+    """Remove the provenance notes onnxscript's folder attaches to the values it folds."""
+    for value in values:
         value.meta.pop(FOLDED_FROM_KEY, None)
         value.metadata_props.pop(FOLDED_FROM_KEY, None)

@@ -11,6 +11,8 @@ breaks here alone; :data:`SUPPORTED` says which releases are known to work, and
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import onnx_ir as ir
 import onnx_ir.passes.common
 from onnxscript.optimizer import _constant_folding
@@ -48,10 +50,14 @@ class Folder(_constant_folding.FoldConstantsPass):
     (an Identity's input) passes through its ``process_node`` unchanged, and a backward graph is
     mostly such nodes. Its closing renaming pass (after any fold, as onnxscript's) leaves absent
     optional outputs ("" in ONNX) absent: named, they would count as present (Attention's
-    present_key with nonpad_kv_seqlen is invalid)."""
+    present_key with nonpad_kv_seqlen is invalid). ``graphs`` lists the model's graphs, subgraphs
+    and functions; ``folded`` collects the values folds made, which carry the folder's provenance
+    note (``FOLDED_FROM_KEY``)."""
 
-    def __init__(self, **options) -> None:
+    def __init__(self, graphs: Callable[[ir.Model], list[ir.Graph]] = all_graphs, **options) -> None:
         super().__init__(shape_inference=False, **options)
+        self.graphs = graphs
+        self.folded: list[ir.Value] = []
         self._evaluated = frozenset(_constant_folding.registry.op_evaluators)
 
     def visit_node(self, node: ir.Node, root) -> None:
@@ -69,6 +75,10 @@ class Folder(_constant_folding.FoldConstantsPass):
             return True
         return bool(node.attributes) and any(a.type in _SUBGRAPH_TYPES for a in node.attributes.values())
 
+    def replace_node(self, node: ir.Node, replacement, root) -> None:
+        self.folded.extend(v for v in replacement.new_outputs if v is not None)
+        super().replace_node(node, replacement, root)
+
     def call(self, model: ir.Model):
         self._reset()
         self._opset_imports = model.opset_imports
@@ -76,7 +86,7 @@ class Folder(_constant_folding.FoldConstantsPass):
         for function in model.functions.values():
             self.visit_function(function)
         if self._modified:
-            absent = [out for graph in all_graphs(model) for node in graph for out in node.outputs if not out.name]
+            absent = [out for graph in self.graphs(model) for node in graph for out in node.outputs if not out.name]
             ir.passes.common.NameFixPass()(model)
             for out in absent:
                 if not out.uses() and not out.is_graph_output():

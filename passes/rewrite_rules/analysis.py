@@ -166,9 +166,16 @@ def new_constant(op, array: np.ndarray) -> ir.Value:
     """A Constant node's output that carries its tensor, type and shape (the next rules in the same
     sweep read them; a function cannot hold the initializer ``op.initializer`` would make)."""
     tensor = ir.Tensor(array) if isinstance(array, np.ndarray) else ir.tensor(array)  # (the former without protocol checks)
-    value = op.Constant(value=tensor)
+    value = op.Constant(value=constant_attribute(tensor))
     value.type, value.shape, value.const_value = ir.TensorType(tensor.dtype), ir.Shape(tensor.shape), tensor
     return value
+
+
+def constant_attribute(tensor: ir.Tensor) -> ir.Attr:
+    """A Constant's ``value`` attribute holding ``tensor``, for the rules' replacements: given the
+    tensor alone, onnx-ir tells its attribute type by protocol checks that take longer than the
+    rest of a replacement."""
+    return ir.AttrTensor("value", tensor)
 
 
 def size(shape: Dims) -> int:

@@ -9,7 +9,7 @@ from helpers import make_model
 from onnx import helper
 
 from onnx_autodiff.passes.cleanup import CleanupPass
-from onnx_autodiff.passes.fold import FoldPass, drop_folding_notes
+from onnx_autodiff.passes.fold import FoldPass
 from onnx_autodiff.passes.metadata import DIFFERENTIATED_KEY
 from onnxscript.optimizer import FOLDED_FROM_KEY
 
@@ -33,12 +33,13 @@ def test_a_transpose_of_an_initializer_folds():
     np.testing.assert_array_equal(model.graph.node(0).inputs[1].const_value.numpy(), W.T)
 
 
-def test_folding_notes_are_left_for_drop_folding_notes():
+def test_folding_notes_are_left_for_drop_notes():
     model = transposed_weight()
-    FoldPass()(model)
+    fold = FoldPass()
+    fold(model)
     folded = model.graph.node(0).inputs[1]
-    assert FOLDED_FROM_KEY in folded.metadata_props
-    drop_folding_notes([model.graph])
+    assert FOLDED_FROM_KEY in folded.metadata_props and fold.folded == [folded]
+    fold.drop_notes()
     assert FOLDED_FROM_KEY not in folded.metadata_props and FOLDED_FROM_KEY not in folded.meta
 
 
