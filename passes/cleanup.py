@@ -122,7 +122,7 @@ class CleanupPass(ir.passes.InPlacePass):
         modified |= LiftConstantsPass()(model).modified
         modified |= SortPass()(model).modified
         if one_round.fold is not None:
-            one_round.fold.drop_notes()
+            one_round.fold.drop_notes(graphs(model))
         self.last_result = CleanupResult(model, modified, one_round.count)
         return self.last_result
 

@@ -44,10 +44,12 @@ class FoldPass(ir.passes.InPlacePass):
         self.folded += folder.folded
         return result
 
-    def drop_notes(self) -> None:
-        """Remove the provenance notes of the values this pass folded (noise in saved models; the
-        folder reads them while it folds, so they go once it is done)."""
-        drop_folding_notes(self.folded)
+    def drop_notes(self, graphs: list[ir.Graph]) -> None:
+        """Remove the provenance notes of the values this pass folded, and of the inputs and
+        initializers of ``graphs`` (a model an exporter folded carries its folder's notes there):
+        noise in saved models; the folder reads them while it folds, so they go once it is done."""
+        drop_folding_notes([*self.folded, *(v for graph in graphs for v in graph.inputs),
+                            *(v for graph in graphs if isinstance(graph, ir.Graph) for v in graph.initializers.values())])
         self.folded = []
 
     def should_fold(self, node: ir.Node) -> bool | None:

@@ -39,8 +39,23 @@ def test_folding_notes_are_left_for_drop_notes():
     fold(model)
     folded = model.graph.node(0).inputs[1]
     assert FOLDED_FROM_KEY in folded.metadata_props and fold.folded == [folded]
-    fold.drop_notes()
+    fold.drop_notes([model.graph])
     assert FOLDED_FROM_KEY not in folded.metadata_props and FOLDED_FROM_KEY not in folded.meta
+
+
+def test_the_cleanup_drops_the_notes_of_its_folds_and_those_an_exporter_left_on_inputs_and_initializers():
+    nodes = [helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]), helper.make_node("MatMul", ["x", "Wt"], ["m"]),
+             helper.make_node("Add", ["m", "b"], ["y"])]
+    model = ir.from_proto(make_model(nodes, {"x": np.ones((4, 3), np.float32)}, ["y"],
+                                     initializers={"W": W, "b": np.ones(2, np.float32)}))
+    exported = model.graph.initializers["b"]
+    exported.metadata_props[FOLDED_FROM_KEY] = "['b_before']"  # as an exporter's folder leaves them
+    model.graph.inputs[0].metadata_props[FOLDED_FROM_KEY] = "['x']"
+    CleanupPass()(model)
+    folded = model.graph.node(0).inputs[1]
+    assert op_types(model) == ["MatMul", "Add"] and folded.const_value is not None
+    for value in (folded, exported, model.graph.inputs[0]):
+        assert FOLDED_FROM_KEY not in value.metadata_props and FOLDED_FROM_KEY not in value.meta
 
 
 def test_nothing_to_fold_below_opset_12_or_past_the_limit():
