@@ -36,16 +36,18 @@ def topological_order(nodes: ir.Graph | ir.Function | Sequence[ir.Node]) -> list
     """The nodes in an order where every producer precedes its consumers (stable)."""
     nodes = list(nodes)
     position = {node: i for i, node in enumerate(nodes)}
-    pending = {node: 0 for node in nodes}
-    consumers: dict[ir.Node, list[ir.Node]] = {node: [] for node in nodes}
-    for node in nodes:
-        for value in (*node.inputs, *captured_values(node)):
-            producer = value.producer() if value is not None else None
-            if producer is not None and producer in position:
-                pending[node] += 1
-                consumers[producer].append(node)
-    if all(position[p] < position[n] for p, users in consumers.items() for n in users):
+    # Per node, the producers among ``nodes`` of what it reads (once per read).
+    producers = [
+        [p for value in (*node.inputs, *captured_values(node)) if value is not None and (p := value.producer()) in position]
+        for node in nodes
+    ]
+    if all(position[p] < i for i, found in enumerate(producers) for p in found):
         return nodes
+    pending = {node: len(found) for node, found in zip(nodes, producers)}
+    consumers: dict[ir.Node, list[ir.Node]] = {node: [] for node in nodes}
+    for node, found in zip(nodes, producers):
+        for producer in found:
+            consumers[producer].append(node)
     ready = [position[n] for n in nodes if pending[n] == 0]
     heapq.heapify(ready)
     order: list[ir.Node] = []
@@ -227,13 +229,15 @@ class Backward:
                 slots.append((None, key))
             groups[key].append((grad, like))
         reduced: list[ir.Value] = []
+        value_shape = shapes.dims(value)
         for ready, key in slots:
             if key is None:
                 reduced.append(ready)
                 continue
             group = groups[key]
-            summed = shapes.accumulate(self.op, [grad for grad, _ in group])
-            grad = shapes.unbroadcast(self.op, summed, value, group[0][1])
+            grad = shapes.accumulate(self.op, [grad for grad, _ in group])
+            if not (type(key[0]) is tuple and key[0] == value_shape):  # a shape known equal needs no reduction
+                grad = shapes.unbroadcast(self.op, grad, value, group[0][1])
             if grad.dtype is not None and value.dtype is not None and grad.dtype != value.dtype:
                 grad = self.op.Cast(grad, to=value.dtype)
             reduced.append(grad)
@@ -264,7 +268,7 @@ class Backward:
         rules: dict[Unit, GradRule | None] = {}
         targets: dict[Unit, list[tuple[int | None, ir.Value, str | None]]] = {}
         for unit in order:
-            if not any(v in reached for v in _reads(unit) if v is not None):
+            if reached.isdisjoint(_reads(unit)):
                 continue
             rule = rules[unit] = self.rule_of(unit)
             if rule is not None:
@@ -327,10 +331,10 @@ class Backward:
         origin = Provenance.of(node)
         for emitted in self.op.nodes[start:]:  # a nested rule's nodes keep their own tag
             mark(emitted, origin)
-        unknown = sorted(k for k in result if isinstance(k, str) and k not in rule.differentiable)
+        unknown = [k for k in result if isinstance(k, str) and k not in rule.differentiable]
         if unknown:
             raise RuleError(
-                f"the rule of {describe_node(node, opset)} returned gradients for {unknown}, "
+                f"the rule of {describe_node(node, opset)} returned gradients for {sorted(unknown)}, "
                 f"which are not among its differentiable inputs {list(rule.differentiable)}"
             )
         found = []

@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from onnx_autodiff.toolkit.graphs import initializers_to_constants
+from onnx_autodiff.toolkit.graphs import graph_and_subgraphs, initializers_to_constants
 
 FLOAT_TYPES = frozenset(
     {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
@@ -52,13 +52,20 @@ class Namer:
 
     @classmethod
     def for_graph(cls, graph: ir.Graph | ir.Function, prefix: str = "bwd") -> Namer:
-        names: list[str] = [v.name for v in (*graph.inputs, *graph.outputs) if v.name]
+        """A namer avoiding the names of the graph's values and nodes, its subgraphs' included."""
+        names: set[str | None] = {v.name for v in (*graph.inputs, *graph.outputs)}
         if isinstance(graph, ir.Graph):
-            names.extend(graph.initializers)
-        for node in ir.traversal.RecursiveGraphIterator(graph):
-            if node.name:
-                names.append(node.name)
-            names.extend(v.name for v in (*node.inputs, *node.outputs) if v is not None and v.name)
+            names.update(graph.initializers)
+        # (graph_and_subgraphs walks a large graph faster than onnx-ir's RecursiveGraphIterator)
+        nodes = [node for held in graph_and_subgraphs(graph) for node in held]
+        names.update([node.name for node in nodes])
+        values: list[ir.Value | None] = []
+        for node in nodes:
+            values += node.inputs
+            values += node.outputs
+        names.update([v.name for v in values if v is not None])
+        names.discard(None)
+        names.discard("")
         return cls(names, prefix)
 
 
