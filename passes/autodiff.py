@@ -36,16 +36,18 @@ def topological_order(nodes: ir.Graph | ir.Function | Sequence[ir.Node]) -> list
     """The nodes in an order where every producer precedes its consumers (stable)."""
     nodes = list(nodes)
     position = {node: i for i, node in enumerate(nodes)}
-    pending = {node: 0 for node in nodes}
-    consumers: dict[ir.Node, list[ir.Node]] = {node: [] for node in nodes}
-    for node in nodes:
-        for value in (*node.inputs, *captured_values(node)):
-            producer = value.producer() if value is not None else None
-            if producer is not None and producer in position:
-                pending[node] += 1
-                consumers[producer].append(node)
-    if all(position[p] < position[n] for p, users in consumers.items() for n in users):
+    # Per node, the producers among ``nodes`` of what it reads (once per read).
+    producers = [
+        [p for value in (*node.inputs, *captured_values(node)) if value is not None and (p := value.producer()) in position]
+        for node in nodes
+    ]
+    if all(position[p] < i for i, found in enumerate(producers) for p in found):
         return nodes
+    pending = {node: len(found) for node, found in zip(nodes, producers)}
+    consumers: dict[ir.Node, list[ir.Node]] = {node: [] for node in nodes}
+    for node, found in zip(nodes, producers):
+        for producer in found:
+            consumers[producer].append(node)
     ready = [position[n] for n in nodes if pending[n] == 0]
     heapq.heapify(ready)
     order: list[ir.Node] = []
@@ -154,8 +156,8 @@ class Backward:
         order = self.order
         if self.registry.patterns():  # a match applies where no gradient reaches its other inputs
             order = grouped(order, self.registry.patterns(), self.op.opset, lambda: self._forward_reach(xs, order)[0])
-        reached, rules = self._forward_reach(xs, order)
-        active = self._backward_reach([y for y, _ in seeds], reached, rules, order)
+        reached, rules, targets = self._forward_reach(xs, order)
+        active = self._backward_reach([y for y, _ in seeds], reached, rules, targets, order)
         # Per value, its gradient contributions: (gradient, None) when in the value's shape,
         # (gradient, y) when still in the broadcast shape of the output y.
         contributions: dict[ir.Value, list[tuple[ir.Value, ir.Value | None]]] = {}
@@ -165,10 +167,17 @@ class Backward:
                 contributions.setdefault(y, []).append((dy, None))
 
         def total(value: ir.Value) -> ir.Value | None:
-            if value not in totals and value in contributions:
-                reduced = self._reduce_contributions(value, contributions[value])
-                totals[value] = shapes.accumulate(self.op, reduced, like=value)
-            return totals.get(value)
+            if value in totals:
+                return totals[value]
+            items = contributions.get(value)
+            if items is None:
+                return None
+            if len(items) == 1 and items[0][1] is None:  # most values: one use, nothing to reduce
+                grad = items[0][0]
+            else:
+                grad = shapes.accumulate(self.op, self._reduce_contributions(value, items), like=value)
+            totals[value] = grad
+            return grad
 
         # Every node without a rule is reported at once. Those inside subgraphs show up only when
         # the rule holding them runs, so with subgraphs on the path the walk goes on to find them.
@@ -188,8 +197,9 @@ class Backward:
             if all(g is None for g in dys):
                 continue
             try:
-                self._save_outputs(rule, unit)
-                found = list(self._call_rule(rule, unit, dys, reached))
+                if rule.saves:
+                    self._save_outputs(rule, unit)
+                found = self._call_rule(rule, unit, dys, targets[unit])
             except MissingRuleError as error:  # raised by the differentiation of a subgraph
                 missing += self._nested_missing(unit, error)
                 continue
@@ -207,25 +217,27 @@ class Backward:
         """The contributions in the value's shape and type. Those in one broadcast shape (the uses
         of a tied parameter) are summed first, so one reduction serves them all."""
         groups: dict[object, list[tuple[ir.Value, ir.Value]]] = {}
-        slots: list[object] = []
+        slots: list[tuple[ir.Value | None, object]] = []  # (a gradient, None) or (None, a group's key)
         for grad, like in items:
             if like is None:
-                slots.append(grad)
+                slots.append((grad, None))
                 continue
             shape = shapes.dims(like)
             key = (shape if shape is not None and None not in shape else like, grad.dtype)
             if key not in groups:
                 groups[key] = []
-                slots.append(key)
+                slots.append((None, key))
             groups[key].append((grad, like))
         reduced: list[ir.Value] = []
-        for slot in slots:
-            if isinstance(slot, ir.Value):
-                reduced.append(slot)
+        value_shape = shapes.dims(value)
+        for ready, key in slots:
+            if key is None:
+                reduced.append(ready)
                 continue
-            group = groups[slot]
-            summed = shapes.accumulate(self.op, [grad for grad, _ in group])
-            grad = shapes.unbroadcast(self.op, summed, value, group[0][1])
+            group = groups[key]
+            grad = shapes.accumulate(self.op, [grad for grad, _ in group])
+            if not (type(key[0]) is tuple and key[0] == value_shape):  # a shape known equal needs no reduction
+                grad = shapes.unbroadcast(self.op, grad, value, group[0][1])
             if grad.dtype is not None and value.dtype is not None and grad.dtype != value.dtype:
                 grad = self.op.Cast(grad, to=value.dtype)
             reduced.append(grad)
@@ -249,50 +261,57 @@ class Backward:
         infer_output_types(node, self.opset_of(node), [node.outputs[i] for i in indices])
 
     def _forward_reach(self, xs: Sequence[ir.Value], order: Sequence[Unit]):
+        """The values gradients reach from ``xs``; the rule of each unit reading one (None: it has
+        none); the targets of each such unit with a rule (see :meth:`_targets`). A unit's inputs
+        are all reached or not before it in ``order``, so its targets are final here."""
         reached: set[ir.Value] = set(xs)
         rules: dict[Unit, GradRule | None] = {}
+        targets: dict[Unit, list[tuple[int | None, ir.Value, str | None]]] = {}
         for unit in order:
-            if not any(v in reached for v in _reads(unit) if v is not None):
+            if reached.isdisjoint(_reads(unit)):
                 continue
             rule = rules[unit] = self.rule_of(unit)
-            if rule is not None and not self._targets(rule, unit, reached):
-                continue
+            if rule is not None:
+                found = targets[unit] = self._targets(rule, unit, reached)
+                if not found:
+                    continue
             reached.update(out for out in unit.outputs if may_be_float(out))
-        return reached, rules
+        return reached, rules, targets
 
-    def _targets(self, rule: GradRule, node: Unit, reached) -> list[tuple[int | None, ir.Value]]:
-        """(input index, value) pairs that get gradients; index None for captured values."""
+    def _targets(self, rule: GradRule, node: Unit, reached) -> list[tuple[int | None, ir.Value, str | None]]:
+        """(input index, value, input name) triples that get gradients; index and name None for
+        captured values."""
         if rule.backward is None:
             return []
         names = rule.input_names(node, self.opset_of(node))
-        targets: list[tuple[int | None, ir.Value]] = [
-            (i, value)
+        targets: list[tuple[int | None, ir.Value, str | None]] = [
+            (i, value, name)
             for i, (name, value) in enumerate(zip(names, node.inputs))
             if name in rule.differentiable and value is not None and value in reached
         ]
         if rule.captures:
-            targets += [(None, v) for v in captured_values(node) if v in reached]
+            targets += [(None, v, None) for v in captured_values(node) if v in reached]
         return targets
 
-    def _backward_reach(self, ys: Sequence[ir.Value], reached, rules, order: Sequence[Unit]) -> list[Unit]:
+    def _backward_reach(self, ys: Sequence[ir.Value], reached, rules, targets, order: Sequence[Unit]) -> list[Unit]:
         needed: set[ir.Value] = set(ys)
         active: list[Unit] = []
         for unit in reversed(order):
             if unit not in rules or not any(out in needed and out in reached for out in unit.outputs):
                 continue
             active.append(unit)
-            rule = rules[unit]
-            if rule is None:
+            if rules[unit] is None:
                 needed.update(v for v in _reads(unit) if v is not None)
             else:
-                needed.update(value for _, value in self._targets(rule, unit, reached))
+                needed.update(value for _, value, _ in targets[unit])
         active.reverse()
         return active
 
-    def _call_rule(self, rule: GradRule, node: Unit, dys, reached):
+    def _call_rule(self, rule: GradRule, node: Unit, dys, targets) -> list[tuple[ir.Value, ir.Value, bool]]:
+        """(value, gradient, whether in the broadcast shape) for each of ``targets`` the rule
+        gives a gradient."""
         opset = self.opset_of(node)
-        targets = self._targets(rule, node, reached)
-        context = {"captures": [value for index, value in targets if index is None]} if rule.captures else {}
+        context = {"captures": [value for index, value, _ in targets if index is None]} if rule.captures else {}
         start = len(self.op.nodes)
         try:
             result = rule.backward(self.op, node, *dys, **context)
@@ -312,23 +331,24 @@ class Backward:
         origin = Provenance.of(node)
         for emitted in self.op.nodes[start:]:  # a nested rule's nodes keep their own tag
             mark(emitted, origin)
-        unknown = sorted(k for k in result if isinstance(k, str) and k not in rule.differentiable)
+        unknown = [k for k in result if isinstance(k, str) and k not in rule.differentiable]
         if unknown:
             raise RuleError(
-                f"the rule of {describe_node(node, opset)} returned gradients for {unknown}, "
+                f"the rule of {describe_node(node, opset)} returned gradients for {sorted(unknown)}, "
                 f"which are not among its differentiable inputs {list(rule.differentiable)}"
             )
-        names = rule.input_names(node, opset)
-        positions = [names[:i].count(names[i]) for i in range(len(names))]
-        for index, value in targets:
+        found = []
+        for index, value, name in targets:
             if index is None:
                 grad = result.get(value)
             else:
-                grad = result.get(names[index])
-                if isinstance(grad, (list, tuple)):
-                    grad = grad[positions[index]] if positions[index] < len(grad) else None
+                grad = result.get(name)
+                if isinstance(grad, (list, tuple)):  # a variadic input: one gradient per input of that name
+                    position = rule.input_names(node, opset)[:index].count(name)
+                    grad = grad[position] if position < len(grad) else None
             if grad is not None:
-                yield value, grad, index is not None and rule.unreduced(names[index])
+                found.append((value, grad, index is not None and rule.unreduced(name)))
+        return found
 
     def _missing_entry(self, node: ir.Node, where: str = "") -> tuple[tuple, str, str]:
         """(name, op type, domain, opset) of a node without a rule, the phrase naming it alone and

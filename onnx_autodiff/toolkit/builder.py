@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from onnx_autodiff.toolkit.graphs import initializers_to_constants
+from onnx_autodiff.toolkit.graphs import graph_and_subgraphs, initializers_to_constants
 
 FLOAT_TYPES = frozenset(
     {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
@@ -52,13 +52,20 @@ class Namer:
 
     @classmethod
     def for_graph(cls, graph: ir.Graph | ir.Function, prefix: str = "bwd") -> Namer:
-        names: list[str] = [v.name for v in (*graph.inputs, *graph.outputs) if v.name]
+        """A namer avoiding the names of the graph's values and nodes, its subgraphs' included."""
+        names: set[str | None] = {v.name for v in (*graph.inputs, *graph.outputs)}
         if isinstance(graph, ir.Graph):
-            names.extend(graph.initializers)
-        for node in ir.traversal.RecursiveGraphIterator(graph):
-            if node.name:
-                names.append(node.name)
-            names.extend(v.name for v in (*node.inputs, *node.outputs) if v is not None and v.name)
+            names.update(graph.initializers)
+        # (graph_and_subgraphs walks a large graph faster than onnx-ir's RecursiveGraphIterator)
+        nodes = [node for held in graph_and_subgraphs(graph) for node in held]
+        names.update([node.name for node in nodes])
+        values: list[ir.Value | None] = []
+        for node in nodes:
+            values += node.inputs
+            values += node.outputs
+        names.update([v.name for v in values if v is not None])
+        names.discard(None)
+        names.discard("")
         return cls(names, prefix)
 
 
@@ -90,29 +97,31 @@ class OpBuilder:
         return functools.partial(self.emit, op_type)
 
     def emit(self, op_type: str, *inputs, _outputs: int = 1, _domain: str = "", **attributes):
-        like = _like(inputs)
-        values = [self._as_value(v, like) for v in inputs]
+        values = list(inputs)
+        if not all(v is None or type(v) is ir.Value for v in values):  # numbers, arrays: constants
+            like = _like(inputs)
+            values = [self._as_value(v, like) for v in inputs]
         keep = _min_inputs(op_type, self.opsets.get(_domain, self.opset), _domain)
         while len(values) > keep and values[-1] is None:
             values.pop()
         attrs = {k: v for k, v in attributes.items() if v is not None}
-        node = ir.Node(
-            _domain,
-            op_type,
-            values,
-            attributes=[_attribute(k, v) for k, v in attrs.items()],
-            num_outputs=_outputs,
-            name=self.namer.fresh(f"{self.namer.prefix}_{op_type}_{len(self.nodes)}"),
-        )
+        name = self.namer.fresh(f"{self.namer.prefix}_{op_type}_{len(self.nodes)}")
         dtype = _result_dtype(op_type, values, attrs)
-        for i, out in enumerate(node.outputs):
-            out.name = self.namer.fresh()
-            if dtype is not None and (i == 0 or op_type == "Split"):
-                out.dtype = dtype
+        # Outputs made named and typed: cheaper than setting a node's own outputs' name and dtype.
+        outputs = [
+            ir.Value(
+                name=self.namer.fresh(),
+                type=ir.TensorType(dtype) if dtype is not None and (i == 0 or op_type == "Split") else None,
+            )
+            for i in range(_outputs)
+        ]
+        node = ir.Node(
+            _domain, op_type, values, attributes=[_attribute(k, v) for k, v in attrs.items()], outputs=outputs, name=name
+        )
         self.nodes.append(node)
         if _domain and _domain not in self.opsets:
             self.opsets[_domain] = 1
-        return node.outputs[0] if _outputs == 1 else tuple(node.outputs)
+        return outputs[0] if _outputs == 1 else tuple(outputs)
 
     def const(self, value, dtype: ir.DataType | None = None, like: ir.Value | None = None):
         """A Constant node; ``dtype`` or the dtype of ``like`` (CastLike when it is unknown)."""
@@ -135,7 +144,7 @@ class OpBuilder:
         return out
 
     def _as_value(self, value, like: ir.Value | None):
-        if value is None or isinstance(value, ir.Value):
+        if value is None or _is_value(value):
             return value
         if isinstance(value, (list, tuple)):
             return self.const(np.asarray(value, dtype=np.int64))
@@ -220,7 +229,7 @@ class OpBuilder:
         if axes_as_input:
             return self.emit(op_type, x, _axes(axes), keepdims=keep,
                              noop_with_empty_axes=noop_with_empty_axes)
-        if isinstance(axes, ir.Value):
+        if _is_value(axes):
             raise ValueError(f"{op_type} at opset {self.opset} needs constant axes")
         return self.emit(op_type, x, axes=list(axes), keepdims=keep)
 
@@ -240,13 +249,13 @@ class OpBuilder:
     def reshape(self, x, shape):
         """Reshape to ``shape``: an input from opset 5, else an attribute (then ints only)."""
         if self.opset >= 5:
-            return self.Reshape(x, shape if isinstance(shape, ir.Value) else list(shape))
+            return self.Reshape(x, shape if _is_value(shape) else list(shape))
         return self.Reshape(x, shape=list(shape))
 
     def slice(self, x, starts, ends, axes=None):
         """Slice: inputs from opset 10 (or where one is a value), else attributes."""
-        if self.opset >= 10 or any(isinstance(v, ir.Value) for v in (starts, ends, axes)):
-            return self.Slice(x, *(v if v is None or isinstance(v, ir.Value) else list(v) for v in (starts, ends, axes)))
+        if self.opset >= 10 or any(_is_value(v) for v in (starts, ends, axes)):
+            return self.Slice(x, *(v if v is None or _is_value(v) else list(v) for v in (starts, ends, axes)))
         return self.Slice(x, starts=list(starts), ends=list(ends), axes=None if axes is None else list(axes))
 
     def clip(self, x, low: float, high: float):
@@ -296,8 +305,17 @@ def _attribute(name: str, value) -> ir.Attr:
     return ir.convenience.convert_attribute(name, value)
 
 
+def _is_value(x) -> bool:
+    """``isinstance(x, ir.Value)``, quick for the plain values and Python numbers builders mostly
+    see (onnx-ir's classes derive from typing Protocols, whose isinstance check is slow)."""
+    return type(x) is ir.Value or (type(x) not in _PLAIN_INPUTS and isinstance(x, ir.Value))
+
+
+_PLAIN_INPUTS = frozenset({type(None), int, float, bool, list, tuple, np.ndarray})
+
+
 def _axes(axes):
-    return axes if isinstance(axes, ir.Value) else np.asarray(list(axes), dtype=np.int64)
+    return axes if _is_value(axes) else np.asarray(list(axes), dtype=np.int64)
 
 
 def _like(inputs) -> ir.Value | None:
@@ -305,7 +323,7 @@ def _like(inputs) -> ir.Value | None:
     CastLike), else an integer one; a bool one only when nothing else is there."""
     ranked = []
     for value in inputs:
-        if isinstance(value, ir.Value):
+        if _is_value(value):
             dtype = value.dtype
             if dtype in FLOAT_TYPES:
                 return value

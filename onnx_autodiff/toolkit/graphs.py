@@ -47,7 +47,7 @@ def captured_values(node: ir.Node) -> list[ir.Value]:
     return captured
 
 
-def graph_and_subgraphs(graph: ir.Graph) -> list[ir.Graph]:
+def graph_and_subgraphs(graph: ir.Graph | ir.Function) -> list[ir.Graph | ir.Function]:
     """``graph`` and the graphs its nodes hold, at any depth (depth first)."""
     graphs = [graph]
     for node in graph:
