@@ -60,6 +60,13 @@ def infer_shapes(model: ir.Model, *, missing_only: bool = False) -> None:
 
 
 def _infer_model_shapes(model: ir.Model) -> None:
+    graph = model.graph
+    if all(shapes.static_shape(v) is not None for v in graph.inputs) and not any(subgraphs(n) for n in graph):
+        # static inputs: each node's own inference finds what the whole model's does, at a
+        # fraction of the cost of converting the model for it
+        outputs = {v.name: v for node in graph for v in node.outputs if v.name}
+        if not static_by_node(graph, outputs, model.opset_imports):
+            return
     proto = onnx_inferred(ir.to_proto(model))
     if proto is None:
         return
@@ -154,7 +161,7 @@ def _take_inferred(value: ir.Value, kind: onnx.TypeProto, shape: ir.Shape | None
         shape = _refined(value, shape)
         changed = shape is not None
     elif overwrite is Overwrite.SHAPE:
-        changed = shape is not None and value.shape != shape
+        changed = shape is not None and (value.shape is None or value.shape != shape)
     else:
         changed = shape is not None and value.shape is None
     if changed:
