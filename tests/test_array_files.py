@@ -105,6 +105,41 @@ def test_errors(tmp_path):
         load_arrays(tmp_path / "cut.safetensors")
 
 
+def zipfile_npz(arrays: dict) -> bytes:
+    """The npz that zipfile writes of ``arrays`` as npz_writer describes it (small members with
+    writestr, the others opened with force_zip64), the bytes npz_writer must write."""
+    import io
+    import zipfile
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for name, array in arrays.items():
+            member = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+            if array.nbytes >= 1 << 16 or array.dtype.hasobject:
+                with archive.open(member, "w", force_zip64=True) as out:
+                    np.lib.format.write_array(out, array)
+            else:
+                out = io.BytesIO()
+                np.lib.format.write_array(out, array)
+                archive.writestr(member, out.getvalue())
+    return buffer.getvalue()
+
+
+def test_npz_written_as_zipfile_writes_it(tmp_path):
+    values = {**arrays(), "naïve": np.arange(3.0), "objects": np.array([{"a": 1}, None], dtype=object),
+              **{f"p{i}": np.full((2, 2), i, np.float32) for i in range(5)}}
+    path = tmp_path / "a.npz"
+    write_atomically(path, arrays_writer(path, values))
+    assert path.read_bytes() == zipfile_npz(values)
+
+
+def test_npz_of_more_members_than_a_zip_counts(tmp_path):
+    values = {f"s{i}": np.array(i, np.int32) for i in range(1 << 16)}  # zip64's end records
+    path = tmp_path / "many.npz"
+    write_atomically(path, arrays_writer(path, values))
+    assert path.read_bytes() == zipfile_npz(values)
+
+
 def test_trainer_state_round_trip(tmp_path):
     artifacts = generate_artifacts(classifier_model(loss=False), loss="cross_entropy")
     trainer = Trainer(artifacts)

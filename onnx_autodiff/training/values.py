@@ -9,7 +9,7 @@ import math
 import mmap
 import os
 import struct
-import zipfile
+import zlib
 from collections.abc import Callable, Mapping
 from typing import BinaryIO
 
@@ -41,26 +41,118 @@ def npz_writer(arrays: Mapping[str, np.ndarray]) -> Callable[[BinaryIO], None]:
     not built in memory first (numpy copies a large array 16 MB at a time). A small array's
     member is written at once, its header formatted once per dtype and shape: ``np.savez``
     formats each array's anew, 0.7 s of a checkpoint of 20,000 small arrays (a chain's AdamW
-    state); the members (dated 1980, as zip's earliest date) read back the same."""
+    state); the members (dated 1980, as zip's earliest date) read back the same. The archive is
+    the bytes ``zipfile`` writes (:class:`_StoredZip`)."""
 
     def write(stream: BinaryIO) -> None:
         headers: dict[tuple, bytes] = {}
-        with zipfile.ZipFile(stream, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
-            for name, value in arrays.items():
-                array = np.asanyarray(value)
-                member = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
-                if array.nbytes >= _SMALL_ARRAY or array.dtype.hasobject:
-                    with archive.open(member, "w", force_zip64=True) as out:
-                        np.lib.format.write_array(out, array)
-                    continue
-                header = np.lib.format.header_data_from_array_1_0(array)
-                key = (header["descr"] if isinstance(header["descr"], str) else repr(header["descr"]),
-                       header["shape"], header["fortran_order"])
-                if key not in headers:
-                    headers[key] = _npy_header(header)
-                archive.writestr(member, headers[key] + array.tobytes("F" if header["fortran_order"] else "C"))
+        archive = _StoredZip(stream)
+        for name, value in arrays.items():
+            array = np.asanyarray(value)
+            if array.nbytes >= _SMALL_ARRAY or array.dtype.hasobject:
+                archive.add_streamed(f"{name}.npy", lambda out, array=array: np.lib.format.write_array(out, array))
+                continue
+            header = np.lib.format.header_data_from_array_1_0(array)
+            key = (header["descr"] if isinstance(header["descr"], str) else repr(header["descr"]),
+                   header["shape"], header["fortran_order"])
+            if key not in headers:
+                headers[key] = _npy_header(header)
+            archive.add(f"{name}.npy", headers[key] + array.tobytes("F" if header["fortran_order"] else "C"))
+        archive.close()
 
     return write
+
+
+class _StoredZip:
+    """A zip archive of uncompressed members written to a seekable stream, byte for byte as
+    ``zipfile.ZipFile(stream, "w", allowZip64=True)`` writes members added with ``writestr`` (a
+    ``ZipInfo`` dated 1980) and, for the streamed ones, ``open(info, "w", force_zip64=True)``.
+    zipfile spends most of a checkpoint of many small arrays per member (each header written
+    twice, the stream flushed by the seeks between); here a small member is one write."""
+
+    _LIMIT = (1 << 31) - 1  # zipfile's ZIP64_LIMIT: larger sizes and offsets take the zip64 fields
+    _COUNT_LIMIT = (1 << 16) - 1
+    _DOS_DATE = 1 << 5 | 1  # 1980-01-01, 00:00:00
+    _MODE = 0o600 << 16  # external attributes: ?rw-------, as zipfile gives a member written so
+
+    def __init__(self, stream: BinaryIO):
+        self.stream = stream
+        self.offset = stream.tell()
+        self.members: list[tuple[bytes, int, int, int, int, bool]] = []  # name, flags, crc, size, offset, zip64
+
+    def add(self, name: str, data: bytes) -> None:
+        encoded, flags = self._encoded(name)
+        crc = zlib.crc32(data)
+        self.stream.write(self._local_header(encoded, flags, crc, len(data), False))
+        self.stream.write(data)
+        self.members.append((encoded, flags, crc, len(data), self.offset, False))
+        self.offset += 30 + len(encoded) + len(data)
+
+    def add_streamed(self, name: str, write: Callable[[BinaryIO], object]) -> None:
+        """A member whose bytes ``write`` writes to the file-like object it is given, in pieces;
+        its header is written again, with its size and CRC, once it is done."""
+        encoded, flags = self._encoded(name)
+        header = self._local_header(encoded, flags, 0, 0, True)
+        self.stream.write(header)
+        member = _Counted(self.stream)
+        write(member)
+        end = self.offset + len(header) + member.size
+        self.stream.seek(self.offset)
+        self.stream.write(self._local_header(encoded, flags, member.crc, member.size, True))
+        self.stream.seek(end)
+        self.members.append((encoded, flags, member.crc, member.size, self.offset, True))
+        self.offset = end
+
+    def close(self) -> None:
+        """Writes the central directory and the end records."""
+        directory = []
+        for encoded, flags, crc, size, offset, zip64 in self.members:
+            extra = [size, size] if size > self._LIMIT else []
+            if offset > self._LIMIT:
+                extra.append(offset)
+            version = 45 if zip64 or extra else 20  # (zipfile's ZIP64_VERSION and DEFAULT_VERSION)
+            extra_data = struct.pack(f"<HH{len(extra)}Q", 1, 8 * len(extra), *extra) if extra else b""
+            stored = 0xFFFFFFFF if size > self._LIMIT else size
+            directory.append(struct.pack(
+                "<4s4B4HL2L5H2L", b"PK\001\002", version, 3, version, 0, flags, 0, 0, self._DOS_DATE, crc, stored,
+                stored, len(encoded), len(extra_data), 0, 0, 0, self._MODE, 0xFFFFFFFF if offset > self._LIMIT else offset))
+            directory.append(encoded + extra_data)
+        data = b"".join(directory)
+        self.stream.write(data)
+        count, size, start = len(self.members), len(data), self.offset
+        if count > self._COUNT_LIMIT or start > self._LIMIT or size > self._LIMIT:
+            self.stream.write(struct.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, count, count, size, start))
+            self.stream.write(struct.pack("<4sLQL", b"PK\x06\x07", 0, start + size, 1))
+            count, size, start = min(count, 0xFFFF), min(size, 0xFFFFFFFF), min(start, 0xFFFFFFFF)
+        self.stream.write(struct.pack("<4s4H2LH", b"PK\005\006", 0, 0, count, count, size, start, 0))
+        self.stream.flush()
+
+    @staticmethod
+    def _encoded(name: str) -> tuple[bytes, int]:
+        try:
+            return name.encode("ascii"), 0
+        except UnicodeEncodeError:
+            return name.encode("utf-8"), 0x800  # the UTF-8 file name flag
+
+    def _local_header(self, encoded: bytes, flags: int, crc: int, size: int, zip64: bool) -> bytes:
+        extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
+        stored = 0xFFFFFFFF if zip64 else size
+        return struct.pack("<4s2B4HL2L2H", b"PK\003\004", 45 if zip64 else 20, 0, flags, 0, 0, self._DOS_DATE, crc,
+                           stored, stored, len(encoded), len(extra)) + encoded + extra
+
+
+class _Counted:
+    """A write-only file-like object over ``stream`` that counts the bytes written and their CRC-32."""
+
+    def __init__(self, stream: BinaryIO):
+        self.stream, self.size, self.crc = stream, 0, 0
+
+    def write(self, data) -> int:
+        data = memoryview(data)
+        self.crc = zlib.crc32(data, self.crc)
+        self.size += data.nbytes
+        self.stream.write(data)
+        return data.nbytes
 
 
 def _npy_header(header: dict) -> bytes:
