@@ -314,6 +314,209 @@ def to_inline_proto(model: ir.Model, graphs: list[ir.Graph] | None = None) -> on
         return ir.to_proto(model)
 
 
+def to_proto(model: ir.Model) -> onnx.ModelProto:
+    """``model`` as the ModelProto ``ir.to_proto`` makes of it, made faster: its graphs are written
+    in protobuf's wire format, each type and shape once and the rest by ``ir.serde``'s own
+    functions, then parsed in one go, where onnx-ir sets a proto's fields one call at a time for
+    every node and value (a train model of 65,000 nodes and 120,000 typed inputs, outputs and
+    If-branch outputs spends most of its conversion there). A model that holds what
+    :class:`_GraphWriter` leaves to onnx-ir (functions, metadata, quantization annotations,
+    reference attributes) is converted by ``ir.to_proto``."""
+    try:
+        graph = _GraphWriter().graph(model.graph)
+    except _Unwritten:
+        return ir.to_proto(model)
+    if model.functions or getattr(model, "device_configurations", None):
+        return ir.to_proto(model)
+    proto = onnx.ModelProto(ir_version=model.ir_version)
+    for field in ("producer_name", "producer_version", "domain", "model_version", "doc_string"):
+        if getattr(model, field):
+            setattr(proto, field, getattr(model, field))
+    for domain, version in model.opset_imports.items():
+        proto.opset_import.add(domain=domain, version=version)
+    for key in sorted(model.metadata_props):
+        proto.metadata_props.add(key=key, value=model.metadata_props[key])
+    proto.graph.MergeFromString(graph)
+    return proto
+
+
+class _Unwritten(Exception):
+    """Raised by :class:`_GraphWriter` on what it leaves to ``ir.to_proto``."""
+
+
+def _varint(number: int) -> bytes:
+    data = bytearray()
+    while number > 0x7F:
+        data.append(number & 0x7F | 0x80)
+        number >>= 7
+    data.append(number)
+    return bytes(data)
+
+
+def _field(tag: bytes, data: bytes) -> bytes:
+    """A length-delimited field (a string, bytes or a message) of the given tag."""
+    return tag + (_SMALL_LENGTHS[len(data)] if len(data) < 128 else _varint(len(data))) + data
+
+
+def _text(text: str | None) -> bytes:
+    if text is None:  # (where ir.to_proto would fail)
+        raise _Unwritten
+    return text.encode()
+
+
+_SMALL_LENGTHS = [bytes((n,)) for n in range(128)]
+# the tags (field number, wire type 2) of the fields written here, by message
+_NODE_INPUT, _NODE_OUTPUT, _NODE_NAME, _NODE_OP_TYPE, _NODE_ATTRIBUTE = b"\x0a", b"\x12", b"\x1a", b"\x22", b"\x2a"
+_NODE_DOC_STRING, _NODE_DOMAIN, _NODE_OVERLOAD, _NODE_METADATA_PROPS = b"\x32", b"\x3a", b"\x42", b"\x4a"
+_ENTRY_KEY, _ENTRY_VALUE = b"\x0a", b"\x12"
+_NO_INPUT = _NODE_INPUT + b"\x00"  # an omitted optional input: ""
+_GRAPH_NODE, _GRAPH_NAME, _GRAPH_INITIALIZER, _GRAPH_DOC_STRING = b"\x0a", b"\x12", b"\x2a", b"\x52"
+_GRAPH_INPUT, _GRAPH_OUTPUT, _GRAPH_VALUE_INFO = b"\x5a", b"\x62", b"\x6a"
+_VALUE_NAME, _VALUE_TYPE, _VALUE_DOC_STRING = b"\x0a", b"\x12", b"\x1a"
+_ATTRIBUTE_NAME, _ATTRIBUTE_G, _ATTRIBUTE_GRAPHS, _ATTRIBUTE_DOC_STRING = b"\x0a", b"\x32", b"\x5a", b"\x6a"
+_ATTRIBUTE_TYPE = b"\xa0\x01"  # field 20, a varint
+_CACHED_ATTRIBUTES = frozenset({ir.AttributeType.INT, ir.AttributeType.INTS, ir.AttributeType.STRING})
+_QUANTIZATION = "quant_parameter_tensor_names"  # the value meta that ir.to_proto writes as an annotation
+
+
+class _GraphWriter:
+    """Graphs in protobuf's wire format, field for field what ``ir.serde.serialize_graph_into``
+    writes; raises :class:`_Unwritten` on what it leaves to it."""
+
+    def __init__(self) -> None:
+        self.names: dict[str, bytes] = {}  # a name's length and bytes: each value's is written several times
+        self.types: dict[tuple, bytes] = {}  # a value's type field, by its type's and shape's ids
+        self.typed: dict[tuple, bytes] = {}  # the same, by what they hold
+        self.attributes: dict[tuple, bytes] = {}
+        self.op_types: dict[str, bytes] = {}
+        self.entries: dict[tuple[str, str], bytes] = {}
+
+    def graph(self, graph: ir.Graph) -> bytes:
+        if graph.metadata_props:
+            raise _Unwritten
+        parts = [_field(_GRAPH_NAME, graph.name.encode())] if graph.name else []
+        if graph.doc_string:
+            parts.append(_field(_GRAPH_DOC_STRING, graph.doc_string.encode()))
+        for value in graph.inputs:
+            self.described(value)
+            parts.append(_field(_GRAPH_INPUT, self.value(value)))
+        inputs = {v.name for v in graph.inputs}
+        for value in graph.initializers.values():
+            if self.described(value) and value.name not in inputs:
+                parts.append(_field(_GRAPH_VALUE_INFO, self.value(value)))
+            if value.const_value is None:  # (ir.to_proto warns)
+                raise _Unwritten
+            value.const_value.name = value.name  # as ir.to_proto names it
+            parts.append(_field(_GRAPH_INITIALIZER, ir.serde.serialize_tensor(value.const_value).SerializeToString()))
+        described = self.described
+        for node in graph:
+            parts.append(_field(_GRAPH_NODE, self.node(node)))
+            for output in node.outputs:
+                if described(output) and not output.is_graph_output():
+                    parts.append(_field(_GRAPH_VALUE_INFO, self.value(output)))
+        for value in graph.outputs:
+            self.described(value)
+            parts.append(_field(_GRAPH_OUTPUT, self.value(value)))
+        return b"".join(parts)
+
+    @staticmethod
+    def described(value: ir.Value) -> bool:
+        """Whether ir.to_proto writes a value_info of ``value`` (a node's output, an initializer)."""
+        if _QUANTIZATION in value.meta:
+            raise _Unwritten
+        return (value.type is not None or value.shape is not None) and bool(value.name)
+
+    def name(self, value: ir.Value) -> bytes:
+        """The length and bytes of the name of ``value``."""
+        name = value.name
+        encoded = self.names.get(name)
+        if encoded is None:
+            encoded = self.names[name] = _field(b"", _text(name))
+        return encoded
+
+    def value(self, value: ir.Value) -> bytes:
+        if value.metadata_props or value.doc_string:  # (inputs and outputs have none here)
+            raise _Unwritten
+        if value.type is None:
+            if value.shape is not None:  # (ir.to_proto warns)
+                raise _Unwritten
+            return _VALUE_NAME + self.name(value)
+        key = (id(value.type), id(value.shape))
+        typed = self.types.get(key)
+        if typed is None:
+            typed = self.types[key] = self.type_field(value.type, value.shape)
+        return _VALUE_NAME + (self.names.get(value.name) or self.name(value)) + typed
+
+    def type_field(self, type_, shape: ir.Shape | None) -> bytes:
+        what = (type_.dtype if isinstance(type_, ir.TensorType) else repr(type_), type_.denotation)
+        key = (type_.__class__, what, None if shape is None else
+               (shape.dims, tuple(map(shape.get_denotation, range(len(shape))))))
+        if key not in self.typed:
+            proto = onnx.TypeProto()
+            ir.serde.serialize_type_into(proto, type_)
+            if shape is not None:
+                ir.serde.serialize_shape_into(proto, shape)
+            self.typed[key] = _field(_VALUE_TYPE, proto.SerializeToString())
+        return self.typed[key]
+
+    def node(self, node: ir.Node) -> bytes:
+        if getattr(node, "device_configurations", None):
+            raise _Unwritten
+        names = self.names
+        parts = [_NO_INPUT if v is None else _NODE_INPUT + (names.get(v.name) or self.name(v)) for v in node.inputs]
+        outputs = node.outputs
+        if outputs and not outputs[-1].name:  # trailing unnamed outputs are left out
+            outputs = list(outputs)
+            while outputs and not outputs[-1].name:
+                outputs.pop()
+        parts += [_NODE_OUTPUT + (names.get(v.name) or self.name(v)) for v in outputs]
+        if node.name:
+            parts.append(_field(_NODE_NAME, node.name.encode()))
+        parts.append(self.op_types.get(node.op_type) or self.op_type(node.op_type))
+        if node.attributes:
+            parts += [_field(_NODE_ATTRIBUTE, self.attribute(a)) for a in node.attributes.values()]
+        if node.doc_string:
+            parts.append(_field(_NODE_DOC_STRING, node.doc_string.encode()))
+        if node.domain:
+            parts.append(_field(_NODE_DOMAIN, node.domain.encode()))
+        if node.overload:
+            parts.append(_field(_NODE_OVERLOAD, node.overload.encode()))
+        if node.metadata_props:  # (the backward's nodes name the forward node they differentiate)
+            parts += [self.entries.get(item) or self.entry(item) for item in sorted(node.metadata_props.items())]
+        return b"".join(parts)
+
+    def op_type(self, op_type: str) -> bytes:
+        self.op_types[op_type] = _field(_NODE_OP_TYPE, op_type.encode())
+        return self.op_types[op_type]
+
+    def entry(self, item: tuple[str, str]) -> bytes:
+        """A metadata property of a node (``ir.serde`` writes them in the order of their keys)."""
+        key, value = item
+        self.entries[item] = _field(_NODE_METADATA_PROPS, _field(_ENTRY_KEY, key.encode()) + _field(_ENTRY_VALUE, value.encode()))
+        return self.entries[item]
+
+    def attribute(self, attribute: ir.Attr) -> bytes:
+        if attribute.is_ref():
+            raise _Unwritten
+        kind = attribute.type
+        if kind in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS):
+            parts = [_field(_ATTRIBUTE_NAME, attribute.name.encode())]
+            if attribute.doc_string:
+                parts.append(_field(_ATTRIBUTE_DOC_STRING, attribute.doc_string.encode()))
+            if kind == ir.AttributeType.GRAPH:
+                parts.append(_field(_ATTRIBUTE_G, self.graph(attribute.value)))
+            else:
+                parts.extend(_field(_ATTRIBUTE_GRAPHS, self.graph(g)) for g in attribute.value)
+            return b"".join(parts) + _ATTRIBUTE_TYPE + _varint(onnx.AttributeProto.AttributeType.Value(kind.name))
+        if kind not in _CACHED_ATTRIBUTES:
+            return ir.serde.serialize_attribute(attribute).SerializeToString()
+        value = attribute.value
+        key = (attribute.name, attribute.doc_string, kind, tuple(value) if kind == ir.AttributeType.INTS else value)
+        if key not in self.attributes:
+            self.attributes[key] = ir.serde.serialize_attribute(attribute).SerializeToString()
+        return self.attributes[key]
+
+
 def save_model(model: ir.Model, path: str | os.PathLike, external_data: bool | None = None,
                check=check_model) -> bool:
     """Writes ``model`` to ``path``, never half-written; returns whether it wrote a data file.

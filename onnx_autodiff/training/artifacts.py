@@ -33,6 +33,7 @@ from onnx_autodiff.modelfile import (
     over_limit,
     save_model,
     tensor_array,
+    to_proto,
     uses_external_data,
     with_small_tensors_inline,
 )
@@ -284,7 +285,7 @@ def _as_proto(model) -> onnx.ModelProto:
         proto.CopyFrom(model)
         return proto
     if isinstance(model, ir.Model):
-        return ir.to_proto(model)
+        return to_proto(model)
     if isinstance(model, (bytes, bytearray)):
         return onnx.load_from_string(bytes(model))
     if isinstance(model, (str, os.PathLike)):
@@ -612,7 +613,7 @@ def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], wh
         raise TrainingError(f"the shapes of {untyped} are unknown: declare them in the model's outputs or value_info")
     part = _forward_part(model, *forward) if forward is not None else None
     _forget_intermediate_types(model.graph)
-    proto = _checked(ir.to_proto(model), what, check_output)  # external tensors stay references to their files
+    proto = _checked(to_proto(model), what, check_output)  # external tensors stay references to their files
     if forward is None:
         return proto
     return proto, part and _checked(_model_of_part(proto, *part), "eval model", check_output)
@@ -1208,7 +1209,7 @@ def _recovered(proto: onnx.ModelProto, forward: onnx.ModelProto, base_dir):
         modules.append(entry)
     # the file's layout, its parameters marked with their module names (LoRA's export names
     # adapters after them)
-    return ir.to_proto(model), ir.to_proto(layout.model), modules
+    return to_proto(model), to_proto(layout.model), modules
 
 
 def _with_opset_for(lora, proto: onnx.ModelProto, forward: onnx.ModelProto, upgrade: bool):
@@ -1232,7 +1233,7 @@ def _with_opset_for(lora, proto: onnx.ModelProto, forward: onnx.ModelProto, upgr
 def _quantized(forward: onnx.ModelProto, lora, names: list[str], base_dir) -> onnx.ModelProto:
     model = from_proto(forward, base_dir)
     quantize_bases(model, lora.quantization, names)
-    return ir.to_proto(model)
+    return to_proto(model)
 
 
 def _module_selection(names, proto: onnx.ModelProto, modules, role: str):
