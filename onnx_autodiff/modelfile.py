@@ -422,7 +422,10 @@ class _GraphWriter:
     @staticmethod
     def described(value: ir.Value) -> bool:
         """Whether ir.to_proto writes a value_info of ``value`` (a node's output, an initializer)."""
-        if _QUANTIZATION in value.meta:
+        # (onnx-ir makes a value's meta when first read: most values have none, and reading it
+        # for each value of a large graph made one for each)
+        meta = getattr(value, "_metadata", None) if hasattr(value, "_metadata") else value.meta
+        if meta and _QUANTIZATION in meta:
             raise _Unwritten
         return (value.type is not None or value.shape is not None) and bool(value.name)
 

@@ -390,9 +390,14 @@ def _holds_large_tensors(proto: onnx.ModelProto) -> bool:
     """Whether ``proto`` holds a frozen base the build stored anew (quantized or half precision,
     :data:`FROZEN_IN_PLACE` bytes or more) itself: such tensors go to a data file, which runtimes
     map instead of parsing. Smaller constants the build made stay in the model file."""
+    # (ByteSize bounds the data's size without copying it: the nodes are walked only where some
+    # initializer is that large, not for every model saved)
+    large = [t for t in proto.graph.initializer
+             if t.data_location != onnx.TensorProto.EXTERNAL and t.ByteSize() >= FROZEN_IN_PLACE]
+    if not large:
+        return False
     stored = set(_stored_inputs(proto))
-    return any(t.name in stored and t.data_location != onnx.TensorProto.EXTERNAL and len(t.raw_data) >= FROZEN_IN_PLACE
-               for t in proto.graph.initializer)
+    return any(t.name in stored and len(t.raw_data) >= FROZEN_IN_PLACE for t in large)
 
 
 def quantized_weight_names(proto: onnx.ModelProto) -> list[str]:
