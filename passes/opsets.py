@@ -18,6 +18,7 @@ import onnx
 import onnx_ir as ir
 
 from onnx_autodiff.errors import AutodiffError, OpsetTooOldError, UnsupportedModelError
+from onnx_autodiff.modelfile import from_proto, to_proto
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def convert_in_place(model: ir.Model, opset: int, reason: str, source: ir.Model 
     The model and its graph stay the same objects, as an in-place pass needs (a caller holding
     ``model.graph`` sees the converted graph); its nodes and values are the converted ones.
     """
-    converted = ir.from_proto(convert_proto(ir.to_proto(source or model), opset, reason))
+    converted = from_proto(convert_proto(to_proto(source or model), opset, reason))
     graph, new = model.graph, converted.graph
     graph.remove(list(graph))
     graph.inputs.clear()

@@ -163,7 +163,7 @@ def parameter_rows(model: ir.Model, registry: GradRegistry | None = None) -> lis
     from onnx_autodiff.passes.recovery import RecoverParametersPass
 
     recovery = recover_parameters(model)
-    rewritten = ir.from_proto(ir.to_proto(model)) if recovery.torch_export else model
+    rewritten = model.clone() if recovery.torch_export else model
     if recovery.torch_export:
         rewrite = RecoverParametersPass(tie=True)
         rewrite(rewritten)
