@@ -311,7 +311,7 @@ def to_inline_proto(model: ir.Model, graphs: list[ir.Graph] | None = None) -> on
             f"the model's tensors take {tensor_bytes(model, graphs) / 1e9:.2f} GB, more than one protobuf message "
             "holds (2 GB): write it to a file, which puts them in a data file beside it")
     with _in_memory(model, graphs):
-        return ir.to_proto(model)
+        return to_proto(model)
 
 
 def to_proto(model: ir.Model) -> onnx.ModelProto:
