@@ -7,10 +7,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx
-import onnx_ir as ir
 from onnx import helper, numpy_helper
 
 from onnx_autodiff.conformance.oracle import Evaluator, FDGradient, fd_vjp, random_cotangents
+from onnx_autodiff.modelfile import from_proto, to_proto
 from onnx_autodiff.passes.autodiff import AutodiffPass
 from onnx_autodiff.rules import GradRegistry
 
@@ -52,8 +52,8 @@ def backward_model(
 ) -> tuple[onnx.ModelProto, AutodiffPass]:
     """The model with gradient outputs appended, checked with ``full_check=True``."""
     autodiff = AutodiffPass(of=of, wrt=list(wrt), registry=registry, seed=seed, upgrade_opset=upgrade_opset)
-    result = autodiff(ir.from_proto(model))
-    proto = ir.to_proto(result.model)
+    result = autodiff(from_proto(model))
+    proto = to_proto(result.model)
     onnx.checker.check_model(proto, full_check=True)
     return proto, autodiff
 

@@ -7,12 +7,12 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx
-import onnx_ir as ir
 from onnx import helper
 
 from onnx_autodiff.conformance.check import GradCheck, check_vjp
 from onnx_autodiff.conformance.widening import FLOAT_ELEM_TYPES
 from onnx_autodiff.errors import UnknownValueError
+from onnx_autodiff.modelfile import from_proto, to_proto
 from onnx_autodiff.passes.autodiff import AutodiffPass
 
 
@@ -100,7 +100,7 @@ def check_grads(
     checks = {1: check_vjp(single, feeds, wrt, seed=seed, atol=atol, rtol=rtol)}
     if order == 2:
         autodiff = AutodiffPass(of=of, wrt=wrt, seed="input")
-        first = ir.to_proto(autodiff(ir.from_proto(single)).model)
+        first = to_proto(autodiff(from_proto(single)).model)
         grads = set(autodiff.gradient_names.values())
         kept = [o for o in first.graph.output if o.name in grads]
         del first.graph.output[:]

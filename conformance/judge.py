@@ -17,6 +17,7 @@ from onnx import numpy_helper
 from onnx_autodiff.conformance.cases import CHECKED_ELEM_TYPES, Case, elem_type
 from onnx_autodiff.conformance.check import LOSS, WEAK_TOLERANCE, backward_model, compare_elements, scalarize
 from onnx_autodiff.conformance.oracle import BACKENDS, Evaluator, OracleResult, cotangents_for, fd_vjp, usable
+from onnx_autodiff.modelfile import from_proto
 from onnx_autodiff.conformance.references import References, StoredOracle, case_fingerprint, is_stale
 
 STATUSES = ("pass", "fail", "no-rule", "not-differentiable", "refused", "oracle-skip", "error")
@@ -171,16 +172,15 @@ def _prepare(case: Case, registry, seed: int, started: float) -> _Forward | list
 
 def differentiable_inputs(case: Case, model: onnx.ModelProto, registry) -> tuple[str, list[str], str]:
     """(status or "", candidate graph inputs, message) for the op under test."""
-    import onnx_ir as ir
-
     floats = [i.name for i in model.graph.input if elem_type(i) in CHECKED_ELEM_TYPES]
     if case.wrt is not None:
         return "", [x for x in case.wrt if x in floats], ""
     if case.kind == "model":
         return "", [t.name for t in model.graph.initializer if t.data_type in CHECKED_ELEM_TYPES], ""
     base = onnx.load_from_string(case.base) if case.base is not None else model
-    graph = ir.from_proto(base).graph
-    opsets = {("" if k == "ai.onnx" else k): v for k, v in ir.from_proto(base).opset_imports.items()}
+    based = from_proto(base)
+    graph = based.graph
+    opsets = {("" if k == "ai.onnx" else k): v for k, v in based.opset_imports.items()}
     node = next(iter(graph))
     opset = opsets.get(node.domain if node.domain != "ai.onnx" else "", 1)
     rule = registry.lookup(node, opset)

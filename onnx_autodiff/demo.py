@@ -82,15 +82,16 @@ def write_example(directory: str | os.PathLike, samples: int = 768, validation: 
 
 def run_demo(steps: int = 60, learning_rate: float = 0.5, out=print) -> int:
     from onnx_autodiff.conformance import fd_vjp
+    from onnx_autodiff.modelfile import from_proto, to_proto
     from onnx_autodiff.passes import AutodiffPass, cleanup_passes
 
     forward = classifier_model()
     params = ["W1", "b1", "W2", "b2"]
     start = time.perf_counter()
     autodiff = AutodiffPass(of="loss", wrt=params)
-    model = ir.passes.PassManager([autodiff, *cleanup_passes()])(ir.from_proto(forward)).model
+    model = ir.passes.PassManager([autodiff, *cleanup_passes()])(from_proto(forward)).model
     build_ms = (time.perf_counter() - start) * 1e3
-    training = ir.to_proto(model)
+    training = to_proto(model)
     onnx.checker.check_model(training, full_check=True)
 
     X, labels = blobs()

@@ -26,7 +26,7 @@ import onnx
 import onnx_ir as ir
 
 from onnx_autodiff.errors import TrainingError, UnknownValueError, UnsupportedModelError, names_summary
-from onnx_autodiff.modelfile import from_proto
+from onnx_autodiff.modelfile import from_proto, to_proto
 from onnx_autodiff.passes.opsets import default_opset
 from onnx_autodiff.passes.metadata import module_names, record_kept
 from onnx_autodiff.passes.quantize import (FORMATS, INT4_OPSET, Quantization, QuantizedBase,
@@ -450,7 +450,7 @@ def adapted(proto: onnx.ModelProto, config: LoraConfig, trained: Sequence[str] =
     model = from_proto(proto, base_dir)
     lora = LoraPass(config, trained)
     lora(model)
-    return ir.to_proto(model), lora
+    return to_proto(model), lora
 
 
 def unmerged(proto: onnx.ModelProto, layout: Mapping) -> onnx.ModelProto:

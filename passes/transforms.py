@@ -17,6 +17,7 @@ import onnx
 import onnx_ir as ir
 
 from onnx_autodiff.errors import NotDifferentiableError
+from onnx_autodiff.modelfile import from_proto, to_proto
 from onnx_autodiff.passes.autodiff import (
     AutodiffPass,
     backward_builder,
@@ -241,8 +242,8 @@ def _reshape(op: OpBuilder, x: ir.Value, shape: ir.Value) -> ir.Value:
 def _functional(transform: ir.passes.InPlacePass, model):
     """Apply ``transform`` to a copy of ``model`` (ir.Model or ModelProto); return the same kind."""
     if isinstance(model, onnx.ModelProto):
-        result = transform(ir.from_proto(model)).model
-        return ir.to_proto(result)
+        result = transform(from_proto(model)).model
+        return to_proto(result)
     return transform(model.clone()).model
 
 

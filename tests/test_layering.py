@@ -91,10 +91,15 @@ def test_the_engine_imports_no_cleanup():
 
 
 def test_the_toolkit_imports_no_layer_above_it():
+    """Beside the errors, the toolkit reads only the model-file edge (modelfile converts to and
+    from protobuf), which itself builds on nothing but the errors and file writing."""
     known = modules()
     toolkit = {name for name in known if name.startswith("onnx_autodiff.toolkit")}
     used = set().union(*(imports(name, known[name], known) for name in toolkit))
-    assert toolkit and used <= toolkit | {"onnx_autodiff.errors"}, sorted(used - toolkit)
+    base = {"onnx_autodiff.errors", "onnx_autodiff.files", "onnx_autodiff.modelfile"}
+    assert toolkit and used <= toolkit | base, sorted(used - toolkit)
+    edge = imports("onnx_autodiff.modelfile", known["onnx_autodiff.modelfile"], known)
+    assert edge <= {"onnx_autodiff.errors", "onnx_autodiff.files"}, sorted(edge)
 
 
 def test_every_module_imports_first():

@@ -26,6 +26,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from onnx_autodiff.modelfile import to_proto
 from onnx_autodiff.toolkit import shapes
 from onnx_autodiff.toolkit.graphs import captured_values, graph_and_subgraphs, proto_graphs, subgraphs
 
@@ -67,7 +68,7 @@ def _infer_model_shapes(model: ir.Model) -> None:
         outputs = {v.name: v for node in graph for v in node.outputs if v.name}
         if not static_by_node(graph, outputs, model.opset_imports):
             return
-    proto = onnx_inferred(ir.to_proto(model))
+    proto = onnx_inferred(to_proto(model))
     if proto is None:
         return
     # Read from the inferred value_info: deserialising the whole model costs several times more.
@@ -91,7 +92,7 @@ def _infer_missing_shapes(model: ir.Model) -> None:
         missing = static_by_node(model.graph, missing, model.opset_imports)
     if not missing:
         return
-    proto = onnx_inferred(ir.to_proto(model))
+    proto = onnx_inferred(to_proto(model))
     if proto is None:  # without shapes fewer rewrites apply
         return
     seen: dict[bytes, ir.Shape | None] = {}
