@@ -322,11 +322,11 @@ def to_proto(model: ir.Model) -> onnx.ModelProto:
     If-branch outputs spends most of its conversion there). A model that holds what
     :class:`_GraphWriter` leaves to onnx-ir (functions, metadata, quantization annotations,
     reference attributes) is converted by ``ir.to_proto``."""
+    if model.functions or getattr(model, "device_configurations", None):
+        return ir.to_proto(model)
     try:
         graph = _GraphWriter().graph(model.graph)
     except _Unwritten:
-        return ir.to_proto(model)
-    if model.functions or getattr(model, "device_configurations", None):
         return ir.to_proto(model)
     proto = onnx.ModelProto(ir_version=model.ir_version)
     for field in ("producer_name", "producer_version", "domain", "model_version", "doc_string"):

@@ -6,7 +6,6 @@ does to the initializers being differentiated) counts as unknown: nothing folds 
 
 from __future__ import annotations
 
-
 from collections.abc import Callable, Iterable
 
 import onnx_ir as ir

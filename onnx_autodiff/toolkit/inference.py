@@ -62,7 +62,7 @@ def infer_shapes(model: ir.Model, *, missing_only: bool = False) -> None:
 
 def _infer_model_shapes(model: ir.Model) -> None:
     graph = model.graph
-    if all(shapes.static_shape(v) is not None for v in graph.inputs) and not any(subgraphs(n) for n in graph):
+    if _static_inputs(graph) and not any(subgraphs(n) for n in graph):
         # static inputs: each node's own inference finds what the whole model's does, at a
         # fraction of the cost of converting the model for it
         outputs = {v.name: v for node in graph for v in node.outputs if v.name}
@@ -87,8 +87,7 @@ def _infer_missing_shapes(model: ir.Model) -> None:
     deserialising the whole inferred model costs ten times more."""
     missing = {v.name: v for node in model.graph for v in node.outputs
                if (v.shape is None or v.type is None) and v.name}
-    if missing and (len(missing) <= BY_NODE
-                    or all(shapes.static_shape(v) is not None for v in model.graph.inputs)):
+    if missing and (len(missing) <= BY_NODE or _static_inputs(model.graph)):
         missing = static_by_node(model.graph, missing, model.opset_imports)
     if not missing:
         return
@@ -100,6 +99,12 @@ def _infer_missing_shapes(model: ir.Model) -> None:
         value = missing.get(info.name)
         if value is not None and info.type.WhichOneof("value"):
             _take_inferred(value, info.type, frozen_shape(info.type, seen), Overwrite.NOTHING)
+
+
+def _static_inputs(graph: ir.Graph) -> bool:
+    """Whether every input of ``graph`` has a static shape: then each node's own inference
+    (:func:`static_by_node`) finds the static shapes the whole model's does."""
+    return all(shapes.static_shape(v) is not None for v in graph.inputs)
 
 
 def infer_node_shapes(nodes: Sequence[ir.Node], inputs: Sequence[ir.Value], opset: int) -> None:
