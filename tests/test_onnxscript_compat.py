@@ -114,3 +114,25 @@ def test_the_folder_visiting_fewer_nodes_folds_as_onnxscripts_fold_constants():
     assert by_output["t3"].op_type == "Cast" and by_output["branch"].op_type == "Neg"  # nodes the folds inserted
     # the folder's pass class, its evaluators' registry and its symbolic values are where Folder reads them
     assert ("", "Identity") in folder._evaluated and isinstance(folder._state.symbolic_value_map, dict)
+
+
+def test_the_folder_adds_shape_values_as_onnxscripts_and_skips_adds_of_unknown_tensors():
+    from onnxscript.optimizer import fold_constants
+
+    def case() -> ir.Model:
+        nodes = [helper.make_node("Shape", ["z"], ["dims"]), helper.make_node("Constant", [], ["one"], value_ints=[1]),
+                 helper.make_node("Add", ["dims", "one"], ["longer"]), helper.make_node("Add", ["z", "z"], ["y"]),
+                 helper.make_node("Expand", ["y", "longer"], ["w"])]
+        graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["N"])],
+                                  [helper.make_tensor_value_info("w", TensorProto.FLOAT, None)])
+        return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+
+    ours, theirs = case(), case()
+    folder = onnxscript_compat.Folder(input_size_limit=1024, output_size_limit=1024)
+    folder(ours)
+    expected = fold_constants(theirs, input_size_limit=1024, output_size_limit=1024).symbolic_value_map
+    found = folder._state.symbolic_value_map
+    assert {v.name: str(s) for v, s in found.items()} == {v.name: str(s) for v, s in expected.items()}
+    assert "N+1" in str(found[next(n for n in ours.graph if n.outputs[0].name == "longer").outputs[0]])
+    adds = [n for n in ours.graph if n.op_type == "Add"]
+    assert [folder._may_change(n) for n in adds] == [True, False]  # the Add of two unknown tensors is not visited

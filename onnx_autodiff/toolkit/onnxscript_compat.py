@@ -65,9 +65,14 @@ class Folder(_constant_folding.FoldConstantsPass):
             super().visit_node(node, root)
 
     def _may_change(self, node: ir.Node) -> bool:
+        inputs = node.inputs
+        if node.op_type == "Add" and node.domain == "":
+            # its evaluator adds shape values: it needs every input known (a backward graph's
+            # Adds, which sum gradients, mostly read neither a constant nor a symbolic value)
+            known = self._state.symbolic_value_map
+            return all(v is None or v.const_value is not None or v in known for v in inputs)
         if (node.domain, node.op_type) in self._evaluated or node.op_type == "Constant":
             return True
-        inputs = node.inputs
         if all(v is None or v.const_value is not None for v in inputs):
             return True
         forwarded = self._state.symbolic_value_map
