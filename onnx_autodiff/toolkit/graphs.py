@@ -3,8 +3,11 @@ values a node's subgraphs read."""
 
 from __future__ import annotations
 
+import collections
+
 import onnx
 import onnx_ir as ir
+import onnx_ir.passes.common
 
 
 def subgraphs(node: ir.Node) -> list[ir.Graph]:
@@ -97,3 +100,54 @@ def initializers_to_constants(graph: ir.Graph, keep: frozenset[str] | set[str] =
         constants.append(constant)
     if constants:
         graph.insert_before(graph.node(0), constants) if len(graph) else graph.extend(constants)
+
+
+def fix_names(model: ir.Model) -> bool:
+    """onnx-ir's NameFixPass (unique names for every node and value; True when it renamed): for a
+    model without functions or subgraphs, the same renames in one flat loop, about 3x faster (the
+    20,001-node chain: 0.17 against 0.05 s), where the folder runs it after every fold."""
+    graph = model.graph
+    if model.functions or any(subgraphs(node) for node in graph):
+        return ir.passes.common.NameFixPass()(model).modified
+    used_values: set[str] = set()
+    used_nodes: set[str] = set()
+    seen: set[ir.Value] = set()
+    value_counts: collections.Counter[str] = collections.Counter()
+    node_counts: collections.Counter[str] = collections.Counter()
+    renamed = False
+
+    def unique(preferred: str, used: set[str], counts: collections.Counter[str]) -> str:
+        name = preferred
+        while name in used:
+            counts[preferred] += 1
+            name = f"{preferred}_{counts[preferred]}"
+        used.add(name)
+        return name
+
+    def fix(value: ir.Value) -> None:
+        nonlocal renamed
+        seen.add(value)
+        name = value.name
+        if name and name not in used_values:
+            used_values.add(name)
+        else:
+            value.name = unique(name or "v", used_values, value_counts)
+            renamed = True
+
+    for value in (*graph.inputs, *graph.outputs, *graph.initializers.values()):
+        if value not in seen:
+            fix(value)
+    for node in graph:
+        name = node.name
+        if name and name not in used_nodes:
+            used_nodes.add(name)
+        else:
+            node.name = unique(name or "node", used_nodes, node_counts)
+            renamed = True
+        for value in node.inputs:
+            if value is not None and value not in seen:
+                fix(value)
+        for value in node.outputs:
+            if value not in seen:
+                fix(value)
+    return renamed

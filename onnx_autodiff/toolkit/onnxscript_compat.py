@@ -14,12 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import onnx_ir as ir
-import onnx_ir.passes.common
 from onnxscript.optimizer import _constant_folding
 from onnxscript.rewriter._basics import MatchFailureError
 from onnxscript.rewriter._pattern_ir import NodeOutputPattern
 
-from onnx_autodiff.toolkit.graphs import all_graphs
+from onnx_autodiff.toolkit.graphs import all_graphs, fix_names
 
 __all__ = ["SUPPORTED", "Folder", "MatchFailureError", "NodeOutputPattern", "pattern_nodes", "pattern_outputs"]
 
@@ -48,7 +47,9 @@ class Folder(_constant_folding.FoldConstantsPass):
     off), visiting only the nodes it could change: a node whose op has no partial evaluator, that
     holds no subgraph, reads some value not known as a constant and no value the folder forwards
     (an Identity's input) passes through its ``process_node`` unchanged, and a backward graph is
-    mostly such nodes. Its closing renaming pass (after any fold, as onnxscript's) leaves absent
+    mostly such nodes (nor does an Add unless each input is a constant or a symbolic value: its
+    evaluator adds shape values). Its closing renaming pass (onnx-ir's NameFixPass as
+    :func:`~onnx_autodiff.toolkit.graphs.fix_names` runs it, after any fold, as onnxscript's) leaves absent
     optional outputs ("" in ONNX) absent: named, they would count as present (Attention's
     present_key with nonpad_kv_seqlen is invalid). ``graphs`` lists the model's graphs, subgraphs
     and functions; ``folded`` collects the values folds made, which carry the folder's provenance
@@ -92,7 +93,7 @@ class Folder(_constant_folding.FoldConstantsPass):
             self.visit_function(function)
         if self._modified:
             absent = [out for graph in self.graphs(model) for node in graph for out in node.outputs if not out.name]
-            ir.passes.common.NameFixPass()(model)
+            fix_names(model)
             for out in absent:
                 if not out.uses() and not out.is_graph_output():
                     out.name = ""
