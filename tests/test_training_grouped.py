@@ -11,7 +11,7 @@ from onnx import helper, numpy_helper
 
 from onnx_autodiff.training import Trainer, generate_artifacts
 from onnx_autodiff.training import artifacts as artifacts_module
-from onnx_autodiff.training.optimizers import GROUP_LIMIT
+from onnx_autodiff.training.optimizers import GROUP_LIMIT, update_groups
 
 OPTIMIZERS = [
     ("sgd", {"lr": 0.05}),
@@ -50,6 +50,13 @@ def blocks(count: int = 6, width: int = 8, dtype=np.float32) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
+def _parameter(info: onnx.ValueInfoProto):
+    import onnx_ir as ir
+
+    dims = [d.dim_value for d in info.type.tensor_type.shape.dim]
+    return ir.Value(name=info.name, type=ir.TensorType(ir.DataType(info.type.tensor_type.elem_type)), shape=ir.Shape(dims))
+
+
 def nodes(graph: onnx.GraphProto) -> int:
     return sum(1 + sum(nodes(a.g) for a in n.attribute if a.type == onnx.AttributeProto.GRAPH) for n in graph.node)
 
@@ -83,7 +90,13 @@ def test_grouped_update_is_bit_identical_to_one_by_one(monkeypatch, optimizer, o
     alone, want_losses, want = trained(model, monkeypatch, False, optimizer, options, accumulate, max_grad_norm, batches)
     together, losses, got = trained(model, monkeypatch, True, optimizer, options, accumulate, max_grad_norm, batches)
     assert nodes(together.train_model.graph) < nodes(alone.train_model.graph)
+    squares = [n for n in together.train_model.graph.node if n.op_type == "ReduceSumSquare"]
+    groups = len(update_groups([v for v in map(_parameter, together.train_model.graph.input) if v.name in together.params]))
+    # the finite check sums the squares per group; clipping reads the sum, taken per parameter then
+    assert len(squares) == (len(together.params) if max_grad_norm is not None else groups)
     if accumulate:
+        accumulating = [n for n in together.accumulate_model.graph.node if n.op_type == "ReduceSumSquare"]
+        assert len(accumulating) == groups
         assert nodes(together.apply_model.graph) < nodes(alone.apply_model.graph)
         assert nodes(together.accumulate_model.graph) < nodes(alone.accumulate_model.graph)
     np.testing.assert_array_equal(losses, want_losses)

@@ -54,6 +54,7 @@ from onnx_autodiff.training.optimizers import (
     coefficient_formulas,
     emit_update,
     grouped,
+    joined,
     make_optimizer,
     optimizer_from_json,
     optimizer_to_json,
@@ -1344,12 +1345,14 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
         tail = [lr, step, *coefficients.values()]
     else:  # accumulate: acc + grad
         tail = []
-        kept, _ = step_kept(op, grads, loss)
+        groups = update_groups(params, _group_limit(target))
+        grad_groups = joined(op, groups, grads)  # read by the finite check and by the sums
+        kept, _ = step_kept(op, grad_groups, loss)
         accs = [fresh_value(namer, f"{p.name}.grad_acc", g.dtype or p.dtype, [dim_value(x) for x in p.shape])
                 for p, g in zip(params, grads)]
         extra_inputs.extend(accs)
-        groups = update_groups(params, _group_limit(target))
-        sums = when_kept(op, kept, lambda op: grouped(op, groups, [accs, grads], lambda op, a, g: [op.Add(a, g)])[0],
+        sums = when_kept(op, kept, lambda op: grouped(op, groups, [accs, grads], lambda op, a, g: [op.Add(a, g)],
+                                                      given={1: grad_groups})[0],
                          accs, keep=lambda op: grouped(op, groups, [accs], lambda op, a: [a])[0])
         for acc, new_acc in zip(accs, sums):
             outputs.append(_publish(op, namer, new_acc, f"{acc.name}.new", taken, like=acc))

@@ -224,19 +224,29 @@ def update_groups(params: list[ir.Value], limit: int | None = GROUP_LIMIT) -> li
     return list(groups.values())
 
 
-def grouped(op: OpBuilder, groups: list[list[int]], columns: list[list[ir.Value]], update) -> list[list[ir.Value]]:
+def joined(op: OpBuilder, groups: list[list[int]], rows: list[ir.Value]) -> list[ir.Value]:
+    """Per group, the Concat along axis 0 of its rows (a lone row as it is)."""
+    return [op.Concat(*(rows[i] for i in members), axis=0) if len(members) > 1 else rows[members[0]]
+            for members in groups]
+
+
+def grouped(op: OpBuilder, groups: list[list[int]], columns: list[list[ir.Value]], update,
+            given: Mapping[int, list[ir.Value]] | None = None) -> list[list[ir.Value]]:
     """``update(op, *inputs)`` (elementwise: each output shaped like the inputs, element i computed
     from the inputs' elements i) applied to each row ``columns[k][i]``, once per group of rows:
     over the Concat of the group's rows along axis 0, its outputs split back; returns the outputs
-    by column, each list in row order (None where no row has that column)."""
+    by column, each list in row order (None where no row has that column). ``given``: columns
+    already joined (:func:`joined`), by column index."""
     rows = len(columns[0])
+    given = given or {}
     results: list[list[ir.Value | None]] = []
-    for members in groups:
+    for k, members in enumerate(groups):
         if len(members) == 1:
             outs = update(op, *(column[members[0]] for column in columns))
             pieces = [[out] for out in outs]
         else:
-            outs = update(op, *(op.Concat(*(column[i] for i in members), axis=0) for column in columns))
+            outs = update(op, *(given[c][k] if c in given else op.Concat(*(column[i] for i in members), axis=0)
+                                for c, column in enumerate(columns)))
             sizes = [dim_value(columns[0][i].shape[0]) for i in members]
             pieces = [list(op.split(out, sizes, axis=0)) for out in outs]
         while len(results) < len(pieces):
@@ -264,7 +274,12 @@ def emit_update(op: OpBuilder, spec, params, grads, lr: ir.Value, step: ir.Value
     every new value is its old one, so a trainer may write the new values over the old ones and
     still keep nothing of a failed step. The update also waits for the whole backward pass.
     """
-    kept, total = step_kept(op, grads, loss)
+    groups = update_groups(params, group_limit)
+    grad_groups = joined(op, groups, grads)  # read by the update and by the finite check
+    # The finite check sums the squares of the groups (a node per group, not per parameter: the
+    # sum is only compared with infinity); clipping scales by the sum, which is then taken per
+    # parameter, so that the results stay those of each parameter's update apart.
+    kept, total = step_kept(op, grads if max_grad_norm is not None else grad_groups, loss)
     formulas = coefficient_formulas(spec)
     if formulas and coefficients is None:
         raise TrainingError(f"{type(spec).__name__}'s update reads per-step coefficients: give emit_update a coefficients dict")
@@ -281,11 +296,9 @@ def emit_update(op: OpBuilder, spec, params, grads, lr: ir.Value, step: ir.Value
             states.append([ir.Value(name=n, type=ir.TensorType(p.dtype), shape=ir.Shape(shape)) for n in state_names[i]])
             namer.taken.update(state_names[i])
 
-    groups = update_groups(params, group_limit)
-
     def build(op):
         new_params, new_states = _update(op, spec, params, grads, states, lr, step, total, max_grad_norm, coefficients,
-                                         groups)
+                                         groups, grad_groups)
         return [*new_params, *(s for news in new_states for s in news)]
 
     def keep(op):  # the old values: a Concat and a Split per group (an Identity of each alone)
@@ -300,10 +313,12 @@ def emit_update(op: OpBuilder, spec, params, grads, lr: ir.Value, step: ir.Value
 
 def _update(op: OpBuilder, spec, params, grads, states, lr: ir.Value, step: ir.Value, total: ir.Value,
             max_grad_norm, coefficients: Mapping[str, ir.Value] | None = None,
-            groups: list[list[int]] | None = None) -> tuple[list[ir.Value], list[list[ir.Value]]]:
+            groups: list[list[int]] | None = None,
+            grad_groups: list[ir.Value] | None = None) -> tuple[list[ir.Value], list[list[ir.Value]]]:
     """The new parameters and, per parameter, the new states of one step (torch.optim's formulas;
     ``total``: the sum of the squared gradients; ``coefficients``: the scalar inputs of
-    :func:`coefficient_formulas` by key; ``groups``: :func:`update_groups`, default each alone)."""
+    :func:`coefficient_formulas` by key; ``groups``: :func:`update_groups`, default each alone;
+    ``grad_groups``: the gradients already joined by those groups)."""
     float32 = ir.DataType.FLOAT
     coef = None
     if max_grad_norm is not None:
@@ -365,5 +380,6 @@ def _update(op: OpBuilder, spec, params, grads, states, lr: ir.Value, step: ir.V
         return [new_p, *outs]
 
     groups = groups if groups is not None else [[i] for i in range(len(params))]
-    results = grouped(op, groups, [params, grads, *zip(*states)], update)
+    results = grouped(op, groups, [params, grads, *zip(*states)], update,
+                      given={1: grad_groups} if grad_groups is not None else None)
     return results[0], [list(row) for row in zip(*results[1:])] if len(results) > 1 else [[] for _ in params]
