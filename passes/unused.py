@@ -4,6 +4,7 @@ batched and each op type's schema read once."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 
 import onnx
 import onnx_ir as ir
@@ -59,19 +60,62 @@ def remove_unused(model: ir.Model) -> bool:
     return removed > 0 or bool(unused)
 
 
+def remove_unused_after(graph: ir.Graph, added: Iterable[ir.Node], released: Iterable[ir.Value]) -> bool:
+    """What :func:`remove_unused` does to ``graph`` (the main graph of a model), for a graph that had
+    nothing to remove until the ``added`` nodes were appended and the ``released`` values left its
+    outputs: only those nodes and the producers of those values, and in turn the producers of what
+    goes, can have died, so only they are looked at (the train model's optimiser after its cleaned
+    backward: 0.35 s of a 55,000-node build for the whole graph). True when something went."""
+    outputs = frozenset(graph.outputs)
+    pending = [*added, *(v.producer() for v in released if v.producer() is not None)]
+    alive: dict[ir.Node, None] = {}  # (in the order found: the trims below are deterministic)
+    dead: set[ir.Node] = set()
+    removed = 0
+    while pending:
+        node = pending.pop()
+        if node in dead:
+            continue
+        if any(out.uses() or out in outputs for out in node.outputs):
+            if node not in alive:
+                alive[node] = None
+                removed += sum(_remove_dead(sub) for sub in subgraphs(node))
+            continue
+        pending += [v.producer() for v in node.inputs if v is not None and v.producer() is not None]
+        for sub in subgraphs(node):
+            for inner in ir.traversal.RecursiveGraphIterator(sub):
+                detach(inner)
+        detach(node)
+        dead.add(node)
+        alive.pop(node, None)
+    if dead:
+        graph.remove([node for node in graph if node in dead])
+    opset = graph.opset_imports.get("")
+    for node in alive:
+        _trim_node(node, outputs, opset)
+    unused = [name for name, value in graph.initializers.items()
+              if not (value.uses() or value.is_graph_output() or value.is_graph_input())]
+    for name in unused:
+        del graph.initializers[name]
+    return bool(removed or dead or unused)
+
+
 def _trim(graph: ir.Graph | ir.Function, opset: int | None) -> None:
     outputs = frozenset(graph.outputs)
     for node in graph:
-        inputs = node.inputs
-        if inputs and inputs[-1] is None:
-            count = len(inputs)
-            while count and inputs[count - 1] is None:
-                count -= 1
-            node.resize_inputs(count)
-        if opset is not None and node.domain == "" and (len(node.outputs) > 1 or node.op_type == "BatchNormalization"):
-            _drop_optional_outputs(node, outputs, opset)
-        for sub in subgraphs(node):
-            _trim(sub, opset)
+        _trim_node(node, outputs, opset)
+
+
+def _trim_node(node: ir.Node, outputs: frozenset[ir.Value], opset: int | None) -> None:
+    inputs = node.inputs
+    if inputs and inputs[-1] is None:
+        count = len(inputs)
+        while count and inputs[count - 1] is None:
+            count -= 1
+        node.resize_inputs(count)
+    if opset is not None and node.domain == "" and (len(node.outputs) > 1 or node.op_type == "BatchNormalization"):
+        _drop_optional_outputs(node, outputs, opset)
+    for sub in subgraphs(node):
+        _trim(sub, opset)
 
 
 def _drop_optional_outputs(node: ir.Node, graph_outputs: frozenset[ir.Value], opset: int) -> None:

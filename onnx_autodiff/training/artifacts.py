@@ -582,11 +582,12 @@ def _publish(op: OpBuilder, namer: Namer, value: ir.Value, hint: str, taken: set
 
 
 def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], what: str,
-            cleaned: bool = False, target: str | None = "onnxruntime", check_output: bool = False,
+            cleaned: list[ir.Node] | None = None, target: str | None = "onnxruntime", check_output: bool = False,
             forward: tuple[list[str], list[str]] | None = None):
     """The model with these inputs and outputs, cleaned up and lowered for ``target`` unless
-    ``cleaned`` says its nodes already are (then only unused ones are removed, and the nodes added
-    since the cleanup lowered where the target needs it), checked (onnx.checker's structural check;
+    ``cleaned`` lists the nodes added since its cleanup (then only what those nodes and the
+    outputs it had leave unused is removed, and the added nodes lowered where the target needs
+    it), checked (onnx.checker's structural check;
     its full check where :func:`~onnx_autodiff.modelfile.full_output_check` says), as a proto.
 
     ``forward``: (input names, output names) of a part of the model to cut out as a model of its
@@ -594,20 +595,20 @@ def _finish(model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value], wh
     cannot be cut out, see :func:`_forward_part`)."""
     from onnx_autodiff.passes import cleanup_passes
     from onnx_autodiff.passes.lowering import LoweringPass
-    from onnx_autodiff.passes.unused import RemoveUnusedPass
+    from onnx_autodiff.passes.unused import RemoveUnusedPass, remove_unused_after
 
     graph = model.graph
+    previous = list(graph.outputs)
     graph.inputs.clear()
     graph.inputs.extend(inputs)
     graph.outputs.clear()
     graph.outputs.extend(outputs)
-    if not cleaned:
-        passes = cleanup_passes(target=target)
+    if cleaned is None:
+        model = ir.passes.PassManager(cleanup_passes(target=target))(model).model
     elif target in OPTIMIZER_LOWERED:
-        passes = [RemoveUnusedPass(), LoweringPass(target)]
+        model = ir.passes.PassManager([RemoveUnusedPass(), LoweringPass(target)])(model).model
     else:
-        passes = [RemoveUnusedPass()]
-    model = ir.passes.PassManager(passes)(model).model
+        remove_unused_after(graph, cleaned, [v for v in previous if not v.is_graph_output()])
     _frozen_read_in_place(model)
     if target is not None and _holds_stored_weights(graph):
         _frozen_bases_read_in_pieces(model)
@@ -1368,7 +1369,8 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
         outputs.append(_publish(op, namer, value, f"{name}.new", taken, like=buffer))
         carry.append([name, name, outputs[-1].name])
     outputs.append(_publish(op, namer, kept, "kept", taken))
-    graph.extend(op.nodes)
+    added = list(op.nodes)
+    graph.extend(added)
     for domain, version in op.opsets.items():
         model.opset_imports.setdefault(domain, version)
     buffers = set(roles.buffers)
@@ -1376,7 +1378,7 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     scalars.update({key: value.name for key, value in seeds.items()})
     inputs = [*batch, *labels, *params, *extra_inputs, *buffer_inputs, *tail, *seeds.values()]
     loss_name, kept_name = loss_out.name, outputs[-1].name  # (before the lowering, as the eval model's)
-    proto_out = _finish(model, inputs, outputs, f"{kind} model", cleaned=True, target=target, check_output=check_output,
+    proto_out = _finish(model, inputs, outputs, f"{kind} model", cleaned=added, target=target, check_output=check_output,
                         forward=eval_part)
     eval_model = None
     if eval_part is not None:

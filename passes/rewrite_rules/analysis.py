@@ -20,6 +20,7 @@ from onnx_autodiff.toolkit.builder import CONSTANT_TYPES_BEFORE_9, FLOAT_TYPES
 Dims = tuple
 SMALL = 16  # a zero tensor at most this large becomes a Constant, a larger one a ConstantOfShape
 _FILL_HEAD = 64  # elements fill() compares before the whole tensor
+_FILL_OPS = frozenset({"Constant", "ConstantOfShape", "Expand", "Identity", "Cast", "CastLike"})
 
 _CASTABLE = {*FLOAT_TYPES, ir.DataType.BOOL,
              *(t for t in ir.DataType if t.name.startswith(("INT", "UINT")) and t.bitwidth >= 8)}
@@ -81,8 +82,13 @@ def broadcast(*shapes_: Dims | None) -> Dims | None:
 def fill(value: ir.Value | None) -> float | None:
     """The one number every element of ``value`` holds, when the graph says so: a constant, a
     ConstantOfShape, and Expand, Identity or Cast of one."""
-    node = None if value is None else value.producer()
-    if value is not None and value.const_value is not None or node is not None and node.op_type == "Constant":
+    if value is None:
+        return None
+    node = value.producer()
+    # (most values a rule asks about are neither constant nor made by an op fill looks through)
+    if value.const_value is None and (node is None or node.op_type not in _FILL_OPS):
+        return None
+    if value.const_value is not None or node.op_type == "Constant":
         array = shapes.constant(value, computed=False)
         if array is None or array.size == 0 or array.dtype.kind not in "biuf":
             return None
