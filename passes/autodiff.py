@@ -91,7 +91,7 @@ def backward_builder(registry: GradRegistry, opsets: Mapping[str, int], namer: N
     opsets = {("" if k == "ai.onnx" else k): v for k, v in opsets.items()}
     # A model of ai.onnx.ml ops only still gets standard-op backward nodes.
     opsets.setdefault("", DEFAULT_OPSET)
-    return OpBuilder(opsets[""], namer, opsets, _Engine(registry))
+    return OpBuilder(opsets[""], namer, opsets, _Engine(registry), share_numbers=True)
 
 
 def differentiate(

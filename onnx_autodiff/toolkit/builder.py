@@ -81,15 +81,21 @@ class OpBuilder:
     ``_outputs`` > 1). Inputs may be ``ir.Value``, None (an omitted optional input), numpy arrays,
     lists of ints (int64 tensors) or Python numbers (a scalar of the first input's dtype).
     Attributes set to None are left out. Methods in lower case emit the form right for ``opset``.
+
+    ``share_numbers``: a Python number given as an input becomes one Constant per value and dtype
+    for the whole builder (the backward of a 5,000-block chain read 5,000 Constants of 1 from
+    Tanh's rule, each then inferred, folded and merged again by the cleanup). Only for a builder
+    whose nodes go into one graph in the order emitted: the first use then comes after it.
     """
 
     def __init__(self, opset: int, namer: Namer, opsets: dict[str, int] | None = None,
-                 differentiate: Differentiate | None = None) -> None:
+                 differentiate: Differentiate | None = None, share_numbers: bool = False) -> None:
         self.opset = opset
         self.opsets = dict(opsets or {"": opset})
         self.namer = namer
         self.nodes: list[ir.Node] = []
         self._differentiate = differentiate
+        self._numbers: dict[tuple, ir.Value] | None = {} if share_numbers else None
 
     def __getattr__(self, op_type: str):
         if not op_type[:1].isupper():
@@ -151,14 +157,20 @@ class OpBuilder:
         if isinstance(value, np.ndarray):
             return self.const(value)
         if isinstance(value, (int, float, np.number)):
-            return self.const(value, like=like)
+            if self._numbers is None or like is not None and like.dtype is None:  # (CastLike to like: like's own)
+                return self.const(value, like=like)
+            number = np.asarray(value)
+            key = (None if like is None else like.dtype, number.dtype.str, number.tobytes())
+            if key not in self._numbers:
+                self._numbers[key] = self.const(value, like=like)
+            return self._numbers[key]
         raise TypeError(f"cannot use {type(value).__name__} as a node input")
 
     # Subgraphs: what control-flow rules build their bodies with.
 
     def child(self) -> OpBuilder:
         """A builder for a subgraph body: the same names, opsets and engine, its own nodes."""
-        child = OpBuilder(self.opset, self.namer, self.opsets, self._differentiate)
+        child = OpBuilder(self.opset, self.namer, self.opsets, self._differentiate, self._numbers is not None)
         child.opsets = self.opsets
         return child
 
