@@ -358,12 +358,6 @@ def _field(tag: bytes, data: bytes) -> bytes:
     return tag + (_SMALL_LENGTHS[len(data)] if len(data) < 128 else _varint(len(data))) + data
 
 
-def _text(text: str | None) -> bytes:
-    if text is None:  # (where ir.to_proto would fail)
-        raise _Unwritten
-    return text.encode()
-
-
 _SMALL_LENGTHS = [bytes((n,)) for n in range(128)]
 # the tags (field number, wire type 2) of the fields written here, by message
 _NODE_INPUT, _NODE_OUTPUT, _NODE_NAME, _NODE_OP_TYPE, _NODE_ATTRIBUTE = b"\x0a", b"\x12", b"\x1a", b"\x22", b"\x2a"
@@ -381,10 +375,18 @@ _QUANTIZATION = "quant_parameter_tensor_names"  # the value meta that ir.to_prot
 
 class _GraphWriter:
     """Graphs in protobuf's wire format, field for field what ``ir.serde.serialize_graph_into``
-    writes; raises :class:`_Unwritten` on what it leaves to it."""
+    writes; raises :class:`_Unwritten` on what it leaves to it.
+
+    A train model has 55,000 nodes, 30,000 graph inputs and outputs and 60,000 If-branch outputs:
+    the loops over them read each property once, and a value's private slots where the public
+    property makes what it returns when first read (``meta``, ``metadata_props``: most values
+    have neither, and reading them for each value of a large graph made one for each)."""
 
     def __init__(self) -> None:
-        self.names: dict[str, bytes] = {}  # a name's length and bytes: each value's is written several times
+        # field 1 with a value's name, by value: a node's input and a value_info's name are both
+        # field 1, so one encoding serves both (a value is written once as an output, then read
+        # by its consumers and described by a value_info)
+        self.named: dict[ir.Value | None, bytes] = {None: _NO_INPUT}
         self.types: dict[tuple, bytes] = {}  # a value's type field, by its type's and shape's ids
         self.typed: dict[tuple, bytes] = {}  # the same, by what they hold
         self.attributes: dict[tuple, bytes] = {}
@@ -397,96 +399,122 @@ class _GraphWriter:
         parts = [_field(_GRAPH_NAME, graph.name.encode())] if graph.name else []
         if graph.doc_string:
             parts.append(_field(_GRAPH_DOC_STRING, graph.doc_string.encode()))
-        for value in graph.inputs:
-            self.described(value)
-            parts.append(_field(_GRAPH_INPUT, self.value(value)))
-        inputs = {v.name for v in graph.inputs}
+        # (.data: the list a UserList holds; iterating the UserList calls __getitem__ for each item)
+        self.values(_GRAPH_INPUT, graph.inputs.data, parts)
+        inputs = {v.name for v in graph.inputs.data}
         for value in graph.initializers.values():
             if self.described(value) and value.name not in inputs:
-                parts.append(_field(_GRAPH_VALUE_INFO, self.value(value)))
+                self.values(_GRAPH_VALUE_INFO, (value,), parts)
             if value.const_value is None:  # (ir.to_proto warns)
                 raise _Unwritten
             value.const_value.name = value.name  # as ir.to_proto names it
             parts.append(_field(_GRAPH_INITIALIZER, ir.serde.serialize_tensor(value.const_value).SerializeToString()))
-        described = self.described
         for node in graph:
-            parts.append(_field(_GRAPH_NODE, self.node(node)))
-            for output in node.outputs:
-                if described(output) and not output.is_graph_output():
-                    parts.append(_field(_GRAPH_VALUE_INFO, self.value(output)))
-        for value in graph.outputs:
-            self.described(value)
-            parts.append(_field(_GRAPH_OUTPUT, self.value(value)))
+            self.node(node, parts)
+        self.values(_GRAPH_OUTPUT, graph.outputs.data, parts)
         return b"".join(parts)
+
+    def values(self, tag: bytes, values, parts: list[bytes]) -> None:
+        """Appends to ``parts`` a field of ``tag`` (an input, output or value_info) for each of ``values``."""
+        named, types = self.named, self.types
+        for value in values:
+            meta = value._metadata
+            if meta and _QUANTIZATION in meta or value._metadata_props or value.doc_string:
+                raise _Unwritten
+            name = named.get(value) or self.name(value)
+            type_, shape = value.type, value.shape
+            if type_ is None:
+                if shape is not None:  # (ir.to_proto warns)
+                    raise _Unwritten
+                parts.append(_field(tag, name))
+                continue
+            typed = types.get((id(type_), id(shape)))
+            if typed is None:
+                typed = types[id(type_), id(shape)] = self.type_field(type_, shape)
+            size = len(name) + len(typed)
+            parts += (tag, _SMALL_LENGTHS[size] if size < 128 else _varint(size), name, typed)
 
     @staticmethod
     def described(value: ir.Value) -> bool:
         """Whether ir.to_proto writes a value_info of ``value`` (a node's output, an initializer)."""
-        # (onnx-ir makes a value's meta when first read: most values have none, and reading it
-        # for each value of a large graph made one for each)
-        meta = getattr(value, "_metadata", None) if hasattr(value, "_metadata") else value.meta
+        meta = value._metadata
         if meta and _QUANTIZATION in meta:
             raise _Unwritten
-        return (value.type is not None or value.shape is not None) and bool(value.name)
+        return (value.type is not None or value.shape is not None or bool(value._metadata_props)
+                or bool(value.doc_string)) and bool(value.name)
 
     def name(self, value: ir.Value) -> bytes:
-        """The length and bytes of the name of ``value``."""
+        """Field 1 with the name of ``value``."""
         name = value.name
-        encoded = self.names.get(name)
-        if encoded is None:
-            encoded = self.names[name] = _field(b"", _text(name))
-        return encoded
-
-    def value(self, value: ir.Value) -> bytes:
-        if value.metadata_props or value.doc_string:  # (inputs and outputs have none here)
+        if name is None:  # (where ir.to_proto would fail)
             raise _Unwritten
-        if value.type is None:
-            if value.shape is not None:  # (ir.to_proto warns)
-                raise _Unwritten
-            return _VALUE_NAME + self.name(value)
-        key = (id(value.type), id(value.shape))
-        typed = self.types.get(key)
-        if typed is None:
-            typed = self.types[key] = self.type_field(value.type, value.shape)
-        return _VALUE_NAME + (self.names.get(value.name) or self.name(value)) + typed
+        named = self.named[value] = _field(_VALUE_NAME, name.encode())
+        return named
 
     def type_field(self, type_, shape: ir.Shape | None) -> bytes:
-        what = (type_.dtype if isinstance(type_, ir.TensorType) else repr(type_), type_.denotation)
-        key = (type_.__class__, what, None if shape is None else
-               (shape.dims, tuple(map(shape.get_denotation, range(len(shape))))))
-        if key not in self.typed:
+        # (the shape's list of denotations: get_denotation for each dimension took half the time
+        # of the graph's inputs and outputs, whose types and shapes are mostly each their own)
+        key = (type_.__class__, type_.dtype if isinstance(type_, ir.TensorType) else repr(type_), type_.denotation,
+               None if shape is None else (shape.dims, tuple(shape._denotations)))
+        typed = self.typed.get(key)
+        if typed is None:
             proto = onnx.TypeProto()
             ir.serde.serialize_type_into(proto, type_)
             if shape is not None:
                 ir.serde.serialize_shape_into(proto, shape)
-            self.typed[key] = _field(_VALUE_TYPE, proto.SerializeToString())
-        return self.typed[key]
+            typed = self.typed[key] = _field(_VALUE_TYPE, proto.SerializeToString())
+        return typed
 
-    def node(self, node: ir.Node) -> bytes:
+    def node(self, node: ir.Node, parts: list[bytes]) -> None:
+        """Appends to ``parts`` the field of ``node``, then the value_infos of its outputs."""
         if getattr(node, "device_configurations", None):
             raise _Unwritten
-        names = self.names
-        parts = [_NO_INPUT if v is None else _NODE_INPUT + (names.get(v.name) or self.name(v)) for v in node.inputs]
+        named = self.named
+        fields = list(map(named.get, node.inputs))  # (most written before: as an output, a graph's input)
+        if None in fields:
+            fields = [named.get(v) or self.name(v) for v in node.inputs]
         outputs = node.outputs
         if outputs and not outputs[-1].name:  # trailing unnamed outputs are left out
             outputs = list(outputs)
             while outputs and not outputs[-1].name:
-                outputs.pop()
-        parts += [_NODE_OUTPUT + (names.get(v.name) or self.name(v)) for v in outputs]
-        if node.name:
-            parts.append(_field(_NODE_NAME, node.name.encode()))
-        parts.append(self.op_types.get(node.op_type) or self.op_type(node.op_type))
-        if node.attributes:
-            parts += [_field(_NODE_ATTRIBUTE, self.attribute(a)) for a in node.attributes.values()]
+                self.described(outputs.pop())
+        described = []
+        for output in outputs:  # (each written once here: its consumers read its name from `named`)
+            name = output.name
+            if name is None:  # (where ir.to_proto would fail)
+                raise _Unwritten
+            data = name.encode()
+            length = _SMALL_LENGTHS[len(data)] if len(data) < 128 else _varint(len(data))
+            named[output] = _VALUE_NAME + length + data
+            fields += (_NODE_OUTPUT, length, data)
+            meta = output._metadata
+            if meta and _QUANTIZATION in meta:
+                raise _Unwritten
+            if output.type is None and output.shape is None and not output.doc_string and not output._metadata_props:
+                continue  # no value_info: most outputs (the artifacts forget intermediate types)
+            if name and not output.is_graph_output():
+                described.append(output)
+        name = node.name
+        if name:
+            data = name.encode()
+            fields += (_NODE_NAME, _SMALL_LENGTHS[len(data)] if len(data) < 128 else _varint(len(data)), data)
+        op_type = node.op_type
+        fields.append(self.op_types.get(op_type) or self.op_type(op_type))
+        attributes = node.attributes.data  # (the dict a UserDict holds: its own methods are slow)
+        if attributes:
+            fields += map(self.attribute, attributes.values())
         if node.doc_string:
-            parts.append(_field(_NODE_DOC_STRING, node.doc_string.encode()))
+            fields.append(_field(_NODE_DOC_STRING, node.doc_string.encode()))
         if node.domain:
-            parts.append(_field(_NODE_DOMAIN, node.domain.encode()))
+            fields.append(_field(_NODE_DOMAIN, node.domain.encode()))
         if node.overload:
-            parts.append(_field(_NODE_OVERLOAD, node.overload.encode()))
+            fields.append(_field(_NODE_OVERLOAD, node.overload.encode()))
         if node.metadata_props:  # (the backward's nodes name the forward node they differentiate)
-            parts += [self.entries.get(item) or self.entry(item) for item in sorted(node.metadata_props.items())]
-        return b"".join(parts)
+            fields += [self.entries.get(item) or self.entry(item) for item in sorted(node.metadata_props.items())]
+        body = b"".join(fields)
+        parts += (_GRAPH_NODE, _SMALL_LENGTHS[len(body)] if len(body) < 128 else _varint(len(body)), body)
+        if described:
+            self.values(_GRAPH_VALUE_INFO, described, parts)
 
     def op_type(self, op_type: str) -> bytes:
         self.op_types[op_type] = _field(_NODE_OP_TYPE, op_type.encode())
@@ -499,6 +527,7 @@ class _GraphWriter:
         return self.entries[item]
 
     def attribute(self, attribute: ir.Attr) -> bytes:
+        """The field of ``attribute`` in its node."""
         if attribute.is_ref():
             raise _Unwritten
         kind = attribute.type
@@ -510,14 +539,16 @@ class _GraphWriter:
                 parts.append(_field(_ATTRIBUTE_G, self.graph(attribute.value)))
             else:
                 parts.extend(_field(_ATTRIBUTE_GRAPHS, self.graph(g)) for g in attribute.value)
-            return b"".join(parts) + _ATTRIBUTE_TYPE + _varint(onnx.AttributeProto.AttributeType.Value(kind.name))
+            parts += (_ATTRIBUTE_TYPE, _varint(onnx.AttributeProto.AttributeType.Value(kind.name)))
+            return _field(_NODE_ATTRIBUTE, b"".join(parts))
         if kind not in _CACHED_ATTRIBUTES:
-            return ir.serde.serialize_attribute(attribute).SerializeToString()
+            return _field(_NODE_ATTRIBUTE, ir.serde.serialize_attribute(attribute).SerializeToString())
         value = attribute.value
         key = (attribute.name, attribute.doc_string, kind, tuple(value) if kind == ir.AttributeType.INTS else value)
-        if key not in self.attributes:
-            self.attributes[key] = ir.serde.serialize_attribute(attribute).SerializeToString()
-        return self.attributes[key]
+        field = self.attributes.get(key)
+        if field is None:
+            field = self.attributes[key] = _field(_NODE_ATTRIBUTE, ir.serde.serialize_attribute(attribute).SerializeToString())
+        return field
 
 
 def save_model(model: ir.Model, path: str | os.PathLike, external_data: bool | None = None,

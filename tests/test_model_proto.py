@@ -89,3 +89,38 @@ def test_artifacts_models_written_as_onnx_ir_writes_them(optimizer):
                                    max_grad_norm=1.0, gradient_accumulation=True)
     for proto in (artifacts.train_model, artifacts.eval_model, artifacts.accumulate_model, artifacts.apply_model):
         same_as_onnx_ir(ir.from_proto(proto))
+
+
+def _value(model: ir.Model, where: str) -> ir.Value:
+    graph = model.graph
+    return {"node output": graph.node(0).outputs[0], "input": graph.inputs[2], "initializer": graph.initializers["W"],
+            "output": graph.outputs[0]}[where]
+
+
+@pytest.mark.parametrize("where", ["node output", "input", "initializer", "output"])
+@pytest.mark.parametrize("extra", ["doc_string", "metadata_props"])
+def test_values_doc_string_and_metadata_written_as_onnx_ir_writes_them(where, extra):
+    """(ir.to_proto writes a value_info of a node's output that has either, typed or not)"""
+    model = ir.from_proto(varied_model())
+    value = _value(model, where)
+    if where == "node output":
+        value.type, value.shape = None, None
+    if extra == "doc_string":
+        value.doc_string = "described"
+    else:
+        value.metadata_props["origin"] = "here"
+    same_as_onnx_ir(model)
+
+
+@pytest.mark.parametrize("where", ["node output", "input", "initializer", "output", "unnamed trailing output"])
+def test_quantization_annotations_left_to_onnx_ir_on_every_kind_of_value(where):
+    model = ir.from_proto(varied_model())
+    if where == "unnamed trailing output":
+        value = next(n for n in model.graph if n.op_type == "Dropout").outputs[1]
+    else:
+        value = _value(model, where)
+        value.type, value.shape = (None, None) if where == "node output" else (value.type, value.shape)
+    value.meta["quant_parameter_tensor_names"] = {"SCALE_TENSOR": "high"}
+    with pytest.raises(_Unwritten):
+        _GraphWriter().graph(model.graph)
+    same_as_onnx_ir(model)
