@@ -15,6 +15,7 @@ FLOAT_TYPES = frozenset(
     {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
 )
 CONSTANT_TYPES_BEFORE_9 = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16})
+SHARED_SIZE = 64  # elements: the largest array input a sharing builder makes one Constant for (axes, shapes, scalars)
 
 
 def may_be_float(value: ir.Value) -> bool:
@@ -82,10 +83,12 @@ class OpBuilder:
     lists of ints (int64 tensors) or Python numbers (a scalar of the first input's dtype).
     Attributes set to None are left out. Methods in lower case emit the form right for ``opset``.
 
-    ``share_numbers``: a Python number given as an input becomes one Constant per value and dtype
-    for the whole builder (the backward of a 5,000-block chain read 5,000 Constants of 1 from
-    Tanh's rule, each then inferred, folded and merged again by the cleanup). Only for a builder
-    whose nodes go into one graph in the order emitted: the first use then comes after it.
+    ``share_numbers``: a Python number, list or small array (at most :data:`SHARED_SIZE`
+    elements) given as an input becomes one Constant per value and dtype for the whole builder
+    (the backward of a 5,000-block chain with biases read 5,000 Constants of 1 from Tanh's rule
+    and 5,000 of the axes [0] from the bias sums, each then inferred, folded and merged by the
+    cleanup). Only for a builder whose nodes go into one graph in the order emitted: the first use
+    then comes after it.
     """
 
     def __init__(self, opset: int, namer: Namer, opsets: dict[str, int] | None = None,
@@ -153,18 +156,25 @@ class OpBuilder:
         if value is None or _is_value(value):
             return value
         if isinstance(value, (list, tuple)):
-            return self.const(np.asarray(value, dtype=np.int64))
+            value = np.asarray(value, dtype=np.int64)
         if isinstance(value, np.ndarray):
-            return self.const(value)
+            return self._shared(value, None, lambda: self.const(value))
         if isinstance(value, (int, float, np.number)):
-            if self._numbers is None or like is not None and like.dtype is None:  # (CastLike to like: like's own)
+            if like is not None and like.dtype is None:  # (CastLike to like: that value's own)
                 return self.const(value, like=like)
-            number = np.asarray(value)
-            key = (None if like is None else like.dtype, number.dtype.str, number.tobytes())
-            if key not in self._numbers:
-                self._numbers[key] = self.const(value, like=like)
-            return self._numbers[key]
+            return self._shared(np.asarray(value), None if like is None else like.dtype,
+                                lambda: self.const(value, like=like))
         raise TypeError(f"cannot use {type(value).__name__} as a node input")
+
+    def _shared(self, array: np.ndarray, dtype: ir.DataType | None, make) -> ir.Value:
+        """``make()``, or where the builder shares numbers (see the class), the value it made
+        before for an equal small ``array`` made ``dtype``."""
+        if self._numbers is None or array.size > SHARED_SIZE:
+            return make()
+        key = (dtype, array.dtype.str, array.shape, array.tobytes())
+        if key not in self._numbers:
+            self._numbers[key] = make()
+        return self._numbers[key]
 
     # Subgraphs: what control-flow rules build their bodies with.
 
