@@ -696,3 +696,28 @@ def test_register_gradient_since_until_bound_the_opsets(opset):
     assert used == ([17] if opset <= 17 else [])
     with pytest.raises(TypeError):  # one way to give the bounds: not both
         register_gradient("Relu", opsets=(1, 5), since=2, registry=registry)
+
+
+def test_the_backward_makes_one_constant_per_number_and_axes():
+    """Tanh's rule reads the number 1 and each bias sum the axes [0]: one Constant each for the
+    whole backward (the cleanup would otherwise infer, fold and merge one per node); a builder
+    that does not share (a LoRA site's) still makes its own."""
+    from onnx import numpy_helper
+
+    from onnx_autodiff.toolkit import Namer, OpBuilder
+
+    nodes, x = [], "x"
+    inits = {}
+    for i in range(3):
+        inits[f"b{i}"] = R.standard_normal(4).astype(np.float32)
+        nodes += [helper.make_node("Add", [x, f"b{i}"], [f"a{i}"]), helper.make_node("Tanh", [f"a{i}"], [f"t{i}"])]
+        x = f"t{i}"
+    model = make_model(nodes, {"x": R.standard_normal((2, 4)).astype(np.float32)}, [x], initializers=inits)
+    proto, _ = differentiate(model, of=x, wrt=list(inits))
+    constants = [numpy_helper.to_array(n.attribute[0].t).tolist() for n in proto.graph.node if n.op_type == "Constant"]
+    assert sorted(map(str, constants)) == ["1.0", "[0]"]
+    assert_gradients(model, {"x": R.standard_normal((2, 4)).astype(np.float32)}, list(inits))
+    op = OpBuilder(18, Namer(set()))
+    y = ir.Value(name="y", type=ir.TensorType(ir.DataType.FLOAT))
+    op.Sub(1.0, y), op.Sub(1.0, y)
+    assert [n.op_type for n in op.nodes].count("Constant") == 2
