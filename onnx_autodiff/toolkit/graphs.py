@@ -116,38 +116,29 @@ def fix_names(model: ir.Model) -> bool:
     node_counts: collections.Counter[str] = collections.Counter()
     renamed = False
 
-    def unique(preferred: str, used: set[str], counts: collections.Counter[str]) -> str:
+    def fix(item: ir.Value | ir.Node, default: str, used: set[str], counts: collections.Counter[str]) -> None:
+        nonlocal renamed
+        preferred = item.name
+        if preferred and preferred not in used:
+            used.add(preferred)
+            return
+        preferred = preferred or default
         name = preferred
         while name in used:
             counts[preferred] += 1
             name = f"{preferred}_{counts[preferred]}"
         used.add(name)
-        return name
-
-    def fix(value: ir.Value) -> None:
-        nonlocal renamed
-        seen.add(value)
-        name = value.name
-        if name and name not in used_values:
-            used_values.add(name)
-        else:
-            value.name = unique(name or "v", used_values, value_counts)
-            renamed = True
+        item.name = name
+        renamed = True
 
     for value in (*graph.inputs, *graph.outputs, *graph.initializers.values()):
         if value not in seen:
-            fix(value)
+            seen.add(value)
+            fix(value, "v", used_values, value_counts)
     for node in graph:
-        name = node.name
-        if name and name not in used_nodes:
-            used_nodes.add(name)
-        else:
-            node.name = unique(name or "node", used_nodes, node_counts)
-            renamed = True
-        for value in node.inputs:
+        fix(node, "node", used_nodes, node_counts)
+        for value in (*node.inputs, *node.outputs):
             if value is not None and value not in seen:
-                fix(value)
-        for value in node.outputs:
-            if value not in seen:
-                fix(value)
+                seen.add(value)
+                fix(value, "v", used_values, value_counts)
     return renamed
