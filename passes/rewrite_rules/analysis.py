@@ -99,7 +99,7 @@ def fill(value: ir.Value | None) -> float | None:
         if array.size > 1 and not bool(np.all(flat[:_FILL_HEAD] == first)):
             return None
         return float(first) if array.size == 1 or bool(np.all(array == first)) else None
-    if node is None or node.domain != "":
+    if node.domain != "":  # (a value without a producer returned above, or was a constant)
         return None
     if node.op_type == "ConstantOfShape":
         tensor = shapes.attr(node, "value")
