@@ -20,7 +20,7 @@ linear in the graph's size.
 
 Values being differentiated are never folded: a training loop feeds new values of them every
 step, so ``Transpose(W)`` folded into a constant would be stale. The pass learns them from the
-model's metadata alone: the entry :data:`DIFFERENTIATED_KEY`, a JSON list of names that
+model's metadata alone: the entry :data:`~onnx_autodiff.passes.metadata.DIFFERENTIATED_KEY`, a JSON list of names that
 :class:`~onnx_autodiff.AutodiffPass` records, and :data:`~onnx_autodiff.passes.metadata.KEPT_KEY`;
 and from the ``keep`` option. Such initializers are treated as graph inputs while the pass runs.
 (Output names say nothing: a model whose metadata was dropped needs ``keep``.)
@@ -33,16 +33,15 @@ from collections.abc import Callable, Sequence
 
 import onnx_ir as ir
 from onnx_autodiff.passes import progress
-from onnx_autodiff.passes.cse import CSE_TENSOR_LIMIT, CommonSubexpressionPass, eliminate_common_subexpressions  # noqa: F401 - public here too
+from onnx_autodiff.passes.cse import CommonSubexpressionPass
 from onnx_autodiff.passes.fold import FOLD_LIMIT, FoldPass
 from onnx_autodiff.passes.lift import LiftConstantsPass
-from onnx_autodiff.passes.lowering import LoweringPass  # noqa: F401 - public here too
-from onnx_autodiff.passes.metadata import DIFFERENTIATED_KEY, differentiated, kept  # noqa: F401 - DIFFERENTIATED_KEY: public here too
+from onnx_autodiff.passes.metadata import differentiated, kept
 from onnx_autodiff.passes.outline import OutlinePass
 from onnx_autodiff.passes.rewrite_rules import RuleIndex, cleanup_rules, lowering_rules
 from onnx_autodiff.passes.rewrites import RewriteRulesPass
 from onnx_autodiff.passes.sort import SortPass
-from onnx_autodiff.passes.unused import RemoveUnusedPass, optional_outputs  # noqa: F401 - public here too
+from onnx_autodiff.passes.unused import RemoveUnusedPass
 from onnx_autodiff.toolkit import all_graphs
 from onnx_autodiff.toolkit.inference import infer_shapes
 

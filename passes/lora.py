@@ -32,7 +32,7 @@ from onnx_autodiff.passes.metadata import module_names, record_kept
 from onnx_autodiff.passes.quantize import (FORMATS, INT4_OPSET, Quantization, QuantizedBase,
                                            nbits_read_as_dequantizelinear, requantized, stored_weight)
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, shapes
-from onnx_autodiff.toolkit.inference import onnx_inferred
+from onnx_autodiff.toolkit.inference import infer_shapes
 
 NORMS = frozenset({"LayerNormalization", "BatchNormalization", "InstanceNormalization", "GroupNormalization",
                    "RMSNormalization"})
@@ -436,21 +436,19 @@ def merged_weights(adapters: Sequence[Adapter | Mapping], scale: float, weights:
     return merged
 
 
-def adapted(proto: onnx.ModelProto, config: LoraConfig, trained: Sequence[str] = (),
-            base_dir: str | None = None) -> tuple[onnx.ModelProto, LoraPass]:
-    """A copy of ``proto`` with the adapters of ``config``, and the pass (its adapters and extras);
-    ``trained``: other initializers to be trained, which a ``quantize_base`` leaves as they are;
-    ``base_dir``: where ``proto``'s external tensors are."""
+def adapt(model: ir.Model, config: LoraConfig, trained: Sequence[str] = ()) -> LoraPass:
+    """Adds the adapters of ``config`` to ``model`` (in place) and returns the pass (its adapters
+    and extras); ``trained``: other initializers to be trained, which a ``quantize_base`` leaves as
+    they are."""
     if not isinstance(config, LoraConfig):
         raise TrainingError(f"lora must be an onnx_autodiff.passes.lora.LoraConfig, not a {type(config).__name__}")
     if config.quantization is not None and config.quantization.format == "matmulnbits":
         # onnx's inference stops at MatMulNBits (no schema): the shapes after the products it
         # replaces are found while they are still MatMuls
-        proto = onnx_inferred(proto) or proto
-    model = from_proto(proto, base_dir)
+        infer_shapes(model)
     lora = LoraPass(config, trained)
     lora(model)
-    return to_proto(model), lora
+    return lora
 
 
 def unmerged(proto: onnx.ModelProto, layout: Mapping) -> onnx.ModelProto:
@@ -461,7 +459,8 @@ def unmerged(proto: onnx.ModelProto, layout: Mapping) -> onnx.ModelProto:
     recorded = [Adapter(**a) for a in layout["adapters"]]
     config = LoraConfig(rank=layout["rank"], alpha=layout["alpha"], seed=layout["seed"],
                         targets=[glob.escape(a.weight) for a in recorded])
-    proto, lora = adapted(proto, config)
+    model = from_proto(proto)
+    lora = adapt(model, config)
     if lora.adapters != recorded:
         raise TrainingError("the inference model's adapters differ from those the artifacts recorded (a bug, please report)")
-    return proto
+    return to_proto(model)

@@ -210,6 +210,24 @@ def test_requires_grad_and_frozen_take_module_names():
         generate_artifacts(proto, loss=None, optimizer="sgd", requires_grad=["*nothing*"])
 
 
+def test_an_export_with_lora_is_converted_to_onnx_ir_once_per_model(monkeypatch):
+    """Recovery and LoRA work on one onnx-ir model: the export is converted for the model to train
+    and for the inference model (its own layout, its base stored as the train model's), and once
+    more by the train build; the conversion back to protobuf happens at the end."""
+    import onnx_ir as ir
+
+    _, proto = exported("llama", "optimize")
+    converted = []
+    convert = ir.from_proto
+    monkeypatch.setattr(ir, "from_proto", lambda p: converted.append(len(p.graph.node)) or convert(p))
+    artifacts = generate_artifacts(proto, loss=None, optimizer="sgd",
+                                   lora=LoraConfig(rank=4, targets=["*q_proj*"], quantize_base="float16"))
+    assert len(converted) == 3, converted
+    assert artifacts.layout["lora"]["adapters"] and artifacts.layout["modules"]
+    stored = {t.name: t.data_type for t in artifacts.inference_model.graph.initializer}
+    assert onnx.TensorProto.FLOAT16 in stored.values()  # the inference model stores the base as trained
+
+
 def test_recovery_reads_each_export_alike():
     """The three exports of one module give the same module names and shapes."""
     found = {}

@@ -38,9 +38,9 @@ from onnx_autodiff.modelfile import (
     with_small_tensors_inline,
 )
 from onnx_autodiff.toolkit.inference import fully_shaped, onnx_inferred
-from onnx_autodiff.passes.lora import LoraConfig, adapted, quantize_bases
+from onnx_autodiff.passes.lora import LoraConfig, LoraPass, adapt, quantize_bases
 from onnx_autodiff.passes.quantize import INT4_OPSET, STORED_INPUT
-from onnx_autodiff.passes.opsets import OpsetError, build_proto_upgrading, convert_proto, default_opset
+from onnx_autodiff.passes.opsets import OpsetError, build_proto_upgrading, convert_in_place, default_opset
 from onnx_autodiff.passes.unused import optional_outputs
 from onnx_autodiff.passes.parameters import default_parameters
 from onnx_autodiff.passes.recovery import RecoverParametersPass, is_torch_export
@@ -1119,21 +1119,19 @@ def _generate_artifacts(model, requires_grad, frozen_params, loss, optimizer, op
     proto.CopyFrom(forward)
     if proto.functions:
         proto = onnx.inliner.inline_local_functions(proto)
-    proto, forward, modules = _recovered(proto, forward, base_dir)
-    frozen_params = _module_selection(frozen_params, proto, modules, "frozen parameter")
+    source = _Source(proto, forward, base_dir)
+    frozen_params = source.selection(frozen_params, "frozen parameter")
     named = set([requires_grad] if isinstance(requires_grad, str) else requires_grad or ())
-    requires_grad = _module_selection(requires_grad, proto, modules, "parameter")
+    requires_grad = source.selection(requires_grad, "parameter")
     if requires_grad is not None and frozen_params:  # what a pattern selects, frozen_params may take back
         requires_grad = [n for n in requires_grad if n in named or n not in set(frozen_params)]
     if lora is not None:
         extra = [requires_grad] if isinstance(requires_grad, str) else list(requires_grad or [])
-        proto, forward = _with_opset_for(lora, proto, forward, upgrade_opset)
-        proto, injected = adapted(proto, lora, trained=extra, base_dir=base_dir)
-        if injected.quantized:  # the inference model stores the base as the train model does
-            forward = _quantized(forward, lora, injected.quantized, base_dir)
+        injected = source.adapt(lora, extra, upgrade_opset)
         frozen = {frozen_params} if isinstance(frozen_params, str) else set(frozen_params or [])
         adapters = [name for a in injected.adapters for name in (a.A, a.B)]
         requires_grad = list(dict.fromkeys([*adapters, *(n for n in injected.extra if n not in frozen), *extra]))
+    proto, forward, modules = source.protos()
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise TrainingError(f"max_grad_norm must be > 0, not {max_grad_norm}")
     loss_spec = LossSpec(loss, output, labels)
@@ -1194,77 +1192,117 @@ def _generate_artifacts(model, requires_grad, frozen_params, loss, optimizer, op
     return artifacts
 
 
-def _recovered(proto: onnx.ModelProto, forward: onnx.ModelProto, base_dir):
-    """For a model exported from PyTorch: the model to train (each module parameter one
-    initializer, tied copies read through it), the forward model in the file's own layout (what
-    ``Trainer.export`` fills in), and the parameters by module name as the layout records them
-    (each with the copies that export sets from it). Any other model comes back as it is, with None."""
-    if not is_torch_export(proto):  # (read off the proto: most models are not, and need no conversion)
-        return proto, forward, None
-    model = from_proto(proto, base_dir)
-    kept = RecoverParametersPass(tie=False)
-    layout = kept(from_proto(proto, base_dir))
-    tied = RecoverParametersPass(tie=True)
-    tied(model)
-    if [p.initializer for p in tied.recovered] != [p.initializer for p in kept.recovered]:
-        raise TrainingError("parameter recovery named the parameters differently in the train and the exported "
-                            "model (a bug, please report)")
-    modules = []
-    for p in kept.recovered:
-        entry = p.to_json()
-        entry["copies"] = [[name, bool(transposed != p.transposed)] for name, transposed in p.copies]  # from the stored
-        modules.append(entry)
-    # the file's layout, its parameters marked with their module names (LoRA's export names
-    # adapters after them)
-    return to_proto(model), to_proto(layout.model), modules
+class _Source:
+    """The model to train and the inference model, where they differ from the file's: for a model
+    exported from PyTorch, its parameters recovered (:mod:`~onnx_autodiff.passes.recovery`); with
+    LoRA, the adapters added. Both stages work on onnx-ir: the model is converted once on the way in
+    and once on the way out (:meth:`protos`); any other model stays the proto it came as."""
 
+    def __init__(self, proto: onnx.ModelProto, forward: onnx.ModelProto, base_dir: str | None) -> None:
+        self.proto, self.forward, self.base_dir = proto, forward, base_dir
+        self.model: ir.Model | None = None  # the model to train, once converted
+        self.inference: ir.Model | None = None  # the inference model, where it is no longer ``forward``
+        self.modules: list[dict] | None = None
+        if is_torch_export(proto):  # (read off the proto: most models are not, and need no conversion)
+            self._recover()
 
-def _with_opset_for(lora, proto: onnx.ModelProto, forward: onnx.ModelProto, upgrade: bool):
-    """``proto`` and ``forward`` at the opset that ``lora``'s quantized base needs (int4 read through
-    DequantizeLinear: 21; ``proto`` alone where the model's MatMulNBits are read so, the inference
-    model keeping them)."""
-    if not isinstance(lora, LoraConfig) or _default_opset(proto) >= INT4_OPSET:
-        return proto, forward
-    spec = lora.quantization
-    quantized = spec is not None and spec.kind == "int4" and spec.format == "dequantizelinear"
-    nbits = lora.reads_nbits_as_dequantizelinear and any(
-        node.op_type == "MatMulNBits" and node.domain == "com.microsoft" for node in proto.graph.node)
-    if not (quantized or nbits):
-        return proto, forward
-    reason = f"{'an int4 base' if quantized else 'MatMulNBits'} read through DequantizeLinear needs opset {INT4_OPSET}"
-    if not upgrade:
-        raise OpsetError(f"{reason}; the model imports opset {_default_opset(proto)} (upgrade_opset=False)")
-    return convert_proto(proto, INT4_OPSET, reason), convert_proto(forward, INT4_OPSET, reason) if quantized else forward
+    def _recover(self) -> None:
+        """Each module parameter one initializer in the model to train (tied copies read through
+        it), the inference model in the file's own layout (what ``Trainer.export`` fills in), and
+        the parameters by module name as the layout records them (each with the copies that
+        export sets from it)."""
+        self.model = from_proto(self.proto, self.base_dir)
+        kept = RecoverParametersPass(tie=False)
+        self.inference = kept(from_proto(self.proto, self.base_dir)).model
+        tied = RecoverParametersPass(tie=True)
+        tied(self.model)
+        if [p.initializer for p in tied.recovered] != [p.initializer for p in kept.recovered]:
+            raise TrainingError("parameter recovery named the parameters differently in the train and the exported "
+                                "model (a bug, please report)")
+        self.modules = []
+        for p in kept.recovered:
+            entry = p.to_json()
+            entry["copies"] = [[name, bool(transposed != p.transposed)] for name, transposed in p.copies]  # from the stored
+            self.modules.append(entry)
 
+    def _initializers(self) -> list[str]:
+        if self.model is not None:
+            return list(self.model.graph.initializers)
+        return [t.name for t in self.proto.graph.initializer]
 
-def _quantized(forward: onnx.ModelProto, lora, names: list[str], base_dir) -> onnx.ModelProto:
-    model = from_proto(forward, base_dir)
-    quantize_bases(model, lora.quantization, names)
-    return to_proto(model)
+    def selection(self, names, role: str):
+        """``names`` with module names and patterns (``*q_proj*``) replaced by the initializers that
+        hold them; initializer names stay as they are."""
+        if names is None or self.modules is None:
+            return names
+        names = [names] if isinstance(names, str) else list(names)
+        inits = self._initializers()
+        known = set(inits)
+        held: dict[str, list[str]] = {}
+        for entry in self.modules:
+            held.setdefault(entry["initializer"], []).extend([entry["name"], *entry["aliases"]])
+        chosen = []
+        for name in names:
+            if name in known:
+                found = [name]
+            else:
+                found = [i for i in inits if fnmatch.fnmatchcase(i, name) or any(fnmatch.fnmatchcase(n, name) for n in held.get(i, ()))]
+                if not found:
+                    raise UnknownValueError(f"{role} '{name}' is no initializer and matches no module parameter "
+                                            f"(the module's parameters are {names_summary([e['name'] for e in self.modules])})")
+            chosen.extend(f for f in found if f not in chosen)
+        return chosen
 
+    def adapt(self, lora, trained: list[str], upgrade: bool) -> LoraPass:
+        """Adds the adapters of ``lora`` to the model to train; where their base is stored anew,
+        the inference model stores it as the train model does."""
+        if self.model is None:
+            self.model = from_proto(self.proto, self.base_dir)
+        inference_too = self._upgrade_for(lora, upgrade)
+        injected = adapt(self.model, lora, trained=trained)
+        if injected.quantized:
+            if self.inference is None:
+                self.inference = from_proto(self.forward, self.base_dir)
+            if inference_too:
+                self._convert(self.inference, lora)
+            quantize_bases(self.inference, lora.quantization, injected.quantized)
+        return injected
 
-def _module_selection(names, proto: onnx.ModelProto, modules, role: str):
-    """``names`` with module names and patterns (``*q_proj*``) replaced by the initializers that
-    hold them; initializer names stay as they are."""
-    if names is None or modules is None:
-        return names
-    names = [names] if isinstance(names, str) else list(names)
-    inits = [t.name for t in proto.graph.initializer]
-    known = set(inits)
-    held: dict[str, list[str]] = {}
-    for entry in modules:
-        held.setdefault(entry["initializer"], []).extend([entry["name"], *entry["aliases"]])
-    chosen = []
-    for name in names:
-        if name in known:
-            found = [name]
-        else:
-            found = [i for i in inits if fnmatch.fnmatchcase(i, name) or any(fnmatch.fnmatchcase(n, name) for n in held.get(i, ()))]
-            if not found:
-                raise UnknownValueError(f"{role} '{name}' is no initializer and matches no module parameter "
-                                        f"(the module's parameters are {names_summary([e['name'] for e in modules])})")
-        chosen.extend(f for f in found if f not in chosen)
-    return chosen
+    def _upgrade_for(self, lora, upgrade: bool) -> bool:
+        """Converts the model to train to the opset that ``lora``'s quantized base needs (int4 read
+        through DequantizeLinear: 21; also where the model's MatMulNBits are read so); whether the
+        inference model, which keeps its MatMulNBits, needs it too."""
+        opset = _default_opset(self.proto)  # (the model's until converted here)
+        if not isinstance(lora, LoraConfig) or opset >= INT4_OPSET:
+            return False
+        spec = lora.quantization
+        quantized = spec is not None and spec.kind == "int4" and spec.format == "dequantizelinear"
+        nbits = lora.reads_nbits_as_dequantizelinear and any(
+            node.op_type == "MatMulNBits" and node.domain == "com.microsoft" for node in self.model.graph)
+        if not (quantized or nbits):
+            return False
+        if not upgrade:
+            raise OpsetError(f"{self._reason(lora)}; the model imports opset {opset} (upgrade_opset=False)")
+        self._convert(self.model, lora)
+        return quantized
+
+    def _convert(self, model: ir.Model, lora) -> None:
+        convert_in_place(model, INT4_OPSET, self._reason(lora))
+        if self.base_dir:  # the converted tensors are read from the file's folder, as before
+            ir.external_data.set_base_dir(model.graph, self.base_dir)
+
+    @staticmethod
+    def _reason(lora) -> str:
+        spec = lora.quantization
+        what = "an int4 base" if spec is not None and spec.kind == "int4" and spec.format == "dequantizelinear" else "MatMulNBits"
+        return f"{what} read through DequantizeLinear needs opset {INT4_OPSET}"
+
+    def protos(self) -> tuple[onnx.ModelProto, onnx.ModelProto, list[dict] | None]:
+        """The model to train, the inference model, and the recovered module parameters (None
+        where the model is no PyTorch export)."""
+        proto = self.proto if self.model is None else to_proto(self.model)
+        forward = self.forward if self.inference is None else to_proto(self.inference)
+        return proto, forward, self.modules
 
 
 def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str, registry, target="onnxruntime",

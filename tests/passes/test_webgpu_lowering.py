@@ -12,7 +12,8 @@ from onnx import helper
 from test_lowering import cleaned, ops, run
 
 from onnx_autodiff import autodiff_pass
-from onnx_autodiff.passes.cleanup import CleanupPass, LoweringPass
+from onnx_autodiff.passes.cleanup import CleanupPass
+from onnx_autodiff.passes.lowering import LoweringPass
 from onnx_autodiff.passes.rewrite_rules import lowering_rules
 from onnx_autodiff.passes.rewrite_rules.webgpu import (
     IGNORED_ID, NEVER_ID, dropout_key, dropout_tables, hashed_dropout, label_ids, label_table,
