@@ -49,7 +49,6 @@ from onnx_autodiff.conformance.differences import (
     random_cotangents,
     usable,
 )
-from onnx_autodiff.conformance.differences import _probe as _probe  # checked directly by the tests
 from onnx_autodiff.conformance.evaluator import Evaluator
 from onnx_autodiff.conformance.widening import to_float64
 

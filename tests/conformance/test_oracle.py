@@ -87,7 +87,7 @@ class _Objective:
 
 
 def test_probe_rejects_a_float32_inside_backend():
-    from onnx_autodiff.conformance.oracle import _probe
+    from onnx_autodiff.conformance.differences import _probe
 
     base = {"x": np.array([0.3, -1.2, 2.0])}
     assert _probe(_Objective(rounded=False), base, ["x"], seed=0) is None

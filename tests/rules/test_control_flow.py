@@ -338,6 +338,24 @@ def test_if_branch_initializer_through_the_pass_and_the_function_entry_points():
         np.testing.assert_allclose(grad, _expected_gradient(x), rtol=1e-5, atol=1e-6)
 
 
+def test_if_branch_initializer_through_the_gradient_op():
+    """The Gradient node of ai.onnx.preview.training, lowered, differentiates the If alike."""
+    from onnx_autodiff import GradientOpLoweringPass
+
+    model = _if_with_a_branch_initializer()
+    model.graph.node.append(helper.make_node("Gradient", ["X"], ["dX"], domain="ai.onnx.preview.training",
+                                             xs=["X"], y="loss"))
+    model.graph.output.append(helper.make_tensor_value_info("dX", TensorProto.FLOAT, [3]))
+    model.opset_import.append(helper.make_opsetid("ai.onnx.preview.training", 1))
+    lowered = ir.from_proto(model)
+    GradientOpLoweringPass()(lowered)
+    proto = assert_valid_model(ir.to_proto(lowered))
+    assert all(n.domain in ("", "ai.onnx") for n in proto.graph.node)
+    for x in BRANCH_POINTS:
+        (grad,) = _run(proto, {"X": x}, ["dX"])
+        np.testing.assert_allclose(grad, _expected_gradient(x), rtol=1e-5, atol=1e-6)
+
+
 def test_if_branch_initializer_through_the_training_artifacts(tmp_path):
     from onnx_autodiff.training import Trainer, generate_artifacts
 
