@@ -55,14 +55,10 @@ def remove_unused(model: ir.Model) -> bool:
     drops) are read, once per op type."""
     removed = sum(_remove_dead(g) for g in (model.graph, *(f.graph for f in model.functions.values())))
     _trim(model.graph, model.graph.opset_imports.get(""))
-    graph = model.graph
-    unused = [name for name, value in graph.initializers.items()
-              if not (value.uses() or value.is_graph_output() or value.is_graph_input())]
-    for name in unused:
-        del graph.initializers[name]
+    unused = _remove_unused_initializers(model.graph)
     for function in model.functions.values():
         _trim(function, function.opset_imports.get(""))
-    return removed > 0 or bool(unused)
+    return removed > 0 or unused
 
 
 def remove_unused_after(graph: ir.Graph, added: Iterable[ir.Node], released: Iterable[ir.Value]) -> bool:
@@ -94,11 +90,17 @@ def remove_unused_after(graph: ir.Graph, added: Iterable[ir.Node], released: Ite
     opset = graph.opset_imports.get("")
     for node in alive:
         _trim_node(node, outputs, opset)
+    unused = _remove_unused_initializers(graph)
+    return bool(removed or dead or unused)
+
+
+def _remove_unused_initializers(graph: ir.Graph) -> bool:
+    """Drop the initializers nothing reads that are neither graph inputs nor outputs (True when one went)."""
     unused = [name for name, value in graph.initializers.items()
               if not (value.uses() or value.is_graph_output() or value.is_graph_input())]
     for name in unused:
         del graph.initializers[name]
-    return bool(removed or dead or unused)
+    return bool(unused)
 
 
 def _trim(graph: ir.Graph | ir.Function, opset: int | None) -> None:
