@@ -1258,44 +1258,39 @@ class _Source:
         the inference model stores it as the train model does."""
         if self.model is None:
             self.model = from_proto(self.proto, self.base_dir)
-        inference_too = self._upgrade_for(lora, upgrade)
+        inference_reason = self._upgrade_for(lora, upgrade)
         injected = adapt(self.model, lora, trained=trained)
         if injected.quantized:
             if self.inference is None:
                 self.inference = from_proto(self.forward, self.base_dir)
-            if inference_too:
-                self._convert(self.inference, lora)
+            if inference_reason is not None:
+                self._convert(self.inference, inference_reason)
             quantize_bases(self.inference, lora.quantization, injected.quantized)
         return injected
 
-    def _upgrade_for(self, lora, upgrade: bool) -> bool:
+    def _upgrade_for(self, lora, upgrade: bool) -> str | None:
         """Converts the model to train to the opset that ``lora``'s quantized base needs (int4 read
-        through DequantizeLinear: 21; also where the model's MatMulNBits are read so); whether the
-        inference model, which keeps its MatMulNBits, needs it too."""
+        through DequantizeLinear: 21; also where the model's MatMulNBits are read so); the reason,
+        where the inference model, which keeps its MatMulNBits, needs it too (else None)."""
         opset = _default_opset(self.proto)  # (the model's until converted here)
         if not isinstance(lora, LoraConfig) or opset >= INT4_OPSET:
-            return False
+            return None
         spec = lora.quantization
         quantized = spec is not None and spec.kind == "int4" and spec.format == "dequantizelinear"
         nbits = lora.reads_nbits_as_dequantizelinear and any(
             node.op_type == "MatMulNBits" and node.domain == "com.microsoft" for node in self.model.graph)
         if not (quantized or nbits):
-            return False
+            return None
+        reason = f"{'an int4 base' if quantized else 'MatMulNBits'} read through DequantizeLinear needs opset {INT4_OPSET}"
         if not upgrade:
-            raise OpsetError(f"{self._reason(lora)}; the model imports opset {opset} (upgrade_opset=False)")
-        self._convert(self.model, lora)
-        return quantized
+            raise OpsetError(f"{reason}; the model imports opset {opset} (upgrade_opset=False)")
+        self._convert(self.model, reason)
+        return reason if quantized else None
 
-    def _convert(self, model: ir.Model, lora) -> None:
-        convert_in_place(model, INT4_OPSET, self._reason(lora))
+    def _convert(self, model: ir.Model, reason: str) -> None:
+        convert_in_place(model, INT4_OPSET, reason)
         if self.base_dir:  # the converted tensors are read from the file's folder, as before
             ir.external_data.set_base_dir(model.graph, self.base_dir)
-
-    @staticmethod
-    def _reason(lora) -> str:
-        spec = lora.quantization
-        what = "an int4 base" if spec is not None and spec.kind == "int4" and spec.format == "dequantizelinear" else "MatMulNBits"
-        return f"{what} read through DequantizeLinear needs opset {INT4_OPSET}"
 
     def protos(self) -> tuple[onnx.ModelProto, onnx.ModelProto, list[dict] | None]:
         """The model to train, the inference model, and the recovered module parameters (None
