@@ -71,6 +71,10 @@ class RuleIndex:
             root = pattern_root(rule)
             (self.by_op.setdefault(root, []) if root else self.anywhere).append(rule)
             self.prechecks[rule] = _prechecks(rule)
+        # (rule, pre-checks) in the order tried, by op: the sweep asks for every node of each round
+        self._tried = {op: [(rule, *self.prechecks[rule]) for rule in [*found, *self.anywhere]]
+                       for op, found in self.by_op.items()}
+        self._tried_anywhere = [(rule, *self.prechecks[rule]) for rule in self.anywhere]
 
     def rules_for(self, node: ir.Node) -> list[RewriteRule]:
         found = self.by_op.get((node.domain, node.op_type))
@@ -79,8 +83,7 @@ class RuleIndex:
     def applicable(self, model: ir.Model, graph: ir.Graph | ir.Function, node: ir.Node) -> Iterator[RewriteRule]:
         """The rules for ``node`` that pass their pre-checks, in order."""
         context = None
-        for rule in self.rules_for(node):
-            producers, check = self.prechecks[rule]
+        for rule, producers, check in self._tried.get((node.domain, node.op_type), self._tried_anywhere):
             if producers and not all(_comes_from(node, i, op) for i, op in producers):
                 continue
             if check is not None:

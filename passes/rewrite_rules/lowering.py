@@ -27,6 +27,8 @@ that chose them (benchmarks/README.md, "Why the onnxruntime lowering"):
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import RewriteRule, RewriteRuleSet
@@ -125,13 +127,14 @@ def _gemm_flipped(op, a, b, y):
 
 def _sums_the_rows(context, node: ir.Node):
     x = node.inputs[0]
-    shape = dims(x)
     if node.attributes.get_int("keepdims", 1) != 0 or x.dtype not in _COLUMN_SUM_TYPES or opset(context.model) < 5:
         return verdict(False, "not a float or double sum without keepdims")
+    shape = dims(x)
     leading = list(range(len(shape) - 1)) if static(shape) else None
     if not leading or normalized(axes(node, computed=False), len(shape)) != leading:
         return verdict(False, "not a sum over every axis but the last of a static shape")
-    return verdict(int(np.prod(shape[:-1])) <= COLUMN_SUM_ROWS,
+    # (math.prod: numpy's reduction of a few Python ints costs more than the rest of the check)
+    return verdict(math.prod(shape[:-1]) <= COLUMN_SUM_ROWS,
                    f"more than {COLUMN_SUM_ROWS} rows (the vector of ones would bloat the model)")
 
 
@@ -143,7 +146,7 @@ def _column_sums(op, x):
     # Its Reshape is the one a linear layer's weight gradient already made (merged as common).
     # (ir.Tensor, not ir.tensor: the same tensor of a numpy array, without ir.tensor's protocol checks.)
     shape = dims(x)
-    ones = op.Constant(value=constant_attribute(ir.Tensor(np.ones(int(np.prod(shape[:-1])), x.dtype.numpy()))))
+    ones = op.Constant(value=constant_attribute(ir.Tensor(np.ones(math.prod(shape[:-1]), x.dtype.numpy()))))
     rows = x if len(shape) == 2 else op.Reshape(
         x, op.Constant(value=constant_attribute(ir.Tensor(np.array([-1, shape[-1]], np.int64)))))
     return op.MatMul(ones, rows)
