@@ -136,3 +136,39 @@ def test_the_folder_adds_shape_values_as_onnxscripts_and_skips_adds_of_unknown_t
     assert "N+1" in str(found[next(n for n in ours.graph if n.outputs[0].name == "longer").outputs[0]])
     adds = [n for n in ours.graph if n.op_type == "Add"]
     assert [folder._may_change(n) for n in adds] == [True, False]  # the Add of two unknown tensors is not visited
+
+
+def _flat_folding_case(clashing: bool) -> ir.Model:
+    """A graph without subgraphs whose folds make an initializer (Mul of constants) and a node
+    (CastLike evaluated into a Cast), its other nodes unnamed; ``clashing``: one of them named, after
+    it joined the graph, as onnx-ir names the Cast."""
+    nodes = [
+        helper.make_node("Constant", [], ["two"], value_float=2.0),
+        helper.make_node("Constant", [], ["three"], value_float=3.0),
+        helper.make_node("Mul", ["two", "three"], ["six"]),
+        helper.make_node("Tanh", ["x"], ["t0"]),
+        helper.make_node("Mul", ["t0", "six"], ["t1"]),
+        helper.make_node("CastLike", ["t1", "two"], ["t2"]),
+        helper.make_node("Neg", ["t2"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    if clashing:
+        next(n for n in model.graph if n.op_type == "Tanh").name = "node_Cast_0"
+    return model
+
+
+def test_the_folder_renames_only_where_its_folds_made_a_name_clash():
+    model = _flat_folding_case(clashing=False)
+    assert onnxscript_compat.Folder(input_size_limit=1024, output_size_limit=1024)(model).modified
+    assert "six" in model.graph.initializers
+    assert [n.op_type for n in model.graph] == ["Constant", "Constant", "Tanh", "Mul", "Cast", "Neg"]
+    made = next(n for n in model.graph if n.op_type == "Cast")
+    assert made.name and made.outputs[0].name == "t2"  # the fold's node named, its value named as the one it replaced
+    assert [n.name for n in model.graph if n is not made] == [""] * 5  # the model's own nodes as they were
+
+    model = _flat_folding_case(clashing=True)
+    onnxscript_compat.Folder(input_size_limit=1024, output_size_limit=1024)(model)
+    node_names = [n.name for n in model.graph]
+    assert all(node_names) and len(set(node_names)) == len(node_names)  # a clash: every name fixed, as before

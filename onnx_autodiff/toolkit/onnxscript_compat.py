@@ -49,7 +49,8 @@ class Folder(_constant_folding.FoldConstantsPass):
     (an Identity's input) passes through its ``process_node`` unchanged, and a backward graph is
     mostly such nodes (nor does an Add unless each input is a constant or a symbolic value: its
     evaluator adds shape values). Its closing renaming pass (onnx-ir's NameFixPass as
-    :func:`~onnx_autodiff.toolkit.graphs.fix_names` runs it, after any fold, as onnxscript's) leaves absent
+    :func:`~onnx_autodiff.toolkit.graphs.fix_names` runs it) runs where a fold may have left a
+    name to fix (onnxscript's runs after any fold; see :meth:`_named_anew`), and leaves absent
     optional outputs ("" in ONNX) absent: named, they would count as present (Attention's
     present_key with nonpad_kv_seqlen is invalid). ``graphs`` lists the model's graphs, subgraphs
     and functions; ``folded`` collects the values folds made, which carry the folder's provenance
@@ -59,6 +60,7 @@ class Folder(_constant_folding.FoldConstantsPass):
         super().__init__(shape_inference=False, **options)
         self.graphs = graphs
         self.folded: list[ir.Value] = []
+        self._made: list[ir.Node] = []  # the nodes this call's folds made
         self._evaluated = frozenset(_constant_folding.registry.op_evaluators)
 
     def visit_node(self, node: ir.Node, root) -> None:
@@ -83,18 +85,48 @@ class Folder(_constant_folding.FoldConstantsPass):
 
     def replace_node(self, node: ir.Node, replacement, root) -> None:
         self.folded.extend(v for v in replacement.new_outputs if v is not None)
+        self._made.extend(replacement.new_nodes)
         super().replace_node(node, replacement, root)
 
     def call(self, model: ir.Model):
         self._reset()
+        self._made = []
         self._opset_imports = model.opset_imports
+        flat = not model.functions and len(self.graphs(model)) == 1
+        outputs = list(model.graph.outputs)
         self.visit_graph(model.graph)
         for function in model.functions.values():
             self.visit_function(function)
-        if self._modified:
+        if self._modified and (not flat or self._named_anew(model.graph, outputs)):
             absent = [out for graph in self.graphs(model) for node in graph for out in node.outputs if not out.name]
             fix_names(model)
             for out in absent:
                 if not out.uses() and not out.is_graph_output():
                     out.name = ""
         return ir.passes.PassResult(model, self._modified)
+
+    def _named_anew(self, graph: ir.Graph, outputs: list[ir.Value]) -> bool:
+        """Whether the folds of ``graph`` (a model's only graph) left a name to fix: a node or value
+        they made (a Constant, a partial evaluator's nodes) without a name or with another's, or a
+        graph output the folder replaced by a value of the graph (which takes the output's name).
+        A fold's own values take the names of the values they replace, so mostly none: the
+        renaming pass would then only name the nodes the model left unnamed, which the cleanup
+        leaves as they are where nothing folds (its walk over a 55,000-node train model cost more
+        than the folds)."""
+        replaced = set(self.folded)  # (a fold's new value takes the name of the one it replaces)
+        if any(new is not old and new not in replaced for new, old in zip(graph.outputs, outputs)):
+            return True  # a value the folder forwards to an output takes its name, and may keep its own reader
+        made = {node: None for node in self._made if node.graph is graph}  # (in the order made)
+        values = {out: None for node in made for out in node.outputs}
+        node_names = {node.name for node in graph if node not in made}
+        value_names = {v.name for v in (*graph.inputs, *graph.initializers.values())}
+        value_names.update(out.name for node in graph for out in node.outputs if out not in values)
+        for node in made:
+            if not node.name or node.name in node_names:
+                return True
+            node_names.add(node.name)
+        for value in values:
+            if not value.name or value.name in value_names:
+                return True
+            value_names.add(value.name)
+        return False
