@@ -27,15 +27,13 @@ that chose them (benchmarks/README.md, "Why the onnxruntime lowering"):
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import RewriteRule, RewriteRuleSet
 
 from onnx_autodiff.passes.metadata import provenance
 from onnx_autodiff.passes.rewrite_rules.analysis import (constant_attribute, fill, normalized, opset, perm, produced_by,
-                                                      static, verdict)
+                                                      size, static, verdict)
 from onnx_autodiff.toolkit.shapes import axes, dims, rank
 from onnx_autodiff.passes.rewrite_rules.webgpu import webgpu_rules
 from onnx_autodiff.toolkit import FLOAT_TYPES
@@ -133,8 +131,7 @@ def _sums_the_rows(context, node: ir.Node):
     leading = list(range(len(shape) - 1)) if static(shape) else None
     if not leading or normalized(axes(node, computed=False), len(shape)) != leading:
         return verdict(False, "not a sum over every axis but the last of a static shape")
-    # (math.prod: numpy's reduction of a few Python ints costs more than the rest of the check)
-    return verdict(math.prod(shape[:-1]) <= COLUMN_SUM_ROWS,
+    return verdict(size(shape[:-1]) <= COLUMN_SUM_ROWS,
                    f"more than {COLUMN_SUM_ROWS} rows (the vector of ones would bloat the model)")
 
 
@@ -146,7 +143,7 @@ def _column_sums(op, x):
     # Its Reshape is the one a linear layer's weight gradient already made (merged as common).
     # (ir.Tensor, not ir.tensor: the same tensor of a numpy array, without ir.tensor's protocol checks.)
     shape = dims(x)
-    ones = op.Constant(value=constant_attribute(ir.Tensor(np.ones(math.prod(shape[:-1]), x.dtype.numpy()))))
+    ones = op.Constant(value=constant_attribute(ir.Tensor(np.ones(size(shape[:-1]), x.dtype.numpy()))))
     rows = x if len(shape) == 2 else op.Reshape(
         x, op.Constant(value=constant_attribute(ir.Tensor(np.array([-1, shape[-1]], np.int64)))))
     return op.MatMul(ones, rows)
