@@ -53,11 +53,11 @@ from onnx_autodiff.training.optimizers import (
     GROUP_LIMIT,
     coefficient_formulas,
     emit_update,
-    grouped,
     joined,
     make_optimizer,
     optimizer_from_json,
     optimizer_to_json,
+    split_back,
     step_kept,
     update_groups,
     when_kept,
@@ -1385,9 +1385,9 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
         accs = [fresh_value(namer, f"{p.name}.grad_acc", g.dtype or p.dtype, [dim_value(x) for x in p.shape])
                 for p, g in zip(params, grads)]
         extra_inputs.extend(accs)
-        sums = when_kept(op, kept, lambda op: grouped(op, groups, [accs, grads], lambda op, a, g: [op.Add(a, g)],
-                                                      given={1: grad_groups})[0],
-                         accs, keep=lambda op: grouped(op, groups, [accs], lambda op, a: [a])[0])
+        acc_groups = joined(op, groups, accs)  # read by the sums, and what a failed step returns
+        sums = split_back(op, groups, when_kept(op, kept, lambda op: [op.Add(a, g) for a, g in zip(acc_groups, grad_groups)],
+                                                acc_groups), accs)
         for acc, new_acc in zip(accs, sums):
             outputs.append(_publish(op, namer, new_acc, f"{acc.name}.new", taken, like=acc))
             carry.append([acc.name, acc.name, outputs[-1].name])

@@ -179,15 +179,15 @@ def step_kept(op: OpBuilder, grads, loss: ir.Value | None = None) -> tuple[ir.Va
     return kept, total
 
 
-def when_kept(op: OpBuilder, kept: ir.Value, build, olds: list[ir.Value], keep=None) -> list[ir.Value]:
+def when_kept(op: OpBuilder, kept: ir.Value, build, olds: list[ir.Value]) -> list[ir.Value]:
     """The values ``build(branch)`` returns, one per old value and typed like it, when ``kept``;
-    the old values otherwise (``keep(branch)``'s copies of them, else an Identity of each). One If:
-    a failed step changes nothing, and a step that counts pays no gate per value (a Where(kept, g,
-    0) per gradient costs a full pass over each: the figures are in benchmarks/README.md, "Training")."""
+    an Identity of each old value otherwise. One If: a failed step changes nothing, and a step
+    that counts pays no gate per value (a Where(kept, g, 0) per gradient costs a full pass over
+    each: the figures are in benchmarks/README.md, "Training")."""
     update = op.child()
     then_branch = update.graph([], build(update), name="update")
     unchanged = op.child()
-    else_branch = unchanged.graph([], olds if keep is None else keep(unchanged), name="keep")
+    else_branch = unchanged.graph([], olds, name="keep")
     news = op.If(kept, then_branch=then_branch, else_branch=else_branch, _outputs=len(olds))
     news = list(news) if isinstance(news, tuple) else [news]
     # typed and shaped like the old values, not left to shape inference (each is a new value of one)
@@ -225,36 +225,35 @@ def update_groups(params: list[ir.Value], limit: int | None = GROUP_LIMIT) -> li
 
 
 def joined(op: OpBuilder, groups: list[list[int]], rows: list[ir.Value]) -> list[ir.Value]:
-    """Per group, the Concat along axis 0 of its rows (a lone row as it is)."""
-    return [op.Concat(*(rows[i] for i in members), axis=0) if len(members) > 1 else rows[members[0]]
-            for members in groups]
-
-
-def grouped(op: OpBuilder, groups: list[list[int]], columns: list[list[ir.Value]], update,
-            given: Mapping[int, list[ir.Value]] | None = None) -> list[list[ir.Value]]:
-    """``update(op, *inputs)`` (elementwise: each output shaped like the inputs, element i computed
-    from the inputs' elements i) applied to each row ``columns[k][i]``, once per group of rows:
-    over the Concat of the group's rows along axis 0, its outputs split back; returns the outputs
-    by column, each list in row order (None where no row has that column). ``given``: columns
-    already joined (:func:`joined`), by column index."""
-    rows = len(columns[0])
-    given = given or {}
-    results: list[list[ir.Value | None]] = []
-    for k, members in enumerate(groups):
+    """Per group, the Concat along axis 0 of its rows (a lone row as it is), shaped where the rows are."""
+    values = []
+    for members in groups:
         if len(members) == 1:
-            outs = update(op, *(column[members[0]] for column in columns))
-            pieces = [[out] for out in outs]
-        else:
-            outs = update(op, *(given[c][k] if c in given else op.Concat(*(column[i] for i in members), axis=0)
-                                for c, column in enumerate(columns)))
-            sizes = [dim_value(columns[0][i].shape[0]) for i in members]
-            pieces = [list(op.split(out, sizes, axis=0)) for out in outs]
-        while len(results) < len(pieces):
-            results.append([None] * rows)
-        for column, values in zip(results, pieces):
-            for i, value in zip(members, values):
-                column[i] = value
-    return results
+            values.append(rows[members[0]])
+            continue
+        first = rows[members[0]]
+        value = op.Concat(*(rows[i] for i in members), axis=0)
+        if all(rows[i].shape is not None for i in members):
+            value.shape = ir.Shape([sum(_rows(rows[i]) for i in members), *first.shape[1:]])
+        values.append(value)
+    return values
+
+
+def split_back(op: OpBuilder, groups: list[list[int]], values: list[ir.Value], rows: list[ir.Value]) -> list[ir.Value]:
+    """Per row of ``rows``, its part of its group's value in ``values`` (joined like ``rows`` by
+    :func:`joined`): a Split along axis 0 per group, a lone row's value as it is; in row order."""
+    parts: list[ir.Value | None] = [None] * len(rows)
+    for members, value in zip(groups, values):
+        if len(members) == 1:
+            parts[members[0]] = value
+            continue
+        for i, part in zip(members, op.split(value, [_rows(rows[i]) for i in members], axis=0)):
+            parts[i] = part
+    return parts
+
+
+def _rows(value: ir.Value) -> int:
+    return dim_value(value.shape[0])
 
 
 def emit_update(op: OpBuilder, spec, params, grads, lr: ir.Value, step: ir.Value, namer: Namer, max_grad_norm,
@@ -296,29 +295,27 @@ def emit_update(op: OpBuilder, spec, params, grads, lr: ir.Value, step: ir.Value
             states.append([ir.Value(name=n, type=ir.TensorType(p.dtype), shape=ir.Shape(shape)) for n in state_names[i]])
             namer.taken.update(state_names[i])
 
-    def build(op):
-        new_params, new_states = _update(op, spec, params, grads, states, lr, step, total, max_grad_norm, coefficients,
-                                         groups, grad_groups)
-        return [*new_params, *(s for news in new_states for s in news)]
-
-    def keep(op):  # the old values: a Concat and a Split per group (an Identity of each alone)
-        copies = grouped(op, groups, [params, *zip(*states)], lambda op, *olds: list(olds))
-        return [*copies[0], *(s for row in zip(*copies[1:]) for s in row)]
-
-    news = when_kept(op, kept, build, [*params, *(s for inputs in states for s in inputs)], keep)
-    new_params, rest = news[: len(params)], iter(news[len(params):])
-    new_states = [[next(rest) for _ in inputs] for inputs in states]
-    return states, new_params, new_states, kept
+    # Per column (the parameters, then each state), the old values joined by group: what the
+    # update reads and a failed step returns. The If then has an output per group and column, each
+    # split back after it, not one per value in each of its branches.
+    columns = [params, *(list(column) for column in zip(*states))]
+    olds = [joined(op, groups, column) for column in columns]
+    news = when_kept(op, kept, lambda op: [value for column in _update(op, spec, olds[0], grad_groups, olds[1:], lr, step,
+                                                                       total, max_grad_norm, coefficients)
+                                           for value in column],
+                     [value for column in olds for value in column])
+    count = len(groups)
+    rows = [split_back(op, groups, news[c * count:(c + 1) * count], params) for c in range(len(columns))]
+    new_states = [[row[i] for row in rows[1:]] for i in range(len(params))]
+    return states, rows[0], new_states, kept
 
 
 def _update(op: OpBuilder, spec, params, grads, states, lr: ir.Value, step: ir.Value, total: ir.Value,
-            max_grad_norm, coefficients: Mapping[str, ir.Value] | None = None,
-            groups: list[list[int]] | None = None,
-            grad_groups: list[ir.Value] | None = None) -> tuple[list[ir.Value], list[list[ir.Value]]]:
-    """The new parameters and, per parameter, the new states of one step (torch.optim's formulas;
-    ``total``: the sum of the squared gradients; ``coefficients``: the scalar inputs of
-    :func:`coefficient_formulas` by key; ``groups``: :func:`update_groups`, default each alone;
-    ``grad_groups``: the gradients already joined by those groups)."""
+            max_grad_norm, coefficients: Mapping[str, ir.Value] | None = None) -> list[list[ir.Value]]:
+    """One step of torch.optim's formulas, elementwise, on ``params``, ``grads`` and each column of
+    ``states`` (parameters or groups of them joined, :func:`joined`): the new values by column, the
+    parameters' then each state's (``total``: the sum of the squared gradients; ``coefficients``:
+    the scalar inputs of :func:`coefficient_formulas` by key)."""
     float32 = ir.DataType.FLOAT
     coef = None
     if max_grad_norm is not None:
@@ -379,7 +376,4 @@ def _update(op: OpBuilder, spec, params, grads, states, lr: ir.Value, step: ir.V
             new_p = op.Sub(p_decayed, op.Mul(op.Div(m, denom), step_size))
         return [new_p, *outs]
 
-    groups = groups if groups is not None else [[i] for i in range(len(params))]
-    results = grouped(op, groups, [params, grads, *zip(*states)], update,
-                      given={1: grad_groups} if grad_groups is not None else None)
-    return results[0], [list(row) for row in zip(*results[1:])] if len(results) > 1 else [[] for _ in params]
+    return [list(column) for column in zip(*(update(op, *row) for row in zip(params, grads, *states)))]

@@ -127,8 +127,9 @@ def _writable(graph: onnx.GraphProto, writes: Mapping[str, str]) -> set[str]:
         if node.op_type in _ELEMENTWISE:
             safe.add(out)
         elif node.op_type == "Split" and node.domain in ("", "ai.onnx") and not set(node.input) & _views(graph, name):
-            # a grouped update's (optimizers.grouped): it reads a copy of the old values (their
-            # Concat), never their buffers, which its readers, all ancestors, are done with
+            # a grouped update's (optimizers.split_back, after the If): it reads the group's new
+            # value or a copy of its old values (their Concat), never their buffers, which their
+            # readers, all ancestors, are done with
             safe.add(out)
         elif node.op_type == "If" and node.domain in ("", "ai.onnx"):
             by_if.setdefault(writer, {})[out] = name
