@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import stat
@@ -43,3 +44,14 @@ def write_atomically(path: str | os.PathLike, data: bytes | Callable[[BinaryIO],
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
         raise
+
+
+def json_text(document, levels: int = 2) -> str:
+    """``document`` as JSON with sorted keys, the keys of its objects down to ``levels`` deep each
+    on a line of its own (indented by one space a level) and their values on that line: readable,
+    and written by json's C encoder (``indent`` takes the pure-Python one, which puts every element
+    of every list on a line: for the artifacts of 10,000 parameters, 2.6 MB in 0.13 s)."""
+    if not isinstance(document, dict) or not document or levels == 0:
+        return json.dumps(document, sort_keys=True)
+    items = ",\n".join(f"{json.dumps(key)}: {json_text(value, levels - 1)}" for key, value in sorted(document.items()))
+    return "{\n " + items.replace("\n", "\n ") + "\n}"  # (a newline in a string is written as \\n)

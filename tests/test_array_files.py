@@ -4,6 +4,7 @@ the other way round, 0-d arrays, alignment, memory maps, npz beside it, a Traine
 from __future__ import annotations
 
 import json
+import re
 import struct
 
 import ml_dtypes
@@ -19,7 +20,7 @@ from onnx_autodiff.training.values import (
     safetensors_metadata,
     safetensors_writer,
 )
-from onnx_autodiff.files import write_atomically
+from onnx_autodiff.files import json_text, write_atomically
 
 
 def arrays() -> dict[str, np.ndarray]:
@@ -166,3 +167,21 @@ def test_artifacts_saved_with_either_checkpoint_format(tmp_path, checkpoint_form
     assert_same(loaded.checkpoint, artifacts.checkpoint)
     with pytest.raises(TrainingError, match="checkpoint_format must be one of npz, safetensors"):
         artifacts.save(tmp_path, checkpoint_format="pt")
+
+
+def test_artifacts_json_reads_back_with_a_line_per_key_two_levels_deep(tmp_path):
+    artifacts = generate_artifacts(classifier_model(loss=False), loss="cross_entropy")
+    artifacts.save(tmp_path)
+    text = (tmp_path / "artifacts.json").read_text()
+    assert json.loads(text) == json.loads(json.dumps(artifacts.layout))
+    lines = text.splitlines()
+    assert lines[0] == "{" and lines[-1] == "}"
+    assert [re.match(r' "(\w+)": ', line)[1] for line in lines if line.startswith(' "')] == sorted(artifacts.layout)
+    assert any(line.startswith('  "carry": [[') for line in lines)  # a second level's value on its line
+
+
+def test_json_text_writes_what_json_reads():
+    document = {"b": [1, 2.5, [3, None]], "a": {"x": {"deep": [1, {"q": "two\nlines"}]}, "y": []}, "c": {}}
+    text = json_text(document)
+    assert json.loads(text) == document
+    assert text == '{\n "a": {\n  "x": {"deep": [1, {"q": "two\\nlines"}]},\n  "y": []\n },\n "b": [1, 2.5, [3, null]],\n "c": {}\n}'

@@ -15,7 +15,7 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import ShapeInferencePass
 
-from onnx_autodiff.files import write_atomically
+from onnx_autodiff.files import json_text, write_atomically
 from onnx_autodiff.errors import (
     AutodiffError,
     NotDifferentiableError,
@@ -181,7 +181,7 @@ class TrainingArtifacts:
         layout = {key: value for key, value in self.layout.items() if key != "external_data"}
         if referenced is not None:
             layout["external_data"] = referenced
-        write_atomically(path, json.dumps(layout, indent=1, sort_keys=True).encode())
+        write_atomically(path, json_text(layout).encode())
         written["layout"] = path
         return written
 
