@@ -37,7 +37,7 @@ from onnx_autodiff.modelfile import (
     uses_external_data,
     with_small_tensors_inline,
 )
-from onnx_autodiff.toolkit.inference import fully_shaped, onnx_inferred
+from onnx_autodiff.toolkit.inference import fully_shaped, onnx_inferred, take_inferred_types
 from onnx_autodiff.passes.lora import LoraConfig, LoraPass, adapt, quantize_bases
 from onnx_autodiff.passes.quantize import INT4_OPSET, STORED_INPUT
 from onnx_autodiff.passes.opsets import OpsetError, build_proto_upgrading, convert_in_place, default_opset
@@ -1137,10 +1137,13 @@ def _generate_artifacts(model, requires_grad, frozen_params, loss, optimizer, op
     loss_spec = LossSpec(loss, output, labels)
 
     def build_train(candidate: onnx.ModelProto):
-        candidate = onnx_inferred(candidate) or candidate
-        # converted once where the default parameters are analysed on onnx-ir: that model, which
-        # the analysis leaves as it is, is then the one prepared for training
-        model = from_proto(candidate, base_dir) if requires_grad is None else None
+        # converted once, as given, then typed by onnx's inference; the analysis of the default
+        # parameters leaves it as it is, and it is the model prepared for training
+        inferred = onnx_inferred(candidate)
+        model = from_proto(candidate, base_dir)
+        if inferred is not None:
+            take_inferred_types(model, inferred)
+            candidate = inferred
         roles = _analyse(candidate, requires_grad, frozen_params, freeze_batchnorm, registry, base_dir, model)
         return candidate, roles, _build_train(candidate, roles, loss_spec, spec, max_grad_norm, "train", registry,
                                               target, check_output, model)
