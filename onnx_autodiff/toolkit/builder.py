@@ -53,18 +53,20 @@ class Namer:
 
     @classmethod
     def for_graph(cls, graph: ir.Graph | ir.Function, prefix: str = "bwd") -> Namer:
-        """A namer avoiding the names of the graph's values and nodes, its subgraphs' included."""
-        names: set[str | None] = {v.name for v in (*graph.inputs, *graph.outputs)}
-        if isinstance(graph, ir.Graph):
-            names.update(graph.initializers)
-        # (graph_and_subgraphs walks a large graph faster than onnx-ir's RecursiveGraphIterator)
-        nodes = [node for held in graph_and_subgraphs(graph) for node in held]
-        names.update([node.name for node in nodes])
-        values: list[ir.Value | None] = []
-        for node in nodes:
-            values += node.inputs
-            values += node.outputs
-        names.update([v.name for v in values if v is not None])
+        """A namer avoiding the names of the graph's values and nodes, its subgraphs' included
+        (``graph``: a model's or a function's, which reads no outer value)."""
+        names: set[str | None] = set()
+        # (graph_and_subgraphs walks a large graph faster than onnx-ir's RecursiveGraphIterator;
+        # every value a node reads is an input, an initializer or a node's output of these graphs)
+        for held in graph_and_subgraphs(graph):
+            names.update([v.name for v in held.inputs])
+            names.update([v.name for v in held.outputs])
+            if isinstance(held, ir.Graph):
+                names.update(held.initializers)
+            for node in held:
+                names.add(node.name)
+                for out in node.outputs:
+                    names.add(out.name)
         names.discard(None)
         names.discard("")
         return cls(names, prefix)
