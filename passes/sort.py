@@ -23,7 +23,7 @@ def in_order(graph: ir.Graph | ir.Function) -> bool:
     whose order also depends on what they read)."""
     seen: set[ir.Node] = set()
     for node in graph:
-        if any(True for _ in subgraphs(node)):
+        if subgraphs(node):
             return False
         for value in node.inputs:
             producer = None if value is None else value.producer()

@@ -10,15 +10,21 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 
+_GRAPH, _GRAPHS = ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS
+
+
 def subgraphs(node: ir.Node) -> list[ir.Graph]:
     """The graphs held by the node's attributes (If's branches, Loop's and Scan's bodies)."""
+    # (asked of every node in most walks: the dict that the attributes' UserDict holds, read
+    # directly, halves the cost)
+    attributes = node.attributes.data
+    if not attributes:
+        return []
     graphs: list[ir.Graph] = []
-    if not node.attributes:  # most nodes: their attributes' view costs more than this check
-        return graphs
-    for attribute in node.attributes.values():
-        if attribute.type == ir.AttributeType.GRAPH:
+    for attribute in attributes.values():
+        if attribute.type == _GRAPH:
             graphs.append(attribute.value)
-        elif attribute.type == ir.AttributeType.GRAPHS:
+        elif attribute.type == _GRAPHS:
             graphs.extend(attribute.value)
     return graphs
 
