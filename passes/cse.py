@@ -68,8 +68,8 @@ def eliminate_common_subexpressions(graph: ir.Graph) -> bool:
 def _cse_key(node: ir.Node) -> tuple | None:
     """What makes two nodes equal for onnx-ir's CSE (None: never merged: subgraphs, large
     tensors, random ops)."""
-    attributes = {}
-    for name, attribute in node.attributes.items() if node.attributes else ():
+    attributes = []
+    for name, attribute in node.attributes.data.items():  # (the dict the UserDict holds: asked of every node)
         value = attribute.value
         if attribute.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS):
             return None
@@ -80,8 +80,8 @@ def _cse_key(node: ir.Node) -> tuple | None:
                 return None
             array = value.numpy()
             value = (array.shape, str(array.dtype), array.tobytes())
-        attributes[name] = value
+        attributes.append((name, value))
     if node.op_type in _NONDETERMINISTIC and node.domain == "":
         return None
-    return (node.op_identifier(), len(node.outputs), tuple(map(id, node.inputs)),
-            tuple(sorted(attributes.items())))
+    attributes.sort()
+    return (node.op_identifier(), len(node.outputs), tuple(map(id, node.inputs)), tuple(attributes))
