@@ -122,7 +122,7 @@ class Rewriter:
             if old is not None and i in old:
                 old.remove(i)
             positions.setdefault(value, []).append(i)
-        graph.outputs[i] = value
+        graph.outputs[i:i + 1] = [value]  # (by index, onnx-ir tests i against typing.SupportsIndex: 9 µs)
 
     def replace(self, node: ir.Node, value: ir.Value, new_nodes: list[ir.Node]) -> None:
         """Make ``node``'s output ``value`` (an existing value or the last of ``new_nodes``). A
