@@ -28,7 +28,7 @@ import onnx_ir as ir
 from onnx_autodiff.errors import AutodiffError
 from onnx_autodiff.passes.metadata import MODULE_NAMES
 from onnx_autodiff.passes.quantize import frozen_bases
-from onnx_autodiff.passes.recovery import recover_parameters, stored_shape
+from onnx_autodiff.passes.recovery import is_torch_export, recover_parameters, stored_shape
 from onnx_autodiff.rules import GradRegistry, default_registry
 from onnx_autodiff.toolkit import FLOAT_TYPES, captured_values, shapes
 
@@ -79,10 +79,9 @@ def _held_parameters(model: ir.Model) -> dict[str, str] | None:
     graph = model.graph
     if any(MODULE_NAMES in v.metadata_props for v in graph.initializers.values()):
         return {v.name: "exporter constant" for v in graph.initializers.values() if MODULE_NAMES not in v.metadata_props}
-    recovery = recover_parameters(model)
-    if not recovery.torch_export:
+    if not is_torch_export(model):  # (before the analysis, which claims every read of any model)
         return None
-    return recovery.constants
+    return recover_parameters(model).constants
 
 
 def _why_not_a_parameter(value: ir.Value, read: bool, held: dict[str, str] | None) -> str | None:
