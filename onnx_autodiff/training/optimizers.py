@@ -300,10 +300,12 @@ def emit_update(op: OpBuilder, spec, params, grads, lr: ir.Value, step: ir.Value
     # split back after it, not one per value in each of its branches.
     columns = [params, *(list(column) for column in zip(*states))]
     olds = [joined(op, groups, column) for column in columns]
-    news = when_kept(op, kept, lambda op: [value for column in _update(op, spec, olds[0], grad_groups, olds[1:], lr, step,
-                                                                       total, max_grad_norm, coefficients)
-                                           for value in column],
-                     [value for column in olds for value in column])
+
+    def build(op):  # the new values by column, then by group, as the If returns them
+        news = _update(op, spec, olds[0], grad_groups, olds[1:], lr, step, total, max_grad_norm, coefficients)
+        return [value for column in news for value in column]
+
+    news = when_kept(op, kept, build, [value for column in olds for value in column])
     count = len(groups)
     rows = [split_back(op, groups, news[c * count:(c + 1) * count], params) for c in range(len(columns))]
     new_states = [[row[i] for row in rows[1:]] for i in range(len(params))]
