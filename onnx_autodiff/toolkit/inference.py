@@ -277,9 +277,10 @@ def static_by_node(graph: ir.Graph, missing: dict[str, ir.Value], opsets: dict[s
     left = dict(missing)
     inferred: dict[tuple, list[tuple[onnx.TypeProto, ir.Shape | None] | None]] = {}
     seen: dict[bytes, ir.Shape | None] = {}
-    for node in graph:
-        outputs = [out for out in node.outputs if out.name in left]
-        if not outputs or node.domain not in ("", "ai.onnx") or subgraphs(node):
+    # (the nodes making the values, in graph order as ``missing`` lists them: each node's inputs
+    # are inferred before it, and a graph's other nodes are not walked)
+    for node in dict.fromkeys(value.producer() for value in missing.values()):
+        if node is None or node.graph is not graph or node.domain not in ("", "ai.onnx") or subgraphs(node):
             continue
         schema = _schema(node.op_type, opset)
         inputs = [v for v in node.inputs if v is not None]
@@ -308,7 +309,7 @@ def _inference_key(node: ir.Node) -> tuple | None:
     """What onnx's inference of the node reads, as a dictionary key (None: a large tensor
     attribute, not worth comparing)."""
     attributes = []
-    for name, attribute in node.attributes.items():
+    for name, attribute in node.attributes.data.items():  # (the dict the UserDict holds)
         value = attribute.value
         if attribute.type in (ir.AttributeType.INTS, ir.AttributeType.FLOATS, ir.AttributeType.STRINGS):
             value = tuple(value)
