@@ -32,8 +32,8 @@ import onnx_ir as ir
 from onnxscript.rewriter import RewriteRule, RewriteRuleSet
 
 from onnx_autodiff.passes.metadata import provenance
-from onnx_autodiff.passes.rewrite_rules.analysis import (constant_attribute, fill, normalized, opset, perm, produced_by,
-                                                      size, static, verdict)
+from onnx_autodiff.passes.rewrite_rules.analysis import (fill, new_constant, normalized, opset, perm,
+                                                      produced_by, size, static, verdict)
 from onnx_autodiff.toolkit.shapes import axes, dims, rank
 from onnx_autodiff.passes.rewrite_rules.webgpu import webgpu_rules
 from onnx_autodiff.toolkit import FLOAT_TYPES
@@ -141,11 +141,9 @@ def _reduce_sum(op, x):
 
 def _column_sums(op, x):
     # Its Reshape is the one a linear layer's weight gradient already made (merged as common).
-    # (ir.Tensor, not ir.tensor: the same tensor of a numpy array, without ir.tensor's protocol checks.)
     shape = dims(x)
-    ones = op.Constant(value=constant_attribute(ir.Tensor(np.ones(size(shape[:-1]), x.dtype.numpy()))))
-    rows = x if len(shape) == 2 else op.Reshape(
-        x, op.Constant(value=constant_attribute(ir.Tensor(np.array([-1, shape[-1]], np.int64)))))
+    ones = new_constant(op, np.ones(size(shape[:-1]), x.dtype.numpy()))
+    rows = x if len(shape) == 2 else op.Reshape(x, new_constant(op, np.array([-1, shape[-1]], np.int64)))
     return op.MatMul(ones, rows)
 
 
