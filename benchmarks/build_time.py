@@ -21,7 +21,8 @@ the command line's do. Columns of the options:
 - ``--ort-training-python PY``: ``ortt art s``, onnxruntime-training 1.19.2's ``generate_artifacts``
   (AdamW, every float initializer, the model's output as the loss, which writes the directory) on the
   same model file, timed the same way by benchmarks/ort_training_build.py run with ``PY``, the
-  python of its own venv (see that script).
+  python of its own venv (see that script); "failed" where its gradient builder fails on the model
+  (gpt8's), the error's last line printed after the table.
 """
 
 from __future__ import annotations
@@ -228,6 +229,7 @@ def main() -> None:
     header += f" {'artifacts s':>11} {'us/param art':>12}" if args.artifacts else ""
     header += f" {'ortt art s':>10}" if args.ort_training_python else ""
     print(header)
+    failures: list[str] = []
     for name in args.models:
         proto = build(name)
         forward = len(proto.graph.node)
@@ -250,9 +252,16 @@ def main() -> None:
                 line += f" {seconds:>11.2f} {1e6 * seconds / max(params, 1):>12.0f}"
             if args.ort_training_python:
                 script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ort_training_build.py")
-                seconds = process_seconds([args.ort_training_python, script, path, "--repeat", "1"], args.repeat)
-                line += f" {seconds:>10.2f}"
+                try:
+                    seconds = process_seconds([args.ort_training_python, script, path, "--repeat", "1"], args.repeat)
+                    line += f" {seconds:>10.2f}"
+                except subprocess.CalledProcessError as error:  # the peer's own failure: a row, not the end
+                    line += f" {'failed':>10}"
+                    last = (error.stderr or "").strip().splitlines()
+                    failures.append(f"{name}: onnxruntime-training failed: {last[-1] if last else error}")
         print(line, flush=True)
+    for failure in failures:
+        print(failure)
 
 
 if __name__ == "__main__":
