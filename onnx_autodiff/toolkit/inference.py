@@ -74,11 +74,20 @@ def _infer_model_shapes(model: ir.Model) -> None:
     # Read from the inferred value_info: deserialising the whole model costs several times more.
     known = inferred_types(proto)
     seen: dict[bytes, ir.Shape | None] = {}
-    for graph in graph_and_subgraphs(model.graph):  # (model.graphs() walks them several times slower)
-        for name, value in ir.convenience.create_value_mapping(graph, include_subgraphs=False).items():
-            found = known.get(name)
-            if found is not None:
-                _take_inferred(value, found, frozen_shape(found, seen), Overwrite.SHAPE)
+    for value in _defined_values(model.graph):
+        found = known.get(value.name)
+        if found is not None:
+            _take_inferred(value, found, frozen_shape(found, seen), Overwrite.SHAPE)
+
+
+def _defined_values(graph: ir.Graph):
+    """The inputs, initializers and node outputs of ``graph`` and its subgraphs: every value they
+    define (graph_and_subgraphs: model.graphs() walks them several times slower)."""
+    for held in graph_and_subgraphs(graph):
+        yield from held.inputs
+        yield from held.initializers.values()
+        for node in held:
+            yield from node.outputs
 
 
 def _infer_missing_shapes(model: ir.Model) -> None:
@@ -443,15 +452,14 @@ def take_inferred_types(model: ir.Model, inferred: onnx.ModelProto) -> None:
     each distinct type once."""
     known = inferred_types(inferred)
     seen: dict[bytes, tuple[ir.TypeProtocol | None, ir.Shape | None]] = {}
-    for graph in graph_and_subgraphs(model.graph):
-        for value in (*graph.inputs, *graph.initializers.values(), *(out for node in graph for out in node.outputs)):
-            kind = known.get(value.name)
-            if kind is None:
-                continue
-            key = kind.SerializeToString()
-            if key not in seen:  # (deserialised shapes are frozen: one serves every value of its type)
-                seen[key] = ir.serde.deserialize_type_proto_for_type(kind), ir.serde.deserialize_type_proto_for_shape(kind)
-            value.type, value.shape = seen[key]
+    for value in _defined_values(model.graph):
+        kind = known.get(value.name)
+        if kind is None:
+            continue
+        key = kind.SerializeToString()
+        if key not in seen:  # (deserialised shapes are frozen: one serves every value of its type)
+            seen[key] = ir.serde.deserialize_type_proto_for_type(kind), ir.serde.deserialize_type_proto_for_shape(kind)
+        value.type, value.shape = seen[key]
 
 
 def forget_element_names(proto: onnx.ModelProto) -> None:
