@@ -62,3 +62,9 @@ class TrainingError(AutodiffError):
 
 class BatchError(TrainingError):
     """A batch fed to a Trainer does not match the model (missing input, wrong shape or type, empty)."""
+
+
+class TrainingOpsetError(TrainingError, OpsetTooOldError):
+    """Training needs a newer default-domain opset than the model imports (BatchNormalization's or
+    Dropout's training mode): an OpsetTooOldError too, so that generate_artifacts converts the model
+    where its upgrade_opset allows, as it does for a rule."""

@@ -11,6 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import AutodiffError, NotDifferentiableError, UnknownValueError
+from onnx_autodiff.errors import TrainingOpsetError
 from onnx_autodiff.training import (
     SGD,
     AdamW,
@@ -245,9 +246,49 @@ def test_batchnorm_statistics_and_dropout_modes():
     np.testing.assert_allclose(logits, trainer.evaluate((X, y))["logits"], rtol=1e-5, atol=1e-6)
 
 
+def bn_model(opset, dropout_ratio=None):
+    """Gemm, BatchNormalization (and a Dropout of the opset's form) at an old opset."""
+    model = bn_dropout_model(opset=opset)
+    graph = model.graph
+    dropout = next(n for n in graph.node if n.op_type == "Dropout")
+    if dropout_ratio is None:
+        graph.node.remove(dropout)
+        graph.node[-1].input[0] = "hn"
+    else:
+        del dropout.input[1:]
+        dropout.attribute.append(helper.make_attribute("ratio", dropout_ratio))
+    graph.initializer.remove(next(t for t in graph.initializer if t.name == "ratio"))
+    return model
+
+
+@pytest.mark.parametrize("opset", [9, 11, 13])
+def test_batchnorm_training_converts_old_opsets(opset):
+    """BatchNormalization's training mode needs opset 14: an older model is converted, as a rule's
+    gradient converts it, and trains its statistics as the opset-14 model does."""
+    with pytest.raises(TrainingOpsetError, match="opset >= 14"):
+        generate_artifacts(bn_model(opset), upgrade_opset=False)
+    X, y = next(batches(1))
+    trainers = [Trainer(generate_artifacts(bn_model(o), optimizer="sgd", optimizer_options={"lr": 0.05}))
+                for o in (opset, 14)]
+    losses = [[t.step((X, y)) for _ in range(3)] for t in trainers]
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
+    assert losses[0][-1] < losses[0][0]
+    for name in ("mean", "var"):
+        np.testing.assert_allclose(trainers[0].state_dict()[name], trainers[1].state_dict()[name], rtol=1e-6)
+
+
+def test_dropout_without_training_mode_converts():
+    """Dropout at opset 10 (ratio an attribute, no training mode) is converted to its opset-12 form."""
+    artifacts = generate_artifacts(bn_model(10, dropout_ratio=0.5))
+    assert next(o.version for o in artifacts.train_model.opset_import if o.domain == "") >= 14
+    dropout = next(n for n in artifacts.train_model.graph.node if n.op_type == "Dropout")
+    assert len(dropout.input) == 3  # ratio and training_mode as inputs
+    X, y = next(batches(1))
+    losses = [Trainer(artifacts).step((X, y)) for _ in range(2)]
+    assert all(np.isfinite(losses))
+
+
 def test_frozen_batchnorm_and_old_opset():
-    with pytest.raises(TrainingError, match="opset >= 14"):
-        generate_artifacts(bn_dropout_model(opset=13))
     artifacts = generate_artifacts(bn_dropout_model(), freeze_batchnorm=True, frozen_params=["gamma", "beta"])
     assert artifacts.layout["buffers"] == [] and artifacts.params == ["W1", "b1", "W2", "b2"]
 

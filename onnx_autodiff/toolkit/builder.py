@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from onnx_autodiff.errors import OpsetTooOldError
 from onnx_autodiff.toolkit.graphs import graph_and_subgraphs, initializers_to_constants
 
 FLOAT_TYPES = frozenset(
@@ -112,6 +113,10 @@ class OpBuilder:
         if not all(v is None or type(v) is ir.Value for v in values):  # numbers, arrays: constants
             like = _like(inputs)
             values = [self._as_value(v, like) for v in inputs]
+        if not _domain:
+            if op_type == "CastLike" and self.opset < 15 and values[1].dtype is not None:
+                return self.Cast(values[0], to=int(values[1].dtype))  # the same node, before CastLike existed
+            _require_op(op_type, self.opset)
         keep = _min_inputs(op_type, self.opsets.get(_domain, self.opset), _domain)
         while len(values) > keep and values[-1] is None:
             values.pop()
@@ -297,6 +302,17 @@ class OpBuilder:
     @staticmethod
     def _tuple(result):
         return result if isinstance(result, tuple) else (result,)
+
+
+@functools.lru_cache(maxsize=None)
+def _require_op(op_type: str, opset: int) -> None:
+    """Refuse a default-domain op that ``opset`` lacks, naming the first opset that has it, so that
+    no backward holds an op its model's opset does not define (the passes then convert the model:
+    :mod:`onnx_autodiff.passes.opsets`)."""
+    if not onnx.defs.has(op_type, "") or onnx.defs.has(op_type, opset, ""):
+        return  # (not a standard op: the checker names it)
+    first = min(s.since_version for s in onnx.defs.get_all_schemas_with_history() if s.name == op_type and s.domain == "")
+    raise OpsetTooOldError(f"{op_type} needs opset {first} or later (the model has {opset})", first)
 
 
 @functools.lru_cache(maxsize=None)

@@ -20,6 +20,7 @@ from onnx_autodiff.errors import (
     AutodiffError,
     NotDifferentiableError,
     TrainingError,
+    TrainingOpsetError,
     UnknownValueError,
     names_summary,
 )
@@ -338,20 +339,18 @@ def _analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=Non
     for node in graph.node:
         if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
             if opset < 14 and not freeze_batchnorm:
-                raise TrainingError(
+                raise TrainingOpsetError(
                     f"BatchNormalization node '{node.name}' is at opset {opset}: training mode with "
                     "running statistics needs opset >= 14 (convert the model with "
                     "onnx.version_converter.convert_version(model, 14)), or pass "
-                    "freeze_batchnorm=True to keep its statistics fixed"
-                )
+                    "freeze_batchnorm=True to keep its statistics fixed", 14)
             for name in node.input[3:5]:
                 if name in inits and name not in stats:
                     stats.append(name)
         if node.op_type == "Dropout" and node.domain in ("", "ai.onnx") and 7 <= opset < 12:
-            raise TrainingError(
+            raise TrainingOpsetError(
                 f"Dropout node '{node.name}' is at opset {opset}, which has no training mode: "
-                "convert the model to opset >= 12 (onnx.version_converter)"
-            )
+                "convert the model to opset >= 12 (onnx.version_converter)", 12)
 
     def check(names, role):
         names = [names] if isinstance(names, str) else list(names or [])

@@ -246,3 +246,36 @@ def test_light_zoo_model_differentiates_like_its_hand_converted_copy(name):
     (got,), (want,) = gradients(auto, a, feeds, dy).values(), gradients(hand, h, feeds, dy).values()
     assert np.all(np.isfinite(got))
     np.testing.assert_array_equal(got, want)
+
+
+def test_cast_like_of_a_known_dtype_is_a_cast_before_opset_15():
+    """GlobalAveragePool over run-time spatial sizes divides by a count cast to dY's type: at
+    opset 11 that is a Cast (CastLike came in opset 15), the model keeps its opset, and one
+    backward model runs at two image sizes."""
+    x = rng(5).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    nodes = [helper.make_node("GlobalAveragePool", ["X"], ["p"]), helper.make_node("Tanh", ["p"], ["y"])]
+    model = make_model(nodes, {"X": x}, ["y"], shapes={"X": ["N", 3, "H", "W"]}, opset=11)
+    result, _ = differentiate(model, "y", ["X"])
+    assert default_opset(result) == 11
+    assert "CastLike" not in {n.op_type for n in result.graph.node}
+    for size in ((4, 5), (6, 3)):
+        assert_gradients(model, {"X": rng(6).standard_normal((2, 3, *size)).astype(np.float32)}, ["X"])
+
+
+def test_an_op_newer_than_the_model_converts_it():
+    """A rule emitting an op the model's opset lacks (Where, opset 9, for a model at 8) converts
+    the model, as a rule asking with require_opset does, instead of writing an invalid model."""
+    registry = default_registry().copy()
+
+    @register_gradient("Relu", differentiable=("X",), registry=registry)
+    def relu(op, node, dY):
+        X = node.inputs[0]
+        return {"X": op.Where(op.Greater(X, 0.0), dY, op.Sub(dY, dY))}
+
+    x = rng(7).standard_normal((3, 4)).astype(np.float32)
+    model = make_model([helper.make_node("Relu", ["X"], ["y"])], {"X": x}, ["y"], opset=8)
+    autodiff = AutodiffPass(of="y", wrt=["X"], seed="input", registry=registry)
+    result = ir.to_proto(autodiff(ir.from_proto(model)).model)
+    onnx.checker.check_model(result, full_check=True)
+    assert default_opset(result) >= 9
+    assert_gradients(model, {"X": x}, ["X"], registry=registry)
