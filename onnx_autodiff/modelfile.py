@@ -578,6 +578,7 @@ def save_model(model: ir.Model, path: str | os.PathLike, external_data: bool | N
     directory = os.path.dirname(os.path.abspath(path))
     name = os.path.basename(path)
     data = name + ".data"
+    _small_external_in_memory(graphs)
     staging = tempfile.mkdtemp(prefix=".onnx-autodiff-", dir=directory)
     try:
         # written where the final names resolve, so that the check reads the real data file
@@ -603,6 +604,17 @@ def save_model(model: ir.Model, path: str | os.PathLike, external_data: bool | N
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return written
+
+
+def _small_external_in_memory(graphs: list[ir.Graph]) -> None:
+    """Copies into memory the external tensors that will be written into the model file, which
+    onnx-ir would otherwise copy and then unmap: an array a pass made as a view of that mapping
+    (a folded Constant of a weight) keeps it open, and unmapping it raises BufferError."""
+    for graph in graphs:
+        for value in graph.initializers.values():
+            tensor = value.const_value
+            if isinstance(tensor, ir.ExternalTensor) and tensor.nbytes <= THRESHOLD:
+                value.const_value = ir.Tensor(tensor.numpy().copy(), name=tensor.name, dtype=tensor.dtype)
 
 
 def _same_file(a: str, b: str) -> bool:

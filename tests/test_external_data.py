@@ -318,3 +318,30 @@ def test_the_check_of_a_proto_leaves_it_as_it_is_and_checks_large_held_tensors_b
         proto.graph.node[0].input[0] = "nowhere"
         with pytest.raises(onnx.checker.ValidationError):
             modelfile.check_model(proto, base_dir=os.path.dirname(path), full=True)
+
+
+def test_a_small_external_weight_held_by_a_view_is_written(tmp_path, capsys):
+    """An external weight under the threshold goes into the written model file; a pass may hold an
+    array viewing its mapping (the LSTM's backward of an input reads its fixed weights), so it is
+    copied rather than unmapped (onnx-ir's unmapping raised BufferError)."""
+    rng = np.random.default_rng(2)
+    hidden, features = 4, 3
+    weights = {"W": rng.standard_normal((1, 4 * hidden, features)), "R": rng.standard_normal((1, 4 * hidden, hidden))}
+    nodes = [helper.make_node("LSTM", ["X", "W", "R"], ["Y"], hidden_size=hidden),
+             helper.make_node("ReduceSum", ["Y"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(
+        nodes, "lstm", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["T", "N", features])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        [numpy_helper.from_array((v * 0.5).astype(np.float32), k) for k, v in weights.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    source = tmp_path / "lstm.onnx"
+    onnx.save(model, source, save_as_external_data=True, location="lstm.onnx.data", size_threshold=0)
+    assert main(["grad", str(source), "-o", str(tmp_path / "grads.onnx"), "--wrt", "X"]) == 0, capsys.readouterr().err
+    session = ort.InferenceSession(str(tmp_path / "grads.onnx"), providers=["CPUExecutionProvider"])
+    x = rng.standard_normal((5, 2, features)).astype(np.float32)
+    grads = session.run(["grad_X"], {"X": x})[0]
+    inline = ir.from_proto(onnx.load(source))  # its tensors read into the proto
+    AutodiffPass(of="loss", wrt=["X"])(inline)
+    expected = ort.InferenceSession(ir.to_proto(inline).SerializeToString(),
+                                    providers=["CPUExecutionProvider"]).run(["grad_X"], {"X": x})[0]
+    np.testing.assert_array_equal(grads, expected)
