@@ -54,7 +54,7 @@ def cmd_grad(args) -> int:
 
     check_output_path(args.output)
     model = load_model(args.model)
-    forward_nodes = len(model.graph)
+    forward_nodes = sum(len(graph) for graph in model.graphs())  # (subgraphs' nodes included)
     of = args.of or _single_output(model)
     quantized = quantized_weights(model.graph)
     start = time.perf_counter()
@@ -72,8 +72,9 @@ def cmd_grad(args) -> int:
     gradients = list(differentiated.gradient_names.values())
     seed = f"; seed input '{differentiated.seed_name}'" if differentiated.seed_name else ""
     print(
-        f"wrote {args.output}{data}: {forward_nodes} forward + {len(result.model.graph) - forward_nodes} "
-        f"backward nodes in {seconds:.2f} s; {count(len(gradients), 'gradient output')} "
+        # (a total, not forward + backward: the cleanup may fold forward nodes, e.g. Constants)
+        f"wrote {args.output}{data}: {count(sum(len(g) for g in result.model.graphs()), 'node')} from a forward of "
+        f"{forward_nodes} in {seconds:.2f} s; {count(len(gradients), 'gradient output')} "
         f"{names_summary(gradients)}{seed}"
     )
     return EXIT_OK
