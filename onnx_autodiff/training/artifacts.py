@@ -1071,14 +1071,21 @@ def generate_artifacts(
     :func:`onnx_autodiff.passes.parameters.default_parameters` chooses them, that are neither in
     ``frozen_params`` nor BatchNormalization running statistics; ``left_out`` of the result
     lists the constants it did not train).
-    loss: "cross_entropy" (logits [N, C, ...], int64 class labels, mean, ignore_index −100),
-    "mse", "l1", "bce_with_logits" (labels shaped like the output), None (the model's scalar
+    loss: "cross_entropy" (logits [N, C, ...] or [batch, sequence, classes], int64 class labels,
+    mean, ignore_index −100), "causal_lm" (transformers' next-token loss of logits [batch,
+    sequence, vocabulary]), "ctc" (torch's ctc_loss; labels, input_lengths, target_lengths),
+    "mse", "l1", "bce_with_logits" (labels shaped like the output), a
+    :class:`~onnx_autodiff.training.losses.BuiltinLoss` (one of those with options, e.g.
+    ``BuiltinLoss("ctc", blank=27)``), None (the model's scalar
     output ``output`` is the loss), or a custom loss: a callable ``f(op, output, *labels)`` returning
     the scalar loss built with the :class:`~onnx_autodiff.toolkit.builder.OpBuilder` ``op``, or an
     onnx.FunctionProto with inputs ``[output, *labels]`` and the loss as first output.
     output: the model output the loss applies to (default: the first).
     labels: the label input's name (a str) or, for a custom loss, a list of (name, numpy dtype,
-    shape) (default: one input "labels" shaped and typed like the output).
+    shape) (default: one input "labels" shaped and typed like the output); for a built-in loss
+    the first entry's shape, where given, decides the class axis (see docs/training.md, "Losses").
+    A class loss on an output made by Softmax, LogSoftmax (cross_entropy, causal_lm, ctc) or
+    Sigmoid (bce_with_logits) applies to the logits under it, logging a warning that says so.
     optimizer: "sgd", "adam", "adamw" with ``optimizer_options`` (torch names: lr, momentum,
     dampening, nesterov, weight_decay, betas, eps, amsgrad), or an SGD/Adam/AdamW instance.
     max_grad_norm: clip the gradients by their global L2 norm (torch.nn.utils.clip_grad_norm_).
@@ -1165,6 +1172,8 @@ def _generate_artifacts(model, requires_grad, frozen_params, loss, optimizer, op
     }
     if target != "onnxruntime":  # (the default's artifacts.json as before)
         layout["target"] = target
+    if loss_spec.class_axis != 1:  # where integer labels are not classes along axis 1 (null: not classes)
+        layout["class_axis"] = loss_spec.class_axis
     if modules is not None:
         layout["modules"] = modules
     if lora is not None:

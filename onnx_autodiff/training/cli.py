@@ -14,7 +14,7 @@ from onnx_autodiff.errors import TrainingError, names_summary
 from onnx_autodiff.passes.lora import LoraConfig
 from onnx_autodiff.passes.quantize import BLOCK_SIZES, FORMATS, KINDS
 from onnx_autodiff.training.artifacts import TrainingArtifacts, generate_artifacts, quantized_weight_names
-from onnx_autodiff.training.losses import LOSSES
+from onnx_autodiff.training.losses import LOSSES, BuiltinLoss
 from onnx_autodiff.training.optimizers import OPTIMIZERS
 from onnx_autodiff.training.trainer import Trainer
 
@@ -46,7 +46,11 @@ def add_generation_arguments(parser) -> list[str]:
 
     actions = [
         parser.add_argument("--loss", choices=[*LOSSES, "none"],
-                            help="loss on the model's output; 'none': the model's output is the loss (default cross_entropy)"),
+                            help="loss on the model's output; 'none': the model's output is the loss (default "
+                                 "cross_entropy); a class loss on a Softmax/Sigmoid output applies to the logits under it"),
+        parser.add_argument("--ctc-blank", type=int, metavar="INDEX", help="--loss ctc: the blank's class (default 0)"),
+        parser.add_argument("--ctc-zero-infinity", action="store_true",
+                            help="--loss ctc: impossible alignments (targets too long) count 0, not infinity"),
         parser.add_argument("--optimizer", choices=OPTIMIZERS, help="default adamw"),
         parser.add_argument("--requires-grad", nargs="+", metavar="NAME", help="initializers to train, by name or shell-style pattern on initializer or module parameter names, "
                                  "e.g. 'model.layers.*.mlp.*' (default: the model's parameters)"),
@@ -83,8 +87,10 @@ def add_generation_arguments(parser) -> list[str]:
     return [action.dest for action in actions]
 
 
-def artifacts_from_args(args, gradient_accumulation: bool = False) -> TrainingArtifacts:
-    """The artifacts of ``args.model`` with the options of :func:`add_generation_arguments`."""
+def artifacts_from_args(args, gradient_accumulation: bool = False, label_shape: list | None = None) -> TrainingArtifacts:
+    """The artifacts of ``args.model`` with the options of :func:`add_generation_arguments`;
+    ``label_shape``: the data's labels' (it decides cross_entropy's class axis where the logits'
+    shape does not)."""
 
     options = {k: v for k, v in (("lr", args.lr), ("momentum", args.momentum), ("weight_decay", args.weight_decay)) if v is not None}
     if args.nesterov:
@@ -95,9 +101,13 @@ def artifacts_from_args(args, gradient_accumulation: bool = False) -> TrainingAr
     lora = _lora_config(args, UsageError)
     read_model_proto(args.model)  # checked; read again from the path, which locates its external data
     loss = args.loss or "cross_entropy"
+    ctc = {k: v for k, v in (("blank", args.ctc_blank), ("zero_infinity", args.ctc_zero_infinity or None)) if v is not None}
+    if ctc and loss != "ctc":
+        raise UsageError("--ctc-blank and --ctc-zero-infinity apply to --loss ctc only")
     return generate_artifacts(
         args.model, requires_grad=args.requires_grad, frozen_params=args.frozen,
-        loss=None if loss == "none" else loss, optimizer=optimizer, optimizer_options=options,
+        loss=None if loss == "none" else BuiltinLoss(loss, **ctc) if ctc else loss, optimizer=optimizer,
+        optimizer_options=options, labels=None if label_shape is None else [("labels", np.int64, label_shape)],
         output=args.output_name, max_grad_norm=args.max_grad_norm, gradient_accumulation=gradient_accumulation,
         upgrade_opset=not args.no_upgrade, lora=lora, target=getattr(args, "target", "onnxruntime"),
         check_output=getattr(args, "check_output", False),

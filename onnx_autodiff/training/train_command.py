@@ -215,9 +215,19 @@ def _started(args, gradient_accumulation: bool = False) -> tuple[TrainingArtifac
         artifacts = _load_artifacts(args.model)
     else:
         with progress.collector_paused():  # (see generate_artifacts)
-            artifacts = artifacts_from_args(args, gradient_accumulation)
+            artifacts = artifacts_from_args(args, gradient_accumulation, _label_shape(args.data))
         note_left_out(artifacts.left_out, "--requires-grad", "train", quantized_weight_names(artifacts.inference_model))
     return artifacts, RunState(_settings(args)), None
+
+
+def _label_shape(path: str) -> list | None:
+    """The shape of the data's 'labels' ([None, ...]: any number of examples), which decides the
+    class axis of cross_entropy's logits where their shape leaves it open; None without one."""
+    try:
+        labels = load_arrays(path).get("labels")
+    except (OSError, ValueError, EOFError):
+        return None  # (the data's check says what is wrong with the file)
+    return None if labels is None or labels.ndim == 0 else [None, *labels.shape[1:]]
 
 
 def _resumed(args) -> tuple[TrainingArtifacts, RunState, dict]:
@@ -290,17 +300,20 @@ def _batch_specs(artifacts: TrainingArtifacts) -> dict[str, tuple[np.dtype, list
     return specs
 
 
-def _classes(artifacts: TrainingArtifacts) -> tuple[str, str, int | None] | None:
-    """(labels, scored output, number of classes or None) when the labels are class indices (integer
-    labels, as cross_entropy takes): the accuracy compares them with the argmax of the scored output."""
+def _classes(artifacts: TrainingArtifacts) -> tuple[str, str, int | None, int] | None:
+    """(labels, scored output, number of classes or None, class axis) when the labels are class
+    indices (integer labels, as cross_entropy takes): the accuracy compares them with the argmax of
+    the scored output along its class axis (1, or what the artifacts record: causal_lm's and ctc's
+    labels are not one class per position of the output)."""
     labels = artifacts.layout["labels"]
-    if len(labels) != 1 or _batch_specs(artifacts)[labels[0]][0].kind not in "iu":
+    axis = artifacts.layout.get("class_axis", 1)
+    if axis is None or len(labels) != 1 or _batch_specs(artifacts)[labels[0]][0].kind not in "iu":
         return None
     scored = artifacts.layout["eval"]["outputs"][0]
     output = next(v for v in artifacts.eval_model.graph.output if v.name == scored).type.tensor_type
     dims = output.shape.dim if output.HasField("shape") else []
-    classes = dims[1].dim_value if len(dims) > 1 and dims[1].HasField("dim_value") else None
-    return labels[0], scored, classes
+    classes = dims[axis].dim_value if len(dims) > axis and dims[axis].HasField("dim_value") else None
+    return labels[0], scored, classes, axis
 
 
 def _checked_data(path: str, option: str, artifacts: TrainingArtifacts, batch_size: int) -> dict[str, np.ndarray]:
@@ -337,7 +350,7 @@ def _checked_data(path: str, option: str, artifacts: TrainingArtifacts, batch_si
         raise CommandError(f"{option} {path} holds no examples")
     classes = _classes(artifacts)
     if classes is not None and classes[2] is not None:
-        labels, scored, count = classes
+        labels, scored, count, _ = classes
         values = np.asarray(data[labels])
         bad = values[((values < 0) | (values >= count)) & (values != IGNORE_INDEX)]
         if bad.size:
@@ -418,7 +431,7 @@ def _validation(trainer: Trainer, val: dict, size: int) -> dict[str, float]:
         if classes is not None:
             labels = np.asarray(batch[classes[0]])
             kept = labels != IGNORE_INDEX
-            correct += int(np.count_nonzero(results[classes[1]].argmax(1)[kept] == labels[kept]))
+            correct += int(np.count_nonzero(results[classes[1]].argmax(classes[3])[kept] == labels[kept]))
             counted += int(np.count_nonzero(kept))
     metrics = {"val_loss": loss_sum / examples}
     if counted:
