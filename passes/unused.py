@@ -9,6 +9,7 @@ from collections.abc import Iterable
 import onnx
 import onnx_ir as ir
 from onnx_autodiff.toolkit import detach, subgraphs
+from onnx_autodiff.toolkit.graphs import graph_and_subgraphs
 
 
 class RemoveUnusedPass(ir.passes.InPlacePass):
@@ -55,7 +56,8 @@ def remove_unused(model: ir.Model) -> bool:
     drops) are read, once per op type."""
     removed = sum(_remove_dead(g) for g in (model.graph, *(f.graph for f in model.functions.values())))
     _trim(model.graph, model.graph.opset_imports.get(""))
-    unused = _remove_unused_initializers(model.graph)
+    # (a backward If's branches hold initializers of their own, which the folds may leave unread)
+    unused = any([_remove_unused_initializers(g) for g in graph_and_subgraphs(model.graph)])
     for function in model.functions.values():
         _trim(function, function.opset_imports.get(""))
     return removed > 0 or unused

@@ -21,6 +21,22 @@ def test_a_dead_chain_and_an_unused_initializer_go():
     assert not RemoveUnusedPass()(model).modified
 
 
+def test_an_unused_initializer_of_a_branch_goes():
+    """A branch's own initializers (a backward If's) are dropped when nothing reads them, as the main
+    graph's are: onnxruntime warns of each it finds at load."""
+    def branch(name, read):
+        graph = helper.make_graph([helper.make_node("Add", ["x", read], [f"{name}_out"])], name, [],
+                                  [helper.make_tensor_value_info(f"{name}_out", 1, [3])],
+                                  [helper.make_tensor(n, 1, [3], [1.0, 2.0, 3.0]) for n in (f"{name}_w", f"{name}_unused")])
+        return graph
+    nodes = [helper.make_node("If", ["c"], ["y"], then_branch=branch("then", "then_w"), else_branch=branch("else", "x"))]
+    model = ir.from_proto(make_model(nodes, {"c": np.array(True), "x": np.ones(3, np.float32)}, ["y"]))
+    assert RemoveUnusedPass()(model).modified
+    kept = {g.name: list(g.initializers) for g in model.graphs() if g is not model.graph}
+    assert kept == {"then": ["then_w"], "else": []}
+    assert not RemoveUnusedPass()(model).modified
+
+
 def test_removing_unused_parts_matches_onnx_ir():
     """The cleanup's own removal of unused optional outputs, omitted trailing inputs and
     initializers does what onnx-ir's RemoveUnusedNodesPass does (reading fewer schemas)."""
