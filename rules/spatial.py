@@ -111,20 +111,77 @@ def resize_matrix(n_in, n_out, scale, mode, ctm, nearest_mode="round_prefer_floo
     return W
 
 
-def _constant(node, index: int, what: str):
-    """A constant optional input (None when absent or empty); refuse run-time values."""
+def _given(node, index: int):
+    """An optional 1-D input: its array when known before run time, the value itself when only the
+    run knows it, None when it is absent or statically empty."""
     if index >= len(node.inputs) or node.inputs[index] is None:
         return None
-    value = shapes.constant(node.inputs[index])
-    if value is None:
-        raise RuleError(f"{node.op_type}: the gradient needs '{what}' as a constant, but "
-                        f"'{node.inputs[index].name}' is only known at run time (a graph input or a "
-                        "computed value); make it an initializer or a Constant")
-    return value if value.size else None
+    value = node.inputs[index]
+    array = shapes.constant(value)
+    if array is not None:
+        return array.reshape(-1) if array.size else None
+    return None if shapes.dims(value) == (0,) else value
 
 
-def _resize_plan(node, opset: int) -> list[tuple[int, np.ndarray]]:
-    """(axis, W) for every axis Resize/Upsample changes."""
+_DIM = "dim"
+
+
+def _entries(value, X, count: int) -> list:
+    """Per element of a 1-D input read before run time: its number when known, (_DIM, axis) where
+    it is X's length along that axis (sizes that exporters build from Shape(X)), else None."""
+    found = _traced(value, X, 0)
+    return found if found is not None and len(found) == count else [None] * count
+
+
+def _traced(value, X, depth: int) -> list | None:
+    array = shapes.constant(value)
+    if array is not None:
+        return array.reshape(-1).tolist()
+    node = value.producer() if depth < 8 else None
+    if node is None or node.domain not in ("", "ai.onnx"):
+        return None
+    inputs = node.inputs
+    if node.op_type == "Shape" and inputs[0] is X and shapes.rank(X) is not None:
+        x_dims = shapes.dims(X)
+        lengths = [d if isinstance(d, int) else (_DIM, j) for j, d in enumerate(x_dims)]
+        return lengths[shapes.attr(node, "start", 0):shapes.attr(node, "end", None)]
+    if node.op_type == "Concat":
+        parts = []
+        for part in inputs:
+            found = _traced(part, X, depth + 1)
+            if found is None:
+                length = shapes.static_shape(part)
+                if length is None or len(length) != 1:
+                    return None
+                found = [None] * length[0]
+            parts += found
+        return parts
+    if node.op_type in ("Cast", "Unsqueeze", "Squeeze", "Identity"):
+        return _traced(inputs[0], X, depth + 1)
+    if node.op_type in ("Slice", "Gather"):
+        data = _traced(inputs[0], X, depth + 1)
+        if len(inputs) == 1:  # Slice before opset 10: attributes
+            picks = [np.asarray(shapes.attr(node, name, [0])) for name in ("starts", "ends", "axes")]
+        else:
+            picks = [None if v is None else shapes.constant(v) for v in inputs[1:]]
+        if data is None or any(p is None for p in picks):
+            return None
+        if node.op_type == "Gather":
+            return [data[int(i)] for i in picks[0].reshape(-1)]
+        starts, ends, *rest = (p.reshape(-1) for p in picks)
+        axes, steps = (rest + [np.zeros(1), np.ones(1)][len(rest):])[:2]
+        if len(starts) != 1 or int(axes[0]) not in (0, -1):
+            return None
+        return data[int(starts[0]):int(ends[0]):int(steps[0])]
+    return None
+
+
+_RUNTIME = "run time"  # a plan's matrix built in the graph: the input's length or a scale is not static
+
+
+def _resize_plan(node, opset: int) -> list[tuple[int, object]]:
+    """(axis, W) for every axis Resize/Upsample changes: W the (out, in) numpy matrix where the
+    axis's length and scale are static, else the arguments of :func:`_runtime_matrix`."""
     X = node.inputs[0]
     in_dims = shapes.dims(X)
     if in_dims is None:
@@ -137,48 +194,58 @@ def _resize_plan(node, opset: int) -> list[tuple[int, np.ndarray]]:
     if shapes.attr(node, "antialias", 0) and mode == "nearest":
         raise RuleError("Resize: antialias is not defined for mode 'nearest'")
     axes = [shapes.normalize_axis(a, r) for a in shapes.attr(node, "axes", list(range(r)))]
+    k = len(axes)
     roi = sizes = None
     if node.op_type == "Upsample" and opset < 9:
         scales = np.asarray(shapes.attr(node, "scales"), np.float64)
     elif legacy:
-        scales = _constant(node, 1, "scales")
+        scales = _given(node, 1)
     else:
-        roi = _constant(node, 1, "roi") if ctm == "tf_crop_and_resize" else None
-        scales, sizes = _constant(node, 2, "scales"), _constant(node, 3, "sizes")
+        roi = _given(node, 1) if ctm == "tf_crop_and_resize" else None
+        scales, sizes = _given(node, 2), _given(node, 3)
     if scales is None and sizes is None:
         raise RuleError(f"{node.op_type}: neither scales nor sizes is given")
     if roi is None:
-        roi = np.array([0.0] * len(axes) + [1.0] * len(axes))
-
-    def need(axis):
-        if not isinstance(in_dims[axis], int):
-            raise RuleError(f"{node.op_type}: axis {axis} of '{X.name}' is resized but its size is "
-                            "not static; the gradient needs it at rule-construction time")
-        return in_dims[axis]
-
+        roi = np.array([0.0] * k + [1.0] * k)
+    runtime_roi = isinstance(roi, ir.Value)
+    lengths = [in_dims[a] if isinstance(in_dims[a], int) else None for a in axes]
     if sizes is not None:
-        ratios = [float(s) / need(a) for s, a in zip(sizes, axes)]
+        given = _entries(sizes, X, k) if isinstance(sizes, ir.Value) else [int(s) for s in sizes]
+        # A size that is the input's own length along the axis keeps it: a stretch by 1.
+        same = [isinstance(g, tuple) and (g[1] == a or in_dims[a] is not None and in_dims[g[1]] == in_dims[a])
+                for g, a in zip(given, axes)]
         policy = shapes.attr(node, "keep_aspect_ratio_policy", "stretch")
-        if policy == "stretch":
-            outs, scale_of = [int(s) for s in sizes], ratios
-        elif policy in ("not_larger", "not_smaller"):
-            common = min(ratios) if policy == "not_larger" else max(ratios)
-            scale_of = [common] * len(axes)
-            outs = [int(common * need(a) + 0.5) for a in axes]
-        else:
+        if policy not in ("stretch", "not_larger", "not_smaller"):
             raise RuleError(f"Resize keep_aspect_ratio_policy={policy!r} is not supported")
+        if policy != "stretch" and not all(isinstance(g, int) for g in given + lengths):
+            raise RuleError(f"Resize keep_aspect_ratio_policy={policy!r}: the gradient needs the sizes and "
+                            f"the resized lengths of '{X.name}' static (one scale for all axes decides both)")
+        static = [isinstance(g, int) and n is not None for g, n in zip(given, lengths)]
+        ratios = [float(g) / n if s else None for g, n, s in zip(given, lengths, static)]
+        if policy == "stretch":
+            outs, scale_of = [g if s else None for g, s in zip(given, static)], ratios
+        else:
+            common = min(ratios) if policy == "not_larger" else max(ratios)
+            scale_of = [common] * k
+            outs = [int(common * n + 0.5) for n in lengths]
     else:
-        scale_of = [float(s) for s in scales]
-        outs = [None] * len(axes)
+        given = _entries(scales, X, k) if isinstance(scales, ir.Value) else [float(s) for s in scales]
+        given = [g if isinstance(g, float) else None for g in given]
+        same = [g == 1.0 for g in given]
+        static = [g is not None and n is not None for g, n in zip(given, lengths)]
+        scale_of, outs = given, [None] * k
     out_dims = shapes.dims(node.outputs[0]) or [None] * r
     plan = []
     for i, axis in enumerate(axes):
+        if same[i] and ctm != "tf_crop_and_resize":
+            continue  # identity along this axis, whatever its size
+        if not static[i] or runtime_roi:
+            plan.append((axis, (_RUNTIME, i, k, given[i], sizes is not None)))
+            continue
         if isinstance(out_dims[axis], int):  # dY's shape decides W's rows when it is known
             outs[i] = out_dims[axis]
-        scale, lo, hi = scale_of[i], float(roi[i]), float(roi[len(axes) + i])
-        if outs[i] is None and scale == 1.0 and ctm != "tf_crop_and_resize":
-            continue  # identity along this axis, whatever its size
-        n_in = need(axis)
+        scale, lo, hi = scale_of[i], float(roi[i]), float(roi[k + i])
+        n_in = lengths[i]
         n_out = outs[i] if outs[i] is not None else int(np.float32(scale) * np.float32(n_in))
         W = resize_matrix(n_in, n_out, scale, mode, ctm, nearest_mode,
                           shapes.attr(node, "cubic_coeff_a", -0.75),
@@ -189,22 +256,87 @@ def _resize_plan(node, opset: int) -> list[tuple[int, np.ndarray]]:
     return plan
 
 
-def _along(op, g, W: np.ndarray, axis: int, r: int, like):
-    """Contract axis ``axis`` of g (length W's rows) with W: that axis becomes W's columns."""
+# What the forward's Resize does to a whole tensor and not to one axis's identity matrix.
+_TENSOR_ATTRIBUTES = frozenset({"axes", "keep_aspect_ratio_policy", "extrapolation_value", "scales"})
+
+
+def _runtime_matrix(op, node, axis: int, spec, transposed: bool, like):
+    """W (n_out, n_in) of one axis, or Wᵀ, computed in the graph: the forward's own Resize (mode,
+    coordinates, rounding, filter) applied to the identity of the input's run-time length, with
+    that axis's scale or size (and roi) on one side and the length kept on the other.
+
+    W depends on shapes only, so the gradient stays linear in dY (differentiable again)."""
+    _, i, k, entry, by_size = spec
+    X = node.inputs[0]
+    shapes.require_opset(op, 9, f"{node.op_type}'s gradient over a length or scale known at run time (EyeLike)")
+    n = _extent(op, X, axis)
+    eye = op.EyeLike(shapes.zeros(op, like, shapes.shape_from(op, n, n)))
+    eye.dtype = like.dtype
+
+    def pair(value, kept):  # (this axis's, the other's), in the order of W or of Wᵀ
+        return [kept, value] if transposed else [value, kept]
+
+    def element(index: int, j: int):  # element j of the forward's input ``index``, 1-D
+        return op.Gather(node.inputs[index], op.const(np.array([j], np.int64)))
+
+    legacy = node.op_type == "Upsample" or op.opset < 11
+    if by_size:
+        if isinstance(entry, tuple):  # another axis's length
+            size = _extent(op, X, entry[1])
+        else:
+            size = entry if isinstance(entry, int) else element(3, i)
+        resize_by = shapes.shape_from(op, *pair(size, n))
+    elif entry is not None:
+        resize_by = op.const(np.array(pair(entry, 1.0), np.float32))
+    else:
+        resize_by = op.Concat(*pair(element(1 if legacy else 2, i), op.const(np.array([1.0], np.float32))), axis=0)
+    attributes = {name: shapes.attr(node, name) for name in node.attributes if name not in _TENSOR_ATTRIBUTES}
+    if legacy:
+        W = op.emit(node.op_type, eye, resize_by, **attributes)
+    else:
+        roi = None
+        if shapes.attr(node, "coordinate_transformation_mode") == "tf_crop_and_resize":
+            start, end = element(1, i), element(1, k + i)
+            zero, one = (op.const(np.array([v]), like=node.inputs[1]) for v in (0.0, 1.0))
+            roi = op.Concat(*pair(start, zero), *pair(end, one), axis=0)
+        elif op.opset < 13:  # roi and scales are required inputs there, empty when unused
+            roi = op.const(np.zeros(0, np.float32))
+        scales = resize_by if not by_size else op.const(np.zeros(0, np.float32)) if op.opset < 13 else None
+        W = op.Resize(eye, roi, scales, resize_by if by_size else None, **attributes)
+    W.dtype = like.dtype
+    return W
+
+
+def _extent(op, x, axis: int):
+    """x's length along ``axis``: an int when static, else a 1-element int64 value. (Gather, not
+    shapes.extent's Slice, whose inputs Upsample-9's opset does not have.)"""
+    length = shapes.dims(x)[axis]
+    return length if isinstance(length, int) else op.Gather(op.Shape(x), op.const(np.array([axis], np.int64)))
+
+
+def _along(op, g, axis: int, r: int, matrix):
+    """Contract axis ``axis`` of g (length W's rows) with W: that axis becomes W's columns.
+    ``matrix(transposed)`` gives W or Wᵀ."""
     if axis == r - 1:
-        return op.MatMul(g, op.const(W, like=like))
+        return op.MatMul(g, matrix(False))
     if axis == r - 2:
-        return op.MatMul(op.const(W.T, like=like), g)
+        return op.MatMul(matrix(True), g)
     perm = list(range(r))
     perm[axis], perm[-1] = perm[-1], perm[axis]
-    return op.Transpose(op.MatMul(op.Transpose(g, perm=perm), op.const(W, like=like)), perm=perm)
+    return op.Transpose(op.MatMul(op.Transpose(g, perm=perm), matrix(False)), perm=perm)
 
 
 def _resize_backward(op, node, dY):
-    r = shapes.rank(node.inputs[0])
+    X = node.inputs[0]
+    r = shapes.rank(X)
+    like = X if X.dtype else dY
     dX = dY
     for axis, W in _resize_plan(node, op.opset):
-        dX = _along(op, dX, W, axis, r, node.inputs[0] if node.inputs[0].dtype else dY)
+        if isinstance(W, np.ndarray):
+            matrix = lambda transposed, W=W: op.const(W.T if transposed else W, like=like)  # noqa: E731
+        else:
+            matrix = lambda transposed, axis=axis, W=W: _runtime_matrix(op, node, axis, W, transposed, like)  # noqa: E731
+        dX = _along(op, dX, axis, r, matrix)
     return dX
 
 

@@ -9,13 +9,16 @@ for GridSample and AffineGrid.
 """
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
-from onnx import helper
+from onnx import helper, numpy_helper
 
-from helpers import assert_gradients, make_model, op_model, rng
+from helpers import assert_gradients, assert_valid_model, make_model, op_model, rng
+from onnx_autodiff.conformance import compare, fd_vjp
 from onnx_autodiff.conformance.check import backward_model
 from onnx_autodiff.errors import AutodiffError
+from onnx_autodiff.rules.spatial import resize_matrix
 
 R = rng(7)
 
@@ -32,19 +35,26 @@ def ort_vjp(model, feeds, wrt, r):
     return [got[autodiff.gradient_names[x]] for x in wrt]
 
 
-def assert_linear_vjp(model, feeds, x, seed=0):
-    """For y affine in x: the VJP equals rᵀ·J, J read off the onnxruntime forward: f(eᵢ) - f(0)."""
-    session = _session(model)
+def jacobian_vjp(session, feeds, x, r):
+    """rᵀ·J for y affine in x, J read off the onnxruntime forward: f(eᵢ) - f(0)."""
     base = feeds[x]
     offset = session.run(None, {**feeds, x: np.zeros_like(base)})[0].astype(np.float64)
-    r = np.random.default_rng(seed).standard_normal(offset.shape).astype(np.float32)
-    (ad,) = ort_vjp(model, feeds, [x], r)
     want = np.zeros(base.shape)
     for i in np.ndindex(base.shape):
         e = np.zeros_like(base)
         e[i] = 1
         column = session.run(None, {**feeds, x: e})[0].astype(np.float64) - offset
         want[i] = np.sum(r * column)
+    return want
+
+
+def assert_linear_vjp(model, feeds, x, seed=0):
+    """For y affine in x: the VJP equals rᵀ·J (:func:`jacobian_vjp`)."""
+    session = _session(model)
+    shape = session.run(None, feeds)[0].shape
+    r = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    (ad,) = ort_vjp(model, feeds, [x], r)
+    want = jacobian_vjp(session, feeds, x, r)
     scale = max(1.0, np.abs(want).max())
     np.testing.assert_allclose(ad, want, atol=1e-5 * scale, rtol=1e-4)
     assert np.any(want != 0)
@@ -64,8 +74,9 @@ def resize_model(attrs, scales=None, sizes=None, roi=None, shape=(1, 2, 4, 5), o
         names.pop()
     if opset < 13 and len(names) < 3:
         names += [""] * (3 - len(names))
-    if opset < 13 and names[1] == "":
-        inits["roi"], names[1] = np.zeros(0, np.float32), "roi"
+    for slot, name in ((1, "roi"), (2, "scales")):  # required before opset 13, empty when unused
+        if opset < 13 and names[slot] == "":
+            inits[name], names[slot] = np.zeros(0, np.float32), name
     node = helper.make_node("Resize", names, ["Y"], **attrs)
     x = R.standard_normal(shape).astype(np.float32)
     model = make_model([node], {"X": x}, ["Y"], initializers=inits, opset=opset,
@@ -162,19 +173,234 @@ def test_resize_symbolic_batch():
     assert_linear_vjp(model, {"X": x[:1, :1]}, "X")
 
 
-def test_resize_refuses_runtime_scales():
-    node = helper.make_node("Resize", ["X", "", "s"], ["Y"], mode="linear")
-    x = R.standard_normal((1, 1, 2, 3)).astype(np.float32)
-    s = np.array([1, 1, 2, 2], np.float32)
-    model = make_model([node], {"X": x, "s": s}, ["Y"], opset=13)
-    with pytest.raises(AutodiffError, match="constant"):
+# Resize and Upsample over lengths, scales and sizes known only at run time: one backward graph,
+# run at two input sizes, each against its own oracle.
+
+NCHW = ["N", "C", "H", "W"]
+
+
+def assert_vjp_at_sizes(model, feeds_list, oracle="fd", x="X"):
+    """ONE backward graph of ``model``, run on onnxruntime at each of ``feeds_list``, against float64
+    finite differences (``oracle="fd"``) or the onnxruntime forward's own Jacobian ("jacobian":
+    where onnx.reference's Resize, the float64 evaluator, departs from the spec and onnxruntime)."""
+    proto, autodiff = backward_model(model, model.graph.output[0].name, [x], seed="input")
+    assert_valid_model(proto)
+    backward, forward = _session(proto), _session(model)
+    names = [o.name for o in proto.graph.output]
+    shapes = set()
+    for k, feeds in enumerate(feeds_list):
+        y = forward.run(None, feeds)[0]
+        r = np.random.default_rng(k).standard_normal(y.shape).astype(np.float32)
+        ad = dict(zip(names, backward.run(None, {**feeds, autodiff.seed_name: r})))[autodiff.gradient_names[x]]
+        if oracle == "fd":
+            fd = fd_vjp(model, feeds, [x], [r]).details[x]
+            assert compare(ad, fd, 1e-4, 1e-3) <= 1, f"at {feeds[x].shape}: AD {ad} FD {fd.value}"
+            assert np.any(fd.value != 0)
+        else:
+            want = jacobian_vjp(forward, feeds, x, r)
+            np.testing.assert_allclose(ad, want, atol=1e-5 * max(1.0, np.abs(want).max()), rtol=1e-4)
+            assert np.any(want != 0)
+        shapes.add(feeds[x].shape)
+    assert len(shapes) == len(feeds_list)
+    return proto
+
+
+def _x(*shape):
+    return R.standard_normal(shape).astype(np.float32)
+
+
+def _shape_sizes(sizes, opset):
+    """Nodes computing Resize's sizes at run time as TorchScript exports do: Concat(Slice(Shape(X),
+    0, 2), Cast(Concat(Unsqueeze(Gather(Shape(Z), 2)), Unsqueeze(Gather(Shape(Z), 3))))): N and C
+    kept, H and W those of another input Z."""
+    def const(name, value):
+        return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(np.array(value, np.int64)))
+
+    def unsqueeze(a, b):
+        if opset < 13:
+            return [helper.make_node("Unsqueeze", [a], [b], axes=[0])]
+        return [helper.make_node("Unsqueeze", [a, "zero"], [b])]
+
+    return [helper.make_node("Shape", ["Z"], ["z_shape"]), const("two", 2), const("three", 3), const("zero", [0]),
+            helper.make_node("Gather", ["z_shape", "two"], ["z_h"]), helper.make_node("Gather", ["z_shape", "three"], ["z_w"]),
+            *unsqueeze("z_h", "z_h1"), *unsqueeze("z_w", "z_w1"),
+            helper.make_node("Concat", ["z_h1", "z_w1"], ["z_hw"], axis=0),
+            helper.make_node("Cast", ["z_hw"], ["hw"], to=onnx.TensorProto.INT64),
+            helper.make_node("Shape", ["X"], ["x_shape"]), const("two1", [2]),
+            helper.make_node("Slice", ["x_shape", "zero", "two1", "zero"], ["nc"]),
+            helper.make_node("Concat", ["nc", "hw"], [sizes], axis=0)]
+
+
+# (opset, attributes, how: "scales" | "sizes" | "shape" (sizes from Shape), oracle)
+SYMBOLIC_CASES = [
+    (10, dict(mode="nearest"), "scales", "fd"),
+    (10, dict(mode="linear"), "scales", "fd"),
+    (11, dict(mode="linear", coordinate_transformation_mode="align_corners"), "shape", "jacobian"),
+    (11, dict(mode="nearest", coordinate_transformation_mode="asymmetric", nearest_mode="floor"), "scales", "fd"),
+    (11, dict(mode="cubic", coordinate_transformation_mode="pytorch_half_pixel"), "sizes", "fd"),
+    (11, dict(mode="linear", coordinate_transformation_mode="tf_crop_and_resize", extrapolation_value=2.0), "scales",
+     "jacobian"),
+    (13, dict(mode="nearest", coordinate_transformation_mode="half_pixel", nearest_mode="round_prefer_ceil"), "shape",
+     "fd"),
+    (13, dict(mode="cubic", coordinate_transformation_mode="asymmetric"), "scales", "fd"),
+    (13, dict(mode="linear", coordinate_transformation_mode="half_pixel"), "sizes", "fd"),
+    (18, dict(mode="linear", antialias=1, axes=[3, 2]), "scales", "jacobian"),
+    (18, dict(mode="nearest", coordinate_transformation_mode="tf_crop_and_resize", nearest_mode="ceil"), "sizes",
+     "jacobian"),
+    (19, dict(mode="linear", coordinate_transformation_mode="half_pixel_symmetric"), "scales", "fd"),
+    (19, dict(mode="nearest", coordinate_transformation_mode="half_pixel_symmetric",
+              nearest_mode="round_prefer_floor"), "shape", "jacobian"),
+    (19, dict(mode="cubic", exclude_outside=1, cubic_coeff_a=-0.5), "sizes", "fd"),
+]
+
+
+@pytest.mark.parametrize("opset,attrs,how,oracle", SYMBOLIC_CASES)
+def test_resize_symbolic_sizes(opset, attrs, how, oracle):
+    """Every input dimension symbolic; H, W resized (by constant scales or sizes, or sizes computed
+    from Shape); one backward graph checked at two input sizes."""
+    tf_crop = attrs.get("coordinate_transformation_mode") == "tf_crop_and_resize"
+    roi = [0, 0, 0.15, 0.2, 1, 1, 0.85, 1.13] if tf_crop else None
+    feeds = [{"X": _x(1, 2, 4, 5)}, {"X": _x(2, 1, 3, 6)}]
+    if how == "shape":
+        nodes = _shape_sizes("sizes", opset)
+        names = ["X", "roi", "scales", "sizes"] if opset < 13 else ["X", "", "", "sizes"]
+        inits = {"roi": np.zeros(0, np.float32), "scales": np.zeros(0, np.float32)} if opset < 13 else {}
+        node = helper.make_node("Resize", names, ["Y"], **attrs)
+        model = make_model([*nodes, node], {"X": feeds[0]["X"], "Z": np.zeros((1, 1, 7, 3), np.float32)}, ["Y"],
+                           initializers=inits, opset=opset, shapes={"X": NCHW, "Z": ["n", "c", "h", "w"]})
+        feeds[0]["Z"], feeds[1]["Z"] = np.zeros((1, 1, 7, 3), np.float32), np.zeros((1, 1, 2, 9), np.float32)
+    elif opset == 10:
+        node = helper.make_node("Resize", ["X", "scales"], ["Y"], **attrs)
+        model = make_model([node], {"X": feeds[0]["X"]}, ["Y"], opset=10, shapes={"X": NCHW},
+                           initializers={"scales": np.array([1, 1, 1.7, 0.6], np.float32)})
+    else:
+        given = [0.6, 1.7] if "axes" in attrs else [1, 1, 1.7, 0.6]
+        kind = dict(scales=given) if how == "scales" else dict(sizes=[1, 2, 7, 3])
+        model, _ = resize_model(attrs, roi=roi, opset=opset, sym=NCHW, **kind)
+        if how == "sizes":  # N and C: the sizes' 1 and 2 (onnxruntime's linear and cubic resize no others)
+            feeds[1]["X"] = _x(1, 2, 3, 6)
+    proto = assert_vjp_at_sizes(model, feeds, oracle)
+    if how == "shape":  # N and C keep their lengths: no matrix for them
+        assert sum(n.op_type == "EyeLike" for n in proto.graph.node) == 2
+
+
+@pytest.mark.parametrize("opset", [7, 9])
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+def test_upsample_symbolic_sizes(opset, mode):
+    """Upsample-7's gradient over run-time lengths needs EyeLike (opset 9): the model is converted."""
+    x = _x(1, 2, 2, 3)
+    if opset == 7:
+        model = op_model("Upsample", {"X": x}, mode=mode, scales=[1.0, 1.0, 2.0, 1.5], opset=7, shapes={"X": NCHW})
+    else:
+        model = op_model("Upsample", {"X": x, "scales": np.array([1, 1, 2, 1.5], np.float32)}, mode=mode, opset=9,
+                         shapes={"X": NCHW}, initializers={"scales": np.array([1, 1, 2, 1.5], np.float32)})
+    if opset == 7:  # onnxruntime does not run Upsample-7: the forward of the converted model is the oracle
+        model = onnx.version_converter.convert_version(model, 9)
+    assert_vjp_at_sizes(model, [{"X": x}, {"X": _x(2, 1, 3, 2)}], "jacobian" if mode == "nearest" else "fd")
+
+
+def test_resize_runtime_scales_and_roi():
+    """scales and roi graph inputs: every axis gets a matrix built in the graph (none is known to be
+    kept); checked at two sizes and two scales."""
+    node = helper.make_node("Resize", ["X", "roi", "s"], ["Y"], mode="nearest",
+                            coordinate_transformation_mode="tf_crop_and_resize", extrapolation_value=3.0)
+    model = make_model([node], {"X": _x(1, 2, 4, 5), "roi": np.zeros(8, np.float32), "s": np.ones(4, np.float32)},
+                       ["Y"], opset=13, shapes={"X": NCHW})
+    roi = np.array([0, 0, 0.15, 0.2, 1, 1, 0.85, 1.13], np.float32)
+    assert_vjp_at_sizes(model, [{"X": _x(1, 2, 4, 5), "roi": roi, "s": np.array([1, 1, 1.7, 0.6], np.float32)},
+                                {"X": _x(2, 1, 3, 6), "roi": roi, "s": np.array([1, 2, 2, 0.5], np.float32)}],
+                        "jacobian")
+
+
+# Per coordinate transform: scales or sizes, and two input sizes that put no source coordinate
+# near a rounding tie (where float32 and float64 may round apart).
+MATRIX_CASES = {
+    "half_pixel": (dict(scales=[1.6, 0.7]), [(4, 5), (3, 4)]),
+    "half_pixel_symmetric": (dict(scales=[1.6, 0.7]), [(4, 4), (5, 7)]),
+    "pytorch_half_pixel": (dict(sizes=[6, 4]), [(3, 5), (5, 7)]),
+    "align_corners": (dict(sizes=[6, 4]), [(4, 5), (3, 7)]),
+    "asymmetric": (dict(scales=[1.7, 0.6]), [(4, 5), (3, 7)]),
+    "tf_crop_and_resize": (dict(sizes=[6, 4]), [(2, 5), (3, 7)]),
+}
+
+
+@pytest.mark.parametrize("ctm", CTMS)
+@pytest.mark.parametrize("mode", ["nearest", "nearest-ceil", "nearest-floor", "nearest-round_prefer_floor",
+                                  "linear", "cubic"])
+def test_runtime_matrix_is_resize_matrix(mode, ctm):
+    """The matrix computed in the graph (the forward's Resize applied to an identity) equals the
+    static path's resize_matrix: 2-D X of symbolic H and W, dX = W_hᵀ·dY·W_w at two sizes."""
+    mode, _, nearest = mode.partition("-")
+    nearest = nearest or "round_prefer_ceil"
+    attrs = dict(mode=mode, coordinate_transformation_mode=ctm, nearest_mode=nearest)
+    roi = (0.15, 0.2, 0.85, 1.13) if ctm == "tf_crop_and_resize" else None
+    given, sizes_in = MATRIX_CASES[ctm]
+    scales, sizes = given.get("scales"), given.get("sizes")
+    model, _ = resize_model(attrs, roi=roi, shape=sizes_in[0], sym=["H", "W"], **given)
+    proto, autodiff = backward_model(model, "Y", ["X"], seed="input")
+    session = _session(proto)
+    for h, w in sizes_in:
+        outs = [int(np.float32(s) * np.float32(n)) for s, n in zip(scales, (h, w))] if scales else sizes
+        ratios = scales or [o / n for o, n in zip(outs, (h, w))]
+        W = [resize_matrix(n, o, s, mode, ctm, nearest, roi=(roi[i], roi[2 + i]) if roi else (0.0, 1.0))
+             for i, (n, o, s) in enumerate(zip((h, w), outs, ratios))]
+        r = R.standard_normal(outs).astype(np.float32)
+        feeds = {"X": _x(h, w), autodiff.seed_name: r}
+        got = dict(zip([o.name for o in proto.graph.output], session.run(None, feeds)))
+        np.testing.assert_allclose(got[autodiff.gradient_names["X"]], W[0].T @ r @ W[1], atol=1e-5)
+
+
+def test_resize_symbolic_keep_aspect_ratio_refused():
+    """One scale for all resized axes, from their run-time lengths: refused with what it needs."""
+    model, _ = resize_model(dict(mode="linear", axes=[2, 3], keep_aspect_ratio_policy="not_larger"),
+                            sizes=[7, 3], sym=["N", "C", "H", 5])
+    with pytest.raises(AutodiffError, match="keep_aspect_ratio_policy.*static"):
         backward_model(model, "Y", ["X"])
 
 
-def test_resize_refuses_symbolic_resized_axis():
-    model, _ = resize_model(dict(mode="linear"), scales=[1, 1, 2.0, 2.0], sym=[1, 2, "H", 5])
-    with pytest.raises(AutodiffError, match="static"):
-        backward_model(model, "Y", ["X"])
+def test_resize_static_graph_has_no_shape_computation():
+    """Static lengths and constant scales keep the numpy matrices: no Shape, EyeLike or Resize."""
+    model, _ = resize_model(dict(mode="cubic"), scales=[1, 1, 1.5, 0.8], sym=["N", "C", 4, 5])
+    proto, _ = backward_model(model, "Y", ["X"])
+    ops = [n.op_type for n in proto.graph.node]
+    assert ops.count("Resize") == 1 and not {"Shape", "EyeLike"} & set(ops)
+
+
+@pytest.mark.parametrize("opset", [11, 17])
+def test_torch_export_dynamic_hw(tmp_path, opset):
+    """A TorchScript export with dynamic N, H, W (conv, then nearest and bilinear upsampling by 2):
+    `onnx-autodiff grad --wrt x` succeeds and its one graph matches PyTorch autograd at two sizes."""
+    torch = _torch()
+    from onnx_autodiff.cli import main
+
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(2, 3, 3, padding=1)
+
+        def forward(self, x):
+            y = self.conv(x)
+            interpolate = torch.nn.functional.interpolate
+            return interpolate(y, scale_factor=2, mode="nearest") * interpolate(
+                y, scale_factor=2, mode="bilinear", align_corners=False)
+
+    net = Net()
+    source, out = tmp_path / "net.onnx", tmp_path / "grad.onnx"
+    torch.onnx.export(net, torch.randn(1, 2, 5, 6), str(source), dynamo=False, opset_version=opset,
+                      input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "n", 2: "h", 3: "w"}})
+    assert main(["grad", str(source), "-o", str(out), "--wrt", "x"]) == 0
+    model = onnx.load(out)
+    assert_valid_model(model)
+    session = _session(model)
+    for shape in [(1, 2, 5, 6), (2, 2, 3, 7)]:
+        x = torch.randn(shape, requires_grad=True)
+        y = net(x)
+        dy = torch.randn(y.shape)
+        (y * dy).sum().backward()
+        got = dict(zip([o.name for o in model.graph.output], session.run(None, {"x": x.detach().numpy(), "dy": dy.numpy()})))
+        np.testing.assert_allclose(got["grad_x"], x.grad.numpy(), atol=1e-5, rtol=1e-4)
 
 
 # Upsample
