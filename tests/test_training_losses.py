@@ -188,7 +188,7 @@ def test_ctc_matches_torch(layout, blank, zero_infinity, caplog):
 
     assert_matches(ours, torch_gradient(W, ctc), rtol=1e-8)
     shown = "[batch, time, classes]" if layout == "batch" else "[time, batch, classes]"
-    assert any(f"ctc reads output 'out'" in r.getMessage() and shown in r.getMessage() for r in caplog.records)
+    assert any("ctc reads output 'out'" in r.getMessage() and shown in r.getMessage() for r in caplog.records)
 
 
 def test_ctc_impossible_alignment_is_infinite_without_zero_infinity():
@@ -244,3 +244,77 @@ def test_train_sequence_labels_take_the_last_axis(tmp_path, capsys):
                  "-o", str(out), "--batch-size", "4", "--epochs", "1"]) == 0
     captured = capsys.readouterr()
     assert "val_accuracy" in captured.out and "note: cross_entropy" not in captured.err
+
+
+def test_exported_language_model_cross_entropy_and_causal_lm():
+    """A tiny torch LM exported with dynamic batch and sequence: logits [batch, sequence, 17], the
+    class axis last for cross_entropy, and causal_lm; gradients of the parameters that stay as
+    exported against PyTorch's."""
+    import io
+    import warnings
+
+    vocabulary = 17
+
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb, self.head = torch.nn.Embedding(vocabulary, 8), torch.nn.Linear(8, vocabulary)
+
+        def forward(self, input_ids):
+            return self.head(torch.tanh(self.emb(input_ids)))
+
+    module, stream = LM(), io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (torch.zeros(2, 6, dtype=torch.int64),), stream, input_names=["input_ids"],
+                          output_names=["logits"], dynamo=False,
+                          dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"}})
+    proto = onnx.load_from_string(stream.getvalue())
+    generator = torch.Generator().manual_seed(1)
+    ids, labels = (torch.randint(0, vocabulary, (3, 5), generator=generator) for _ in range(2))
+    labels[0, 0] = -100
+    for loss in ("cross_entropy", "causal_lm"):
+        trainer = Trainer(generate_artifacts(proto, loss=loss, optimizer="sgd", optimizer_options={"lr": 1.0}))
+        before = trainer.parameters()
+        value = trainer.step({"input_ids": ids.numpy(), "labels": labels.numpy()})
+        after = trainer.parameters()
+        module.zero_grad()
+        logits = module(ids)
+        if loss == "causal_lm":
+            logits, wanted = logits[:, :-1], labels[:, 1:]
+        else:
+            wanted = labels
+        reference = F.cross_entropy(logits.reshape(-1, vocabulary), wanted.reshape(-1))
+        reference.backward()
+        assert value == pytest.approx(reference.item(), rel=1e-6)
+        for name in ("emb.weight", "head.bias"):
+            grad = dict(module.named_parameters())[name].grad.numpy()
+            np.testing.assert_allclose(before[name] - after[name], grad, atol=1e-6)
+
+
+def test_train_ctc_and_causal_lm_from_the_command_line(tmp_path, capsys):
+    """ctc's three label arrays and causal_lm's labels read from the data; the loss falls; no
+    accuracy (their labels are not one class per output position)."""
+    rng = np.random.default_rng(11)
+    ctc_model, _ = linear_model(["N", "T", 4], 4, 5, "Softmax", dtype=np.float32)
+    onnx.save(ctc_model, tmp_path / "ctc.onnx")
+    np.savez(tmp_path / "ctc.npz", X=rng.standard_normal((6, 10, 4)).astype(np.float32),
+             labels=rng.integers(1, 5, (6, 3)), input_lengths=np.full(6, 10), target_lengths=np.array([3, 2, 3, 1, 3, 2]))
+    lm_model, _ = linear_model(["batch", "sequence", 4], 4, 9, dtype=np.float32)
+    onnx.save(lm_model, tmp_path / "lm.onnx")
+    np.savez(tmp_path / "lm.npz", X=rng.standard_normal((6, 5, 4)).astype(np.float32), labels=rng.integers(0, 9, (6, 5)))
+    for loss, extra in (("ctc", ["--ctc-blank", "0", "--ctc-zero-infinity"]), ("causal_lm", [])):
+        data, out = str(tmp_path / f"{'ctc' if loss == 'ctc' else 'lm'}.npz"), tmp_path / loss
+        model = str(tmp_path / f"{'ctc' if loss == 'ctc' else 'lm'}.onnx")
+        assert main(["train", model, "--data", data, "--val-data", data, "-o", str(out), "--loss", loss,
+                     "--batch-size", "6", "--epochs", "12", "--lr", "0.1", *extra]) == 0
+        captured = capsys.readouterr()
+        with open(out / "metrics.csv", newline="") as stream:
+            rows = list(csv.DictReader(stream))
+        assert float(rows[-1]["loss"]) < 0.8 * float(rows[0]["loss"])
+        assert "val_accuracy" not in rows[0]
+        if loss == "ctc":
+            assert "note: ctc reads output 'out' [N, T, 5] as [batch, time, classes]" in captured.err
+    assert main(["artifacts", model, "-o", str(tmp_path / "bad"), "--loss", "causal_lm", "--ctc-blank", "1"]) == 2
+    assert "--ctc-blank and --ctc-zero-infinity apply to --loss ctc only" in capsys.readouterr().err

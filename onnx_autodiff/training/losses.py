@@ -248,10 +248,6 @@ def _label_dims(dims: list, axis: int) -> list:
     return [d for i, d in enumerate(dims) if i != axis]
 
 
-def _text(dims) -> str:
-    return shape_text(dims)
-
-
 def _softmax_cross_entropy(op: OpBuilder, logits: ir.Value, labels: ir.Value, axis: int, rank: int) -> ir.Value:
     """Mean cross-entropy over the labels that are not IGNORE_INDEX, classes along ``axis``."""
     if axis != 1:  # classes last: rows of classes, and the labels flat alike (views: no copy)
@@ -276,8 +272,8 @@ def _cross_entropy(att: _Attachment, y: ir.Value) -> tuple[ir.Value, list[ir.Val
     label_dims = _label_dims(dims, axis)
     if guess is not None:
         other = 1 if axis != 1 else rank - 1
-        att.note(f"cross_entropy takes axis {axis} of output '{y.name}' {_text(dims)} as the classes, labels "
-                 f"{_text(label_dims)} ({guess}); labels {_text(_label_dims(dims, other))} would take axis {other}")
+        att.note(f"cross_entropy takes axis {axis} of output '{y.name}' {shape_text(dims)} as the classes, labels "
+                 f"{shape_text(label_dims)} ({guess}); labels {shape_text(_label_dims(dims, other))} would take axis {other}")
     labels = [att.label(att.label_name, ir.DataType.INT64, label_dims)]
     logits = _logits(att, y, "cross_entropy", found, axis)
     return _softmax_cross_entropy(att.op, logits, labels[0], axis, rank), labels
@@ -315,7 +311,7 @@ def _causal_lm(att: _Attachment, y: ir.Value) -> tuple[ir.Value, list[ir.Value]]
     −100 where not counted), mean over the counted ones."""
     if shapes.rank(y) != 3:
         raise TrainingError(f"causal_lm needs logits [batch, sequence, vocabulary]; output '{y.name}' has shape "
-                            f"{y.shape if y.shape is None else _text([dim_value(d) for d in y.shape])}")
+                            f"{y.shape if y.shape is None else shape_text([dim_value(d) for d in y.shape])}")
     att.need_opset("causal_lm", 13, "SoftmaxCrossEntropyLoss")
     att.spec.class_axis = None  # (each position's label is the next position's token)
     dims = [dim_value(d) for d in y.shape]
@@ -345,7 +341,7 @@ def _ctc(att: _Attachment, y: ir.Value, blank: int = 0, zero_infinity: bool = Fa
     """
     if shapes.rank(y) != 3:
         raise TrainingError(f"ctc needs scores [batch, time, classes] or [time, batch, classes]; output '{y.name}' "
-                            f"has shape {y.shape if y.shape is None else _text([dim_value(d) for d in y.shape])}")
+                            f"has shape {y.shape if y.shape is None else shape_text([dim_value(d) for d in y.shape])}")
     att.need_opset("ctc", 13, "Scan, GatherElements and Range")
     op, dtype = att.op, y.dtype
     att.spec.class_axis = None
@@ -353,7 +349,7 @@ def _ctc(att: _Attachment, y: ir.Value, blank: int = 0, zero_infinity: bool = Fa
     batch_axis, why = _ctc_batch_axis(att.model, dims)
     time_axis = 1 - batch_axis
     layout = "[batch, time, classes]" if batch_axis == 0 else "[time, batch, classes]"
-    att.note(f"ctc reads output '{y.name}' {_text(dims)} as {layout} ({why}); blank is class {blank}")
+    att.note(f"ctc reads output '{y.name}' {shape_text(dims)} as {layout} ({why}); blank is class {blank}")
     logits = _logits(att, y, "ctc", _activation(y, ("Softmax", "LogSoftmax"), op.opset), 2)
     log_probs = op.LogSoftmax(logits, axis=2)
     n = dims[batch_axis]
@@ -369,17 +365,7 @@ def _ctc(att: _Attachment, y: ir.Value, blank: int = 0, zero_infinity: bool = Fa
         return dims[axis] if isinstance(dims[axis], int) else op.Slice(op.Shape(log_probs), [axis], [axis + 1])
 
     neg = float(np.finfo(dtype.numpy()).min) / 4  # log 0, finite: sums of it stay finite, and so do gradients
-    blank64 = np.array(blank, np.int64)
-    # the extended targets l' [N, L = 2S + 1]: blank, l1, blank, ..., lS, blank; padding read as blanks
-    positions = op.Range(np.array(0, np.int64), op.Squeeze(op.Slice(op.Shape(targets), [1], [2]), [0]), np.array(1, np.int64))
-    kept = op.Where(op.Less(op.unsqueeze(positions, [0]), op.unsqueeze(target_lengths, [1])), targets, blank64)
-    kept = op.unsqueeze(kept, [2])
-    pairs = op.Concat(op.Expand(blank64, op.Shape(kept)), kept, axis=2)
-    extended = op.Pad(op.Reshape(pairs, [0, -1]), [0, 0, 0, 1], blank64)
-    # a step may skip the blank before l'[k] when l'[k] is a label other than l'[k − 2]
-    before = op.Pad(op.Slice(extended, [0], [-2], [1]), [0, 2, 0, 0], blank64)
-    skips = op.And(op.Not(op.Equal(extended, blank64)), op.Not(op.Equal(extended, before)))
-    skip = op.Where(skips, number(0.0), number(neg))
+    extended, skip = _ctc_extended(op, targets, target_lengths, blank, number(0.0), number(neg))
     # emissions [T, N, L]: log p_t(l'[k])
     spread = [1, 1, 1]
     spread[time_axis] = extent(time_axis)
@@ -387,36 +373,66 @@ def _ctc(att: _Attachment, y: ir.Value, blank: int = 0, zero_infinity: bool = Fa
     emissions = op.GatherElements(log_probs, index, axis=2)
     if batch_axis == 0:
         emissions = op.Transpose(emissions, perm=[1, 0, 2])
-    steps = op.Range(np.array(0, np.int64), op.Squeeze(op.Slice(op.Shape(emissions), [0], [1]), [0]), np.array(1, np.int64))
-    active = op.Less(op.unsqueeze(steps, [1, 2]), op.unsqueeze(input_lengths, [0, 2]))  # [T, N, 1]
+    active = op.Less(op.unsqueeze(_positions(op, emissions, 0), [1, 2]), op.unsqueeze(input_lengths, [0, 2]))  # [T, N, 1]
     # α before the first step: [0, −∞, ...], from which the first step reaches l'[0] (staying) and
     # l'[1] (advancing), and no state after them (l'[2] is a blank: no skip to it)
-    states = op.Range(np.array(0, np.int64), op.Squeeze(op.Slice(op.Shape(extended), [1], [2]), [0]), np.array(1, np.int64))
-    start = op.Expand(op.Where(op.Equal(states, np.array(0, np.int64)), number(0.0), number(neg)), op.Shape(extended))
-    body = op.child()
-    alpha = fresh_value(att.namer, "alpha", dtype, [None, None])
-    emitted = fresh_value(att.namer, "emission", dtype, [None, None])
-    live = fresh_value(att.namer, "active", ir.DataType.BOOL, [None, 1])
-    floor = body.const(neg, dtype=dtype)
-    from_previous = body.Pad(body.Slice(alpha, [0], [-1], [1]), [0, 1, 0, 0], floor)
-    from_skip = body.Add(body.Pad(body.Slice(alpha, [0], [-2], [1]), [0, 2, 0, 0], floor), skip)
-    top = body.Max(alpha, from_previous, from_skip)
-    total = body.Add(body.Add(body.Exp(body.Sub(alpha, top)), body.Exp(body.Sub(from_previous, top))),
-                     body.Exp(body.Sub(from_skip, top)))
-    stepped = body.Add(body.Add(body.Log(total), top), emitted)
-    step = body.graph([alpha, emitted, live], [body.Where(live, stepped, alpha)], name="ctc_step")
-    final = op.Scan(start, emissions, active, body=step, num_scan_inputs=2)
+    first = op.Equal(_positions(op, extended, 1), np.array(0, np.int64))
+    start = op.Expand(op.Where(first, number(0.0), number(neg)), op.Shape(extended))
+    final = op.Scan(start, emissions, active, body=_ctc_step(op, att.namer, dtype, skip, neg), num_scan_inputs=2)
     # log-likelihood: α at the last label or the blank after it (the blank alone for empty targets)
     end = op.unsqueeze(op.Mul(target_lengths, np.array(2, np.int64)), [1])
     at_end = op.GatherElements(final, end, axis=1)
     before_end = op.GatherElements(final, op.Max(op.Sub(end, np.array(1, np.int64)), np.array(0, np.int64)), axis=1)
     before_end = op.Add(before_end, op.Where(op.Greater(end, np.array(0, np.int64)), number(0.0), number(neg)))
-    top = op.Max(at_end, before_end)
-    likelihood = op.Add(op.Log(op.Add(op.Exp(op.Sub(at_end, top)), op.Exp(op.Sub(before_end, top)))), top)
+    likelihood = _log_sum_exp(op, at_end, before_end)
     impossible = op.Less(likelihood, number(neg / 2))
     nll = op.Where(impossible, number(0.0 if zero_infinity else np.inf), op.Neg(likelihood))
     lengths = op.Cast(op.Max(op.unsqueeze(target_lengths, [1]), np.array(1, np.int64)), to=int(dtype))
     return _mean(op, op.Div(nll, lengths)), [targets, input_lengths, target_lengths]
+
+
+def _ctc_extended(op: OpBuilder, targets: ir.Value, target_lengths: ir.Value, blank: int, zero: ir.Value,
+                  floor: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """The extended targets l' [N, L = 2S + 1] (blank, l1, blank, ..., lS, blank; entries after a
+    target's length read as blanks) and the log-weight of a step that skips the blank before l'[k]
+    (0 where l'[k] is a label other than l'[k − 2], ``floor`` elsewhere)."""
+    blank64 = np.array(blank, np.int64)
+    counted = op.Less(op.unsqueeze(_positions(op, targets, 1), [0]), op.unsqueeze(target_lengths, [1]))
+    kept = op.unsqueeze(op.Where(counted, targets, blank64), [2])
+    pairs = op.Concat(op.Expand(blank64, op.Shape(kept)), kept, axis=2)
+    extended = op.Pad(op.Reshape(pairs, [0, -1]), [0, 0, 0, 1], blank64)
+    before = op.Pad(op.Slice(extended, [0], [-2], [1]), [0, 2, 0, 0], blank64)
+    skips = op.And(op.Not(op.Equal(extended, blank64)), op.Not(op.Equal(extended, before)))
+    return extended, op.Where(skips, zero, floor)
+
+
+def _ctc_step(op: OpBuilder, namer: Namer, dtype: ir.DataType, skip: ir.Value, neg: float) -> ir.Graph:
+    """The Scan body of one time step: α'[k] = log(e^α[k] + e^α[k−1] + e^(α[k−2] + skip[k])) + emission[k]
+    where the sequence is active (t < its input length), α where it has ended."""
+    body = op.child()
+    alpha = fresh_value(namer, "alpha", dtype, [None, None])
+    emitted = fresh_value(namer, "emission", dtype, [None, None])
+    live = fresh_value(namer, "active", ir.DataType.BOOL, [None, 1])
+    floor = body.const(neg, dtype=dtype)
+    from_previous = body.Pad(body.Slice(alpha, [0], [-1], [1]), [0, 1, 0, 0], floor)
+    from_skip = body.Add(body.Pad(body.Slice(alpha, [0], [-2], [1]), [0, 2, 0, 0], floor), skip)
+    stepped = body.Add(_log_sum_exp(body, alpha, from_previous, from_skip), emitted)
+    return body.graph([alpha, emitted, live], [body.Where(live, stepped, alpha)], name="ctc_step")
+
+
+def _log_sum_exp(op: OpBuilder, *terms: ir.Value) -> ir.Value:
+    """log Σ exp(terms), elementwise, shifted by their maximum."""
+    top = op.Max(*terms)
+    total = op.Exp(op.Sub(terms[0], top))
+    for term in terms[1:]:
+        total = op.Add(total, op.Exp(op.Sub(term, top)))
+    return op.Add(op.Log(total), top)
+
+
+def _positions(op: OpBuilder, x: ir.Value, axis: int) -> ir.Value:
+    """0, 1, ..., n − 1 for x's extent n along ``axis`` (int64)."""
+    n = op.Squeeze(op.Slice(op.Shape(x), [axis], [axis + 1]), [0])
+    return op.Range(np.array(0, np.int64), n, np.array(1, np.int64))
 
 
 def _ctc_batch_axis(model: ir.Model, dims: list) -> tuple[int, str]:
