@@ -7,6 +7,8 @@ strides and dilations swapped.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import onnx_ir as ir
 
@@ -161,12 +163,17 @@ class _Geometry:
         r = shapes.rank(X) or (len(w_dims) if w_dims is not None else None)
         r = r or (len(kernel) + 2 if kernel is not None else None)
         if r is None:
-            raise RuleError("the ranks of the input and of the kernel are unknown")
+            kernel_name = "" if W is None else f" and of the kernel '{W.name}'"
+            raise RuleError(f"the ranks of the input '{X.name}'{kernel_name} are unknown; run shape "
+                            "inference or give kernel_shape")
         ns = self.ns = r - 2
         if kernel is None and w_dims is not None and all(isinstance(d, int) for d in w_dims[2:]):
             kernel = list(w_dims[2:])
+        if kernel is None and W is None:
+            raise RuleError("the node has no kernel_shape")
         if kernel is None:
-            raise RuleError("the kernel's spatial shape is unknown: give kernel_shape or static W")
+            raise RuleError(f"the spatial shape of the kernel '{W.name}' is unknown: give the node "
+                            "kernel_shape or W a static shape")
         self.kernel = list(kernel)
         self.group = shapes.attr(node, "group", 1)
         self.strides = shapes.attr(node, "strides", [1] * ns)
@@ -183,22 +190,33 @@ class _Geometry:
         if self.auto_pad == "VALID":
             self.pads = [0] * (2 * ns)
 
-    def need_spatial(self, why: str) -> list[int]:
-        if self.spatial is None:
-            raise RuleError(
-                f"{why} needs static spatial input dimensions; give explicit pads or fix the "
-                "input shape"
-            )
-        return self.spatial
+    def resolve_same(self, op, X: ir.Value) -> None:
+        """auto_pad=SAME_*: pad so that the output has ceil(S / stride) elements. The pads are ints
+        when the sizes, or unit strides (a total of the window's reach less one), decide them, else
+        :class:`_RunTimePads` computed from Shape(X)."""
+        if not self.auto_pad.startswith("SAME"):
+            return
+        if self.spatial is None and any(st != 1 for st in self.strides):
+            self.pads = self._same_pads_at_run_time(op, X)
+            return
+        spatial = self.spatial or [1] * self.ns
+        self.same_pads([
+            max(0, (-(-s // st) - 1) * st + d * (k - 1) + 1 - s)
+            for s, st, d, k in zip(spatial, self.strides, self.dilations, self.kernel)
+        ])
 
-    def resolve_same(self) -> None:
-        """auto_pad=SAME_*: pad so that the output has ceil(S / stride) elements."""
-        if self.auto_pad.startswith("SAME"):
-            spatial = self.need_spatial(f"auto_pad={self.auto_pad}")
-            self.same_pads([
-                max(0, (-(-s // st) - 1) * st + d * (k - 1) + 1 - s)
-                for s, st, d, k in zip(spatial, self.strides, self.dilations, self.kernel)
-            ])
+    def _same_pads_at_run_time(self, op, X: ir.Value) -> _RunTimePads:
+        # total = (ceil(S/st) - 1)·st + reach - S = reach - 1 - (S - 1) mod st, at least 0
+        why = f"auto_pad={self.auto_pad} on spatial sizes of '{X.name}' known only at run time"
+        shapes.require_opset(op, 11, why)
+        reach = self.extent([1] * self.ns)
+        size = _spatial_sizes(op, X, self.ns)
+        offset = op.Mod(op.Sub(size, [1]), np.array(self.strides, np.int64))
+        total = op.Sub(np.array(reach, np.int64) - 1, offset)
+        if any(st > r for st, r in zip(self.strides, reach)):  # strides past the window: may be < 0
+            shapes.require_opset(op, 12, why + " with strides longer than the window (int64 Max)")
+            total = op.Max(total, [0])
+        return _RunTimePads.split(op, total, self.auto_pad)
 
     def extent(self, windows: list[int]) -> list[int]:
         """How far ``windows`` windows per axis reach, from the first tap to the last."""
@@ -210,6 +228,31 @@ class _Geometry:
         small = [t // 2 for t in totals]
         big = [t - t // 2 for t in totals]
         self.pads = small + big if self.auto_pad == "SAME_UPPER" else big + small
+
+
+class _RunTimePads(NamedTuple):
+    """Pads that Shape(X) decides at run time: int64 vectors with one entry per spatial axis."""
+
+    begin: ir.Value
+    end: ir.Value
+
+    @classmethod
+    def split(cls, op, total: ir.Value, auto_pad: str) -> _RunTimePads:
+        """As :meth:`_Geometry.same_pads`: SAME_UPPER puts the odd one at the end."""
+        half = op.Div(total, [2])
+        rest = op.Sub(total, half)
+        return cls(half, rest) if auto_pad == "SAME_UPPER" else cls(rest, half)
+
+    def of_tensor(self, op):
+        """The Pad input for a tensor with batch and channel axes before the spatial ones."""
+        return op.Concat([0, 0], self.begin, [0, 0], self.end, axis=0)
+
+
+def _spatial_sizes(op, x: ir.Value, ns: int):
+    """x's spatial extents (axes 2 on) as a 1-D int64 value."""
+    if op.opset >= 15:
+        return op.Shape(x, start=2)
+    return op.Slice(op.Shape(x), [2], [ns + 2])
 
 
 def _batch_as_channels(op, x, group: int, ns: int):
@@ -232,8 +275,11 @@ def _kernel_grad(op, x, dy, g: _Geometry, x_like: ir.Value, dy_like: ir.Value):
     """
     ns = g.ns
     xin = _batch_as_channels(op, x, g.group, ns)
+    pads = g.pads
+    if isinstance(pads, _RunTimePads):
+        xin, pads = op.Pad(xin, pads.of_tensor(op)), None
     kern = op.Transpose(dy, perm=_spatial_perm([1, 0], ns))
-    dw = op.Conv(xin, kern, strides=g.dilations, dilations=g.strides, pads=g.pads, group=g.group)
+    dw = op.Conv(xin, kern, strides=g.dilations, dilations=g.strides, pads=pads, group=g.group)
     dw = op.Transpose(dw, perm=_spatial_perm([1, 0], ns))
     if _kernel_grad_taps(g, x_like, dy_like) == g.kernel:
         return dw
@@ -254,13 +300,27 @@ def _kernel_grad_taps(g: _Geometry, x_like, dy_like) -> list[int] | None:
             zip(spatial, g.pads, g.pads[g.ns:], g.strides, g.dilations)]
 
 
-def _fit_to(op, y, like, pad_end):
-    """y (the transposed convolution, pads at the end not cropped) zero-padded by ``pad_end`` and
-    cut to like's shape at run time."""
-    shapes.require_opset(op, 11, "a convolution with symbolic spatial dimensions")
-    if any(pad_end):
-        y = op.Pad(y, [0] * (len(pad_end) + 2) + [0, 0, *pad_end])
-    return op.Slice(y, [0] * (len(pad_end) + 2), op.Shape(like))
+def _cut_to(op, transpose, g: _Geometry, like):
+    """The adjoint of a strided window op over ``like`` whose spatial sizes S are known only at run
+    time: ``transpose(pads, output_padding)``, a ConvTranspose over the windows, made to reach at
+    least S past the begin pad, then cut to S from there.
+
+    The windows may stop short of begin + S, by at most stride − 1 − the end pad (NOTSET) or
+    stride − the window's reach (SAME_*): output_padding adds that much (less than the stride, as
+    ConvTranspose requires); ceil_mode windows only reach further."""
+    shapes.require_opset(op, 10, f"the gradient of a strided window op on the spatial sizes of "
+                                 f"'{like.name}', known only at run time (Slice)")
+    ns = g.ns
+    reach = g.extent([1] * ns)
+    size = _spatial_sizes(op, like, ns)
+    if isinstance(g.pads, _RunTimePads):
+        begin, starts, ends = [0] * ns, g.pads.begin, op.Add(g.pads.begin, size)
+        tail = [max(0, st - r) for st, r in zip(g.strides, reach)]
+    else:
+        begin, starts, ends = g.pads[:ns], [0] * ns, size
+        tail = [max(0, st - 1 - e) for st, e in zip(g.strides, g.pads[ns:])]
+    full = transpose(pads=begin + [0] * ns, output_padding=tail if any(tail) else None)
+    return op.Slice(full, starts, ends, list(range(2, ns + 2)))
 
 
 @rule("Conv", differentiable=("X", "W", "B"))
@@ -269,7 +329,7 @@ def conv(op, node, dY):
     X, W = node.inputs[:2]
     B = node.inputs[2] if len(node.inputs) > 2 else None
     g = _Geometry(node, X, W)
-    g.resolve_same()
+    g.resolve_same(op, X)
     common = dict(strides=g.strides, dilations=g.dilations, group=g.group)
     if g.spatial is not None:
         # Windows that do not reach X's end leave a tail that output_padding restores.
@@ -281,10 +341,7 @@ def conv(op, node, dY):
         ]
         dX = op.ConvTranspose(dY, W, pads=g.pads, output_padding=out_pad, **common)
     else:
-        # Without static sizes: keep the whole end of the transposed convolution, then cut.
-        begin = g.pads[: g.ns]
-        full = op.ConvTranspose(dY, W, pads=begin + [0] * g.ns, **common)
-        dX = _fit_to(op, full, X, g.pads[g.ns:])
+        dX = _cut_to(op, lambda **geometry: op.ConvTranspose(dY, W, **geometry, **common), g, X)
     dW = _kernel_grad_by_columns(op, X, dY, g, node.outputs[0])
     grads = {"X": dX, "W": dW if dW is not None else _kernel_grad(op, X, dY, g, X, node.outputs[0])}
     if B is not None:
@@ -330,28 +387,52 @@ def conv_transpose(op, node, dY):
     g = _Geometry(node, X, W)
     ns = g.ns
     output_shape = shapes.attr(node, "output_shape")
-    if g.auto_pad.startswith("SAME") or output_shape is not None:
-        spatial = g.need_spatial("ConvTranspose with output_shape or auto_pad=SAME")
-        out_pad = shapes.attr(node, "output_padding", [0] * ns)
-        full = g.extent(spatial)
-        out = output_shape[-ns:] if output_shape else [s * st for s, st in zip(spatial, g.strides)]
-        g.same_pads([f + p - o for f, p, o in zip(full, out_pad, out)])
-        # Only the begin pads matter; Y's end is cut or zero-extended from the full transpose.
-        end = [f - b - o for f, b, o in zip(full, g.pads, out)]
+    if output_shape is not None and g.spatial is None:
+        dX = _conv_transpose_dx_to_shape(op, dY, W, g, X, output_shape[-ns:],
+                                         shapes.attr(node, "output_padding", [0] * ns))
     else:
-        end = [e - p for e, p in zip(g.pads[ns:], shapes.attr(node, "output_padding", [0] * ns))]
-    if min(g.pads[:ns]) < 0:
-        raise RuleError(f"negative pads {g.pads[:ns]} are not supported")
-    # The Conv adjoint reads dY with the same begin pads; its end pads bring it back to X's size.
-    g.pads = g.pads[:ns] + [max(0, e) for e in end]
-    dX = op.Conv(dY, W, strides=g.strides, dilations=g.dilations, pads=g.pads, group=g.group)
-    if min(end) < 0:
-        ends = g.spatial if g.spatial is not None else op.Slice(op.Shape(X), [2], [ns + 2])
-        dX = op.slice(dX, [0] * ns, ends, range(2, ns + 2))
+        if g.auto_pad.startswith("SAME") or output_shape is not None:
+            # Without output_shape the total does not depend on X's sizes: any will do.
+            spatial = g.spatial or [1] * ns
+            out_pad = shapes.attr(node, "output_padding", [0] * ns)
+            full = g.extent(spatial)
+            out = output_shape[-ns:] if output_shape else [s * st for s, st in zip(spatial, g.strides)]
+            g.same_pads([f + p - o for f, p, o in zip(full, out_pad, out)])
+            # Only the begin pads matter; Y's end is cut or zero-extended from the full transpose.
+            end = [f - b - o for f, b, o in zip(full, g.pads, out)]
+        else:
+            end = [e - p for e, p in zip(g.pads[ns:], shapes.attr(node, "output_padding", [0] * ns))]
+        if min(g.pads[:ns]) < 0:
+            raise RuleError(f"negative pads {g.pads[:ns]} are not supported")
+        # The Conv adjoint reads dY with the same begin pads; its end pads bring it back to X's size.
+        g.pads = g.pads[:ns] + [max(0, e) for e in end]
+        dX = op.Conv(dY, W, strides=g.strides, dilations=g.dilations, pads=g.pads, group=g.group)
+        if min(end) < 0:
+            ends = g.spatial if g.spatial is not None else op.Slice(op.Shape(X), [2], [ns + 2])
+            dX = op.slice(dX, [0] * ns, ends, range(2, ns + 2))
     grads = {"X": dX, "W": _kernel_grad(op, dY, X, g, node.outputs[0], X)}
     if B is not None:
         grads["B"] = op.reduce_sum(dY, [0, *range(2, ns + 2)], keepdims=False)
     return grads
+
+
+def _conv_transpose_dx_to_shape(op, dY, W, g: _Geometry, X, out: list[int], out_pad: list[int]):
+    """ConvTranspose's dX where output_shape fixes Y's sizes O and X's sizes S are known only at run
+    time: the total padding (S − 1)·stride + reach + output_padding − O, split the auto_pad way
+    (NOTSET as SAME_LOWER), becomes g's run-time pads, around dY; the Conv adjoint then yields
+    S + ⌊output_padding / stride⌋ positions."""
+    shapes.require_opset(op, 11, f"ConvTranspose's gradient with output_shape and the spatial sizes "
+                                 f"of '{X.name}' known only at run time (Pad)")
+    ns = g.ns
+    strides = np.array(g.strides, np.int64)
+    constant = np.array(g.extent([1] * ns)) + np.array(out_pad) - np.array(out) - strides
+    size = _spatial_sizes(op, X, ns)
+    g.pads = _RunTimePads.split(op, op.Add(op.Mul(size, strides), constant.astype(np.int64)), g.auto_pad)
+    dX = op.Conv(op.Pad(dY, g.pads.of_tensor(op)), W, strides=g.strides, dilations=g.dilations,
+                 group=g.group)
+    if any(p >= st for p, st in zip(out_pad, g.strides)):
+        dX = op.Slice(dX, [0] * ns, size, list(range(2, ns + 2)))
+    return dX
 
 
 # Pooling
@@ -374,8 +455,10 @@ def average_pool(op, node, dY):
     X = node.inputs[0]
     shapes.require_opset(op, 7, "AveragePool's gradient")
     g = _Geometry(node, X, None)
-    g.resolve_same()
-    ns, spatial = g.ns, g.need_spatial("AveragePool's gradient")
+    g.resolve_same(op, X)
+    if g.spatial is None:
+        return {"X": _average_pool_at_run_time(op, node, dY, g)}
+    ns, spatial = g.ns, g.spatial
     out = _pooled_size(g, spatial, shapes.attr(node, "ceil_mode", 0))
     # As in Conv's dX: the windows' full extent is cut, or zero-extended, back to X's size.
     end = [f - b - s for f, b, s in zip(g.extent(out), g.pads, spatial)]
@@ -390,6 +473,42 @@ def average_pool(op, node, dY):
     flat = op.reshape(op.Mul(dY, scale), [-1, 1] + [0] * ns)
     dX = op.ConvTranspose(flat, window, output_padding=[max(0, -e) for e in end], **geometry)
     return {"X": op.Reshape(dX, op.Shape(X))}
+
+
+def _average_pool_at_run_time(op, node, dY, g: _Geometry):
+    """AveragePool's dX where X's spatial sizes are known only at run time: the divisors as in the
+    static form, from ones of X's sizes (one plane) made at run time."""
+    X, ns = node.inputs[0], g.ns
+    window = _pool_window(op, g, X, dY)
+    ones = shapes.fill_like(op, dY, 1.0, op.Concat([1, 1], _spatial_sizes(op, X, ns), axis=0))
+    pooled = op.AveragePool(ones, **{k: shapes.attr(node, k) for k in node.attributes})
+    # In-bounds taps: with ceil_mode the end pads grow by a stride less one, enough for the last
+    # window, and the windows the pool drops (starting in the end pad) are cut.
+    ceil_mode, pads = shapes.attr(node, "ceil_mode", 0), g.pads
+    if isinstance(pads, _RunTimePads):
+        ones, pads = op.Pad(ones, pads.of_tensor(op)), None
+    elif ceil_mode:
+        pads = pads[:ns] + [e + st - 1 for e, st in zip(pads[ns:], g.strides)]
+    taps = op.Conv(ones, window, strides=g.strides, dilations=g.dilations, pads=pads)
+    if ceil_mode:
+        taps = op.Slice(taps, [0] * (ns + 2), op.Shape(pooled))
+    return _pool_adjoint_at_run_time(op, op.Mul(dY, op.Div(pooled, taps)), window, g, X)
+
+
+def _pool_window(op, g: _Geometry, X, dY):
+    """The pooling window as a Conv kernel of ones (after a check that the sizes known only at run
+    time can be read and cut: opset 10)."""
+    shapes.require_opset(op, 10, f"the gradient of a pool over the spatial sizes of '{X.name}', "
+                                 "known only at run time (Slice)")
+    return op.const(np.ones([1, 1, *g.kernel]), like=dY)
+
+
+def _pool_adjoint_at_run_time(op, t, window, g: _Geometry, X):
+    """Σ of t over the windows that hold each element of X, for X's sizes known only at run time."""
+    flat = op.reshape(t, [-1, 1] + [0] * g.ns)
+    geometry = dict(strides=g.strides, dilations=g.dilations)
+    back = _cut_to(op, lambda **given: op.ConvTranspose(flat, window, **given, **geometry), g, X)
+    return op.Reshape(back, op.Shape(X))
 
 
 @rule("GlobalAveragePool", differentiable=("X",))
@@ -423,7 +542,7 @@ def max_pool(op, node, dY, dIndices=None):
     g = _Geometry(node, X, None)
     # Two windows share an element when they overlap along any one axis.
     overlapping = any(st < d * (k - 1) + 1 for st, d, k in zip(g.strides, g.dilations, g.kernel))
-    overhang = None if overlapping else _unpool_overhang(g, shapes.attr(node, "ceil_mode", 0))
+    overhang = None if overlapping else _unpool_overhang(op, g, X, shapes.attr(node, "ceil_mode", 0))
     if overhang is not None and op.opset >= 9 and X.dtype in _UNPOOL_TYPES:
         # Every index is hit at most once: MaxUnpool puts dY there in one node (faster than the
         # scatter below). Indices are absolute; its end pads only keep the size it infers from
@@ -443,12 +562,12 @@ def max_pool(op, node, dY, dIndices=None):
 _UNPOOL_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16})
 
 
-def _unpool_overhang(g: _Geometry, ceil_mode) -> list[int] | None:
+def _unpool_overhang(op, g: _Geometry, X, ceil_mode) -> list[int] | None:
     """How far the undilated windows reach past X's end, per axis (None: unknown, or a kernel
     or more, which MaxUnpool's pads cannot take)."""
     if g.spatial is None:
         return None
-    g.resolve_same()
+    g.resolve_same(op, X)
     out = _pooled_size(g, g.spatial, ceil_mode)
     over = [max(0, (o - 1) * st + k - s) for o, st, k, s in zip(out, g.strides, g.kernel, g.spatial)]
     return over if all(v < k for v, k in zip(over, g.kernel)) else None
@@ -559,9 +678,11 @@ def lp_pool(op, node, dY):
     p = shapes.attr(node, "p", 2)
     weight = _lp_weight(op, X, p)
     g = _Geometry(node, X, None)
-    g.resolve_same()
-    ns, spatial = g.ns, g.need_spatial("LpPool's gradient")
+    g.resolve_same(op, X)
+    ns, spatial = g.ns, g.spatial
     t = dY if p == 1 else op.Div(dY, Y) if p == 2 else op.Mul(dY, op.Pow(Y, float(1 - p)))
+    if spatial is None:
+        return {"X": op.Mul(weight, _pool_adjoint_at_run_time(op, t, _pool_window(op, g, X, dY), g, X))}
     out = _pooled_size(g, spatial, shapes.attr(node, "ceil_mode", 0))
     # The window-sum adjoint, as in AveragePool: the windows' full extent cut or extended to X.
     end = [f - b - s for f, b, s in zip(g.extent(out), g.pads, spatial)]

@@ -279,8 +279,6 @@ def pad(op, node, dY):
         known = shapes.constant(node.inputs[1])
         pads = node.inputs[1] if known is None else [int(p) for p in known]
         axes = shapes.axes(node, 3)
-        if isinstance(axes, ir.Value):
-            raise RuleError("Pad axes that are only known at run time are not supported")
     if mode == "constant":
         dX = _pad(op, dY, [-p for p in pads] if isinstance(pads, list) else op.Neg(pads), mode,
                   axes)
@@ -290,6 +288,8 @@ def pad(op, node, dY):
             grads["constant_value"] = op.Reshape(padding, op.Shape(node.inputs[2]))
         return grads
     r = shapes.known_rank(X)
+    if isinstance(axes, ir.Value):
+        pads, axes = _pads_of_every_axis(op, pads, axes, r), None
     axes = list(range(r)) if axes is None else [shapes.normalize_axis(a, r) for a in axes]
     g = dY
     for i, a in enumerate(axes):
@@ -309,6 +309,13 @@ def pad(op, node, dY):
             shapes.require_opset(op, 11, f"Pad with mode {mode} on a dynamic axis")
         g = _scatter_axis(op, g, idx, d, a, r, add=True)
     return {"data": g}
+
+
+def _pads_of_every_axis(op, pads, axes: ir.Value, r: int) -> ir.Value:
+    """Pads given for ``axes`` known only at run time, as the pads of all r axes (0 elsewhere)."""
+    at = op.Mod(op.Cast(axes, to=int(ir.DataType.INT64)), [r])  # negative axes count from the end
+    return op.ScatterElements(op.const(np.zeros(2 * r, np.int64)), op.Concat(at, op.Add(at, [r]), axis=0),
+                              pads, axis=0)
 
 
 @rule("Expand", differentiable=("input",))

@@ -4,11 +4,12 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from helpers import make_model, op_model, rng
+from helpers import assert_gradients, make_model, op_model, rng
 from onnx_autodiff import cleanup_passes
 from onnx_autodiff.rules import nn as nn_rules
 from onnx_autodiff.conformance import check_vjp
 from onnx_autodiff.conformance.check import backward_model
+from onnx_autodiff.conformance.differences import random_cotangents
 from onnx_autodiff.errors import RuleError
 
 R = rng()
@@ -310,11 +311,10 @@ def test_conv_old_opsets(opset):
     check("Conv", inputs, opset=opset, **attrs)
 
 
-def test_conv_same_symbolic_spatial_refused():
+def test_conv_kernel_of_unknown_size_refused_by_name():
     x, w = f32(1, 2, 5, 5), f32(2, 2, 3, 3)
-    sym = {"X": [1, 2, "H", "W"]}
-    model = op_model("Conv", {"X": x, "W": w}, auto_pad="SAME_UPPER", shapes=sym)
-    with pytest.raises(RuleError, match="SAME_UPPER needs static spatial"):
+    model = op_model("Conv", {"X": x, "W": w}, auto_pad="SAME_UPPER", shapes={"W": [2, 2, "K", "K"]})
+    with pytest.raises(RuleError, match="kernel 'W' is unknown"):
         backward_model(model, "out0", ["X"], seed="input")
 
 
@@ -401,13 +401,6 @@ def test_average_pool_symbolic_batch(case):
     x_shape, attrs, opset = POOL_CASES[case]
     check("AveragePool", {"X": f32(*x_shape)}, shapes={"X": ["N", "C", *x_shape[2:]]}, opset=opset,
           count_include_pad=1, **attrs)
-
-
-def test_average_pool_symbolic_spatial_refused():
-    model = op_model("AveragePool", {"X": f32(1, 1, 4, 4)}, kernel_shape=[2, 2],
-                     shapes={"X": [1, 1, "H", "W"]})
-    with pytest.raises(RuleError, match="static spatial"):
-        backward_model(model, "out0", ["X"], seed="input")
 
 
 @pytest.mark.parametrize("case", list(POOL_CASES))
@@ -528,3 +521,140 @@ def test_max_pool_overlap_along_one_axis():
 def test_global_pool(op_type, shape, sym):
     x = distinct(*shape) if op_type == "GlobalMaxPool" else f32(*shape)
     check(op_type, {"X": x}, shapes={"X": sym} if sym else None)
+
+
+# Spatial sizes known only at run time (detection and OCR exports keep H and W dynamic): one
+# backward graph serves every image size.
+
+SYMBOLIC = {"X": ["N", "C", "H", "W"]}
+
+
+def check_two_sizes(model, feeds, wrt, weak_bound=None):
+    """``model`` (symbolic spatial sizes) against float64 finite differences at each of the two
+    ``feeds`` (assert_gradients); then one backward graph, built once, run at both: the same
+    gradients. ``weak_bound``: where the oracle falls back to float32 (ConvTranspose with
+    output_shape: onnx.reference cannot run it), the scaled error must stay below it."""
+    proto, autodiff = backward_model(model, "out0", wrt, seed="input")
+    session = _ort(proto)
+    names = [o.name for o in proto.graph.output]
+    for given in feeds:
+        result = assert_gradients(model, given, wrt)
+        if result.weak:
+            assert weak_bound is not None and max(result.errors.values()) < weak_bound, str(result)
+        r = random_cotangents(model, given)[0]
+        got = dict(zip(names, session.run(None, {**given, autodiff.seed_name: r})))
+        for x in wrt:
+            np.testing.assert_allclose(got[autodiff.gradient_names[x]], result.ad[x], rtol=1e-5, atol=1e-6)
+
+
+RUN_TIME_POOL_CASES = {
+    # name: (op type, attributes, opset, X shapes); the first cases as torch and paddle export them
+    "avg_ceil_pads": ("AveragePool", dict(kernel_shape=[2, 2], strides=[2, 2], pads=[1, 0, 0, 1],
+                                          ceil_mode=1, count_include_pad=0), 11,
+                      [(1, 1, 4, 5), (2, 1, 3, 2)]),
+    "avg_same_upper": ("AveragePool", dict(kernel_shape=[3, 2], strides=[2, 2], auto_pad="SAME_UPPER",
+                                           count_include_pad=1), 18, [(1, 2, 4, 3), (1, 1, 5, 6)]),
+    "avg_same_lower": ("AveragePool", dict(kernel_shape=[2, 3], strides=[1, 2], auto_pad="SAME_LOWER"),
+                       11, [(1, 1, 3, 5), (1, 2, 2, 4)]),
+    "avg_dilations_ceil": ("AveragePool", dict(kernel_shape=[2, 2], strides=[2, 1], dilations=[2, 1],
+                                               pads=[0, 1, 1, 0], ceil_mode=1, count_include_pad=1),
+                           19, [(1, 1, 6, 3), (1, 1, 5, 4)]),
+    "avg_valid": ("AveragePool", dict(kernel_shape=[2, 2], strides=[2, 2], auto_pad="VALID"), 11,
+                  [(1, 1, 3, 4), (1, 1, 2, 3)]),
+    "max_ceil_pads_indices": ("MaxPool", dict(kernel_shape=[2, 2], strides=[2, 2], pads=[0, 1, 1, 0],
+                                              ceil_mode=1), 11, [(1, 1, 5, 4), (2, 1, 3, 3)]),
+    "max_same_overlap": ("MaxPool", dict(kernel_shape=[3, 2], strides=[2, 1], dilations=[1, 2],
+                                         auto_pad="SAME_UPPER"), 18, [(1, 1, 5, 4), (1, 2, 3, 5)]),
+}
+
+
+@pytest.mark.parametrize("case", list(RUN_TIME_POOL_CASES))
+def test_pool_run_time_sizes(case):
+    op_type, attrs, opset, sizes = RUN_TIME_POOL_CASES[case]
+    make = distinct if op_type == "MaxPool" else f32
+    feeds = [{"X": make(*size)} for size in sizes]
+    n_outputs = 2 if case.endswith("indices") else 1
+    model = op_model(op_type, feeds[0], n_outputs, opset=opset, shapes=SYMBOLIC, **attrs)
+    check_two_sizes(model, feeds, ["X"])
+
+
+@pytest.mark.parametrize("op_type", ["GlobalAveragePool", "GlobalMaxPool"])
+def test_global_pool_run_time_sizes(op_type):
+    make = distinct if op_type == "GlobalMaxPool" else f32
+    feeds = [{"X": make(1, 2, 3, 2)}, {"X": make(2, 1, 2, 5)}]
+    check_two_sizes(op_model(op_type, feeds[0], opset=11, shapes=SYMBOLIC), feeds, ["X"])
+
+
+RUN_TIME_CONV_CASES = {
+    # name: (op type, W shape, attributes, opset, X shapes); W an initializer, as exports have it
+    "conv_same_upper_group": ("Conv", (2, 1, 3, 2), dict(group=2, strides=[2, 2], auto_pad="SAME_UPPER"),
+                              11, [(1, 2, 5, 4), (1, 2, 3, 5)]),
+    "conv_same_lower": ("Conv", (2, 1, 2, 3), dict(strides=[2, 3], auto_pad="SAME_LOWER"), 18,
+                        [(1, 1, 5, 4), (1, 1, 3, 5)]),
+    # a stride past the window (tf2onnx's 1x1 shortcut): the total padding is clamped at 0 (int64
+    # Max: the model is converted to opset 12)
+    "conv_same_long_stride": ("Conv", (2, 1, 1, 1), dict(strides=[2, 3], auto_pad="SAME_UPPER"), 11,
+                              [(1, 1, 4, 5), (1, 1, 3, 3)]),
+    # windows that stop short of X's end, by up to a stride less one
+    "conv_pads_tail": ("Conv", (2, 1, 2, 2), dict(strides=[3, 2], dilations=[1, 2], pads=[1, 0, 0, 0]), 11,
+                       [(1, 1, 6, 5), (1, 1, 4, 4)]),
+    "conv_t_same_upper_output_padding": ("ConvTranspose", (2, 1, 3, 2),
+                                         dict(strides=[2, 2], output_padding=[1, 0],
+                                              auto_pad="SAME_UPPER"), 11, [(1, 2, 2, 3), (1, 2, 3, 2)]),
+    "conv_t_output_shape": ("ConvTranspose", (1, 2, 3, 3), dict(strides=[2, 2], output_shape=[6, 7]),
+                            11, [(1, 1, 3, 3), (1, 1, 4, 4)]),
+    "conv_t_output_shape_same_upper": ("ConvTranspose", (1, 1, 2, 3),
+                                       dict(strides=[2, 1], dilations=[2, 1], output_shape=[6, 5],
+                                            output_padding=[1, 0], auto_pad="SAME_UPPER"), 18,
+                                       [(1, 1, 3, 3), (2, 1, 2, 4)]),
+}
+
+
+@pytest.mark.parametrize("case", list(RUN_TIME_CONV_CASES))
+def test_conv_run_time_sizes(case):
+    op_type, w_shape, attrs, opset, sizes = RUN_TIME_CONV_CASES[case]
+    w = f32(*w_shape)
+    b = f32(w_shape[0] if op_type == "Conv" else w_shape[1] * attrs.get("group", 1))
+    feeds = [{"X": f32(*size)} for size in sizes]
+    model = op_model(op_type, {"X": feeds[0]["X"], "W": w, "B": b}, opset=opset, shapes=SYMBOLIC,
+                     initializers={"W": w, "B": b}, **attrs)
+    check_two_sizes(model, feeds, ["X", "W"], weak_bound=0.1)
+
+
+@pytest.mark.parametrize("opset", [11, 17])
+def test_torch_export_with_dynamic_image_size(opset, tmp_path):
+    """A TorchScript export with dynamic N, H, W (Conv, BatchNormalization, ceil_mode average and
+    max pools, GlobalAveragePool) differentiated by the command line: torch autograd's gradients
+    at two image sizes."""
+    torch = pytest.importorskip("torch")
+    from onnx_autodiff.cli import main
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = torch.nn.Conv2d(2, 3, 3, padding=1), torch.nn.BatchNorm2d(3)
+
+        def forward(self, x):
+            h = torch.nn.functional.avg_pool2d(self.bn(self.conv(x)), 2, ceil_mode=True)
+            h = torch.nn.functional.max_pool2d(h, 2, ceil_mode=True)
+            return torch.nn.functional.adaptive_avg_pool2d(h, 1)
+
+    torch.manual_seed(0)
+    net = Net().eval()
+    forward, backward = tmp_path / "model.onnx", tmp_path / "grad.onnx"
+    torch.onnx.export(net, (torch.randn(1, 2, 7, 9),), str(forward), dynamo=False, opset_version=opset,
+                      do_constant_folding=False, input_names=["x"], output_names=["y"],
+                      dynamic_axes={"x": {0: "n", 2: "h", 3: "w"}, "y": {0: "n"}})
+    assert main(["grad", str(forward), "-o", str(backward), "--wrt", "x", "conv.weight"]) == 0
+    session = ort.InferenceSession(str(backward), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    for shape in [(2, 2, 7, 9), (1, 2, 12, 5)]:
+        x = torch.randn(*shape, requires_grad=True)
+        net.zero_grad()
+        y = net(x)
+        dy = torch.randn(y.shape)
+        (y * dy).sum().backward()
+        got = dict(zip(names, session.run(None, {"x": x.detach().numpy(), "dy": dy.numpy()})))
+        for name, want in (("grad_x", x.grad), ("grad_conv.weight", net.conv.weight.grad)):
+            want = want.numpy()
+            np.testing.assert_allclose(got[name], want, rtol=1e-4, atol=1e-5 * np.abs(want).max(), err_msg=name)

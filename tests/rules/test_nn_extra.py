@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 from onnx.reference import ReferenceEvaluator
 
-from helpers import op_model, rng
+from helpers import assert_valid_model, op_model, rng
 from onnx_autodiff.conformance import check_vjp
 from onnx_autodiff.conformance.check import backward_model
 from onnx_autodiff.errors import RuleError
@@ -37,9 +37,10 @@ def _ort(model):
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
-def run_backward(model, feeds, wrt, dy, reference=False):
-    """Forward output and gradients from the backward graph, run on onnxruntime (or reference)."""
-    proto, autodiff = backward_model(model, "out0", wrt, seed="input")
+def run_backward(model, feeds, wrt, dy, reference=False, built=None):
+    """Forward output and gradients from the backward graph (``built``: the backward_model made
+    already), run on onnxruntime (or reference)."""
+    proto, autodiff = built or backward_model(model, "out0", wrt, seed="input")
     full = {**feeds, autodiff.seed_name: dy}
     if reference:
         results = ReferenceEvaluator(proto).run(None, full)
@@ -49,14 +50,14 @@ def run_backward(model, feeds, wrt, dy, reference=False):
     return named, [named[autodiff.gradient_names[x]] for x in wrt]
 
 
-def check_numpy(model, feeds, wrt, forward, reference=False, h=1e-6):
+def check_numpy(model, feeds, wrt, forward, reference=False, h=1e-6, built=None):
     """AD (float32, onnxruntime) against central differences of ``forward`` in float64."""
     wide = {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in feeds.items()}
     y = forward(**wide)
-    named, grads = run_backward(model, feeds, wrt, np.zeros(y.shape, np.float32), reference)
+    named, grads = run_backward(model, feeds, wrt, np.zeros(y.shape, np.float32), reference, built)
     np.testing.assert_allclose(named["out0"], y, rtol=1e-4, atol=1e-5)  # the spec's forward
     r = rng(1).standard_normal(y.shape)
-    _, grads = run_backward(model, feeds, wrt, r.astype(np.float32), reference)
+    _, grads = run_backward(model, feeds, wrt, r.astype(np.float32), reference, built)
     for name, ad in zip(wrt, grads):
         fd = np.zeros(wide[name].shape)
         for i in np.ndindex(fd.shape):
@@ -298,11 +299,22 @@ def test_lp_pool_symbolic_batch():
     check_numpy(model, {"X": x}, ["X"], lambda X: lp_pool_np(X, p=3, **attrs))
 
 
-def test_lp_pool_symbolic_spatial_refused():
-    model = op_model("LpPool", {"X": f32(1, 1, 4, 4)}, kernel_shape=[2, 2],
-                     shapes={"X": [1, 1, "H", "W"]})
-    with pytest.raises(RuleError, match="static spatial"):
-        backward_model(model, "out0", ["X"], seed="input")
+@pytest.mark.parametrize("op_type,case", [("LpPool", "2d_same_upper"), ("LpPool", "2d_ceil_dil_pads"),
+                                          ("GlobalLpPool", "2d_p3_pads")])
+def test_lp_pool_run_time_sizes(op_type, case):
+    """X's spatial sizes known only at run time: one backward graph, valid, at two sizes."""
+    shape, attrs, opset = LP_POOL_CASES[case]
+    if op_type == "GlobalLpPool":
+        attrs = {"p": attrs["p"]}
+        forward = lambda X: (np.abs(X) ** attrs["p"]).sum(axis=(2, 3), keepdims=True) ** (1 / attrs["p"])  # noqa: E731
+    else:
+        forward = lambda X: lp_pool_np(X, **attrs)  # noqa: E731
+    model = op_model(op_type, {"X": away_from_zero(*shape)}, shapes={"X": ["N", "C", "H", "W"]},
+                     opset=opset, **attrs)
+    built = backward_model(model, "out0", ["X"], seed="input")
+    assert_valid_model(built[0])
+    for size in (shape, (2, 1, shape[2] + 1, shape[3] - 1)):
+        check_numpy(model, {"X": away_from_zero(*size)}, ["X"], forward, built=built)
 
 
 @pytest.mark.parametrize("p,opset", [(1, 8), (1, 10), (2, 10), (3, 8), (3, 18)])

@@ -1,10 +1,13 @@
 import numpy as np
+import onnxruntime as ort
 import pytest
 from onnx import helper
 
-from helpers import assert_gradients, make_model, op_model, rng
+from helpers import assert_gradients, assert_valid_model, make_model, op_model, rng
 
+from onnx_autodiff.conformance import check_vjp
 from onnx_autodiff.conformance.check import backward_model
+from onnx_autodiff.conformance.differences import random_cotangents
 from onnx_autodiff.errors import AutodiffError
 
 R = rng()
@@ -497,3 +500,40 @@ def test_input_of_unknown_rank_takes_the_rank_of_the_gradient(op_type, kw):
                        initializers={"starts": np.array([1], I64), "ends": np.array([3], I64),
                                      "axes": np.array([-2], I64)})
     assert_gradients(model, feeds, ["flat"])
+
+
+# --- Pad with pads (and axes) known only at run time, on inputs of run-time sizes ------------
+
+
+@pytest.mark.parametrize("mode,opset", [("constant", 11), ("reflect", 11), ("edge", 11),
+                                        ("constant", 18), ("reflect", 18), ("edge", 18), ("wrap", 19)])
+def test_pad_run_time_pads_axes_and_sizes(mode, opset):
+    """pads (and from opset 18 axes, one negative) fed as inputs, X's every dimension symbolic: one
+    backward graph runs at two sizes and two paddings, each against finite differences."""
+    given = [{"X": randn(2, 3, 4), "p": np.array([1, 2, 2, 1], I64)},
+             {"X": randn(1, 4, 5), "p": np.array([0, 1, 3, 2], I64)}]
+    inputs = dict(given[0])
+    if opset >= 18:
+        inputs.update({"": None, "a": np.array([-1, 1], I64)})
+    else:  # pads of every axis
+        given = [{**g, "p": np.concatenate([[0], g["p"][:2], [0], g["p"][2:]])[[0, 2, 1, 3, 5, 4]]}
+                 for g in given]
+        inputs["p"] = given[0]["p"]
+    names = [n if n else "" for n in inputs]
+    fed = {k: v for k, v in inputs.items() if k}
+    # (onnx infers no rank for Pad with axes fed at run time: the output's is declared)
+    model = make_model([helper.make_node("Pad", names, ["out0"], mode=mode)], fed, ["out0"],
+                       shapes={"X": ["A", "B", "C"]}, opset=opset, output_shapes={"out0": ["P", "Q", "R"]})
+    proto, autodiff = backward_model(model, "out0", ["X"], seed="input")
+    assert_valid_model(proto)
+    names = [o.name for o in proto.graph.output]
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    for feeds in given:
+        feeds = {**feeds, **({"a": inputs["a"]} if opset >= 18 else {})}
+        # (check_vjp, not assert_gradients: every dimension is symbolic already, and a copy with
+        # the outputs' shapes cleared would lose the rank onnx cannot infer)
+        result = check_vjp(model, feeds, ["X"])
+        assert result.ok and not result.weak, str(result)
+        r = random_cotangents(model, feeds)[0]
+        got = dict(zip(names, session.run(None, {**feeds, autodiff.seed_name: r})))
+        np.testing.assert_allclose(got[autodiff.gradient_names["X"]], result.ad["X"], rtol=1e-5, atol=1e-6)
