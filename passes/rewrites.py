@@ -131,12 +131,14 @@ class Rewriter:
         graph = node.graph
         old = node.outputs[0]
         if new_nodes:
-            graph.insert_before(node, new_nodes)
             origin = provenance(node)
             for made in new_nodes:
+                # named before they join the graph, whose own naming ("val_0") knows no other
+                # graph's names: a subgraph's would repeat one of the graph around it
                 for out in made.outputs:
                     out.name = out.name or self.fresh(old.name)
                 mark(made, origin)
+            graph.insert_before(node, new_nodes)
         if value.type is None:
             value.type = old.type
         if value.shape is None and old.shape is not None:
