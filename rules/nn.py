@@ -214,8 +214,8 @@ class _Geometry:
         offset = op.Mod(op.Sub(size, [1]), np.array(self.strides, np.int64))
         total = op.Sub(np.array(reach, np.int64) - 1, offset)
         if any(st > r for st, r in zip(self.strides, reach)):  # strides past the window: may be < 0
-            shapes.require_opset(op, 12, why + " with strides longer than the window (int64 Max)")
-            total = op.Max(total, [0])
+            # (int64 Max from opset 12; Where before, rather than converting the model)
+            total = op.Max(total, [0]) if op.opset >= 12 else op.Where(op.Less(total, [0]), [0], total)
         return _RunTimePads.split(op, total, self.auto_pad)
 
     def extent(self, windows: list[int]) -> list[int]:

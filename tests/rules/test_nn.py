@@ -591,10 +591,11 @@ RUN_TIME_CONV_CASES = {
                               11, [(1, 2, 5, 4), (1, 2, 3, 5)]),
     "conv_same_lower": ("Conv", (2, 1, 2, 3), dict(strides=[2, 3], auto_pad="SAME_LOWER"), 18,
                         [(1, 1, 5, 4), (1, 1, 3, 5)]),
-    # a stride past the window (tf2onnx's 1x1 shortcut): the total padding is clamped at 0 (int64
-    # Max: the model is converted to opset 12)
+    # a stride past the window (tf2onnx's 1x1 shortcut): the total padding is clamped at 0
     "conv_same_long_stride": ("Conv", (2, 1, 1, 1), dict(strides=[2, 3], auto_pad="SAME_UPPER"), 11,
                               [(1, 1, 4, 5), (1, 1, 3, 3)]),
+    "conv_same_long_stride_opset13": ("Conv", (2, 1, 1, 1), dict(strides=[2, 3], auto_pad="SAME_LOWER"),
+                                      13, [(1, 1, 4, 5), (1, 1, 3, 3)]),
     # windows that stop short of X's end, by up to a stride less one
     "conv_pads_tail": ("Conv", (2, 1, 2, 2), dict(strides=[3, 2], dilations=[1, 2], pads=[1, 0, 0, 0]), 11,
                        [(1, 1, 6, 5), (1, 1, 4, 4)]),
