@@ -358,14 +358,14 @@ def _ctc(att: _Attachment, y: ir.Value, blank: int = 0, zero_infinity: bool = Fa
     input_lengths = att.label("input_lengths", ir.DataType.INT64, [n])
     target_lengths = att.label("target_lengths", ir.DataType.INT64, [n])
 
-    def number(value):
+    def floating(value):  # a scalar of the scores' dtype
         return op.const(value, dtype=dtype)
 
     def extent(axis: int):
         return dims[axis] if isinstance(dims[axis], int) else op.Slice(op.Shape(log_probs), [axis], [axis + 1])
 
     neg = float(np.finfo(dtype.numpy()).min) / 4  # log 0, finite: sums of it stay finite, and so do gradients
-    extended, skip = _ctc_extended(op, targets, target_lengths, blank, number(0.0), number(neg))
+    extended, skip = _ctc_extended(op, targets, target_lengths, blank, floating(0.0), floating(neg))
     # emissions [T, N, L]: log p_t(l'[k])
     spread = [1, 1, 1]
     spread[time_axis] = extent(time_axis)
@@ -377,16 +377,16 @@ def _ctc(att: _Attachment, y: ir.Value, blank: int = 0, zero_infinity: bool = Fa
     # α before the first step: [0, −∞, ...], from which the first step reaches l'[0] (staying) and
     # l'[1] (advancing), and no state after them (l'[2] is a blank: no skip to it)
     first = op.Equal(_positions(op, extended, 1), np.array(0, np.int64))
-    start = op.Expand(op.Where(first, number(0.0), number(neg)), op.Shape(extended))
+    start = op.Expand(op.Where(first, floating(0.0), floating(neg)), op.Shape(extended))
     final = op.Scan(start, emissions, active, body=_ctc_step(op, att.namer, dtype, skip, neg), num_scan_inputs=2)
     # log-likelihood: α at the last label or the blank after it (the blank alone for empty targets)
     end = op.unsqueeze(op.Mul(target_lengths, np.array(2, np.int64)), [1])
     at_end = op.GatherElements(final, end, axis=1)
     before_end = op.GatherElements(final, op.Max(op.Sub(end, np.array(1, np.int64)), np.array(0, np.int64)), axis=1)
-    before_end = op.Add(before_end, op.Where(op.Greater(end, np.array(0, np.int64)), number(0.0), number(neg)))
+    before_end = op.Add(before_end, op.Where(op.Greater(end, np.array(0, np.int64)), floating(0.0), floating(neg)))
     likelihood = _log_sum_exp(op, at_end, before_end)
-    impossible = op.Less(likelihood, number(neg / 2))
-    nll = op.Where(impossible, number(0.0 if zero_infinity else np.inf), op.Neg(likelihood))
+    impossible = op.Less(likelihood, floating(neg / 2))
+    nll = op.Where(impossible, floating(0.0 if zero_infinity else np.inf), op.Neg(likelihood))
     lengths = op.Cast(op.Max(op.unsqueeze(target_lengths, [1]), np.array(1, np.int64)), to=int(dtype))
     return _mean(op, op.Div(nll, lengths)), [targets, input_lengths, target_lengths]
 
