@@ -89,15 +89,24 @@ def test_softmax_output_keeps_its_probabilities_in_eval_and_export():
     assert [n.op_type for n in exported.graph.node] == ["MatMul", "Softmax"]
 
 
-def test_softmax_along_another_axis_is_left_as_the_output():
-    """Softmax over the sequence, not the classes: its output is what the loss reads, no note."""
-    model, W = linear_model(["N", 3, 4], 4, 5, "Softmax", axis=1)
+@pytest.mark.parametrize("opset", [18, 11])
+def test_softmax_over_other_axes_is_left_as_the_output(opset, caplog):
+    """Softmax over the sequence (opset 18) or, at opset 11, over sequence and classes together
+    (its 2-D coercion from axis 1), not the classes alone: its output is what the loss reads."""
+    model, W = linear_model(["N", 3, 4], 4, 5, "Softmax", axis=1, opset=opset)
     rng = np.random.default_rng(3)
     X, labels = rng.standard_normal((2, 3, 4)), rng.integers(0, 5, (2, 3))
-    ours = sgd_gradient(model, W, {"X": X, "labels": labels}, "cross_entropy", labels=[("labels", np.int64, [None, 3])])
-    reference = torch_gradient(W, lambda w: F.cross_entropy(torch.softmax(torch.tensor(X) @ w, 1).reshape(-1, 5),
-                                                            torch.tensor(labels).reshape(-1)))
+    with caplog.at_level(logging.WARNING, logger="onnx_autodiff"):
+        ours = sgd_gradient(model, W, {"X": X, "labels": labels}, "cross_entropy",
+                            labels=[("labels", np.int64, [None, 3])])
+
+    def probabilities(w):
+        scores = torch.tensor(X) @ w
+        return torch.softmax(scores, 1) if opset >= 13 else torch.softmax(scores.reshape(2, -1), 1).reshape(2, 3, 5)
+
+    reference = torch_gradient(W, lambda w: F.cross_entropy(probabilities(w).reshape(-1, 5), torch.tensor(labels).reshape(-1)))
     assert_matches(ours, reference)
+    assert not any("logits" in r.getMessage() for r in caplog.records)
 
 
 def test_bce_with_logits_of_sigmoid_output_reads_the_logits(caplog):

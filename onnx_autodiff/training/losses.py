@@ -169,10 +169,11 @@ def attach_loss(model: ir.Model, namer: Namer, spec: LossSpec):
 # The output's activation, and the logits under it
 
 
-def _activation(y: ir.Value, op_types: tuple[str, ...], opset: int) -> tuple[ir.Node, int | None] | None:
-    """(node, the one axis it normalises or None) when one of ``op_types`` makes ``y`` (through
-    Identity). Softmax and LogSoftmax before opset 13 normalise the input seen as 2-D from
-    ``axis`` (default 1): one axis when those after it are the last or all of size 1."""
+def _activation(y: ir.Value, op_types: tuple[str, ...]) -> tuple[ir.Node, int | None] | None:
+    """(node, the axis it normalises; None for Sigmoid) when one of ``op_types`` makes ``y``
+    (through Identity). The losses that read a Softmax need opset 13, where it normalises one axis:
+    a model of an older opset is converted first, and onnx's converter writes an older Softmax's
+    2-D coercion out (Flatten, Softmax, Reshape) where it spans several axes."""
     node = y.producer()
     while node is not None and node.op_type == "Identity" and node.domain in ("", "ai.onnx"):
         node = node.inputs[0].producer()
@@ -181,13 +182,7 @@ def _activation(y: ir.Value, op_types: tuple[str, ...], opset: int) -> tuple[ir.
     if node.op_type == "Sigmoid":
         return node, None
     r = shapes.rank(y)
-    if r is None:
-        return node, -1  # an axis no loss asks for: the output is left as it is
-    legacy = opset < 13
-    axis = shapes.normalize_axis(shapes.attr(node, "axis", 1 if legacy else -1), r)
-    if legacy and any(d != 1 for d in shapes.dims(y)[axis + 1:]):
-        return node, -1
-    return node, axis
+    return None if r is None else (node, shapes.normalize_axis(shapes.attr(node, "axis", -1), r))
 
 
 def _logits(att: _Attachment, y: ir.Value, loss: str, found, axis: int | None) -> ir.Value:
@@ -266,7 +261,7 @@ def _cross_entropy(att: _Attachment, y: ir.Value) -> tuple[ir.Value, list[ir.Val
         raise TrainingError(f"cross_entropy needs logits of shape [N, C, ...]; output '{y.name}' has shape {y.shape}")
     att.need_opset("cross_entropy", 13, "SoftmaxCrossEntropyLoss")
     dims = [dim_value(d) for d in y.shape]
-    found = _activation(y, ("Softmax", "LogSoftmax"), att.op.opset)
+    found = _activation(y, ("Softmax", "LogSoftmax"))
     axis, guess = class_axis(dims, att.label_shape, found and found[1])
     att.spec.class_axis = axis
     label_dims = _label_dims(dims, axis)
@@ -298,7 +293,7 @@ def _l1(att: _Attachment, y: ir.Value) -> tuple[ir.Value, list[ir.Value]]:
 def _bce_with_logits(att: _Attachment, y: ir.Value) -> tuple[ir.Value, list[ir.Value]]:
     """Mean max(x, 0) − x·t + log(1 + exp(−|x|)), stable for any x; x under a final Sigmoid."""
     labels = [_like_output(att, y)]
-    x = _logits(att, y, "bce_with_logits", _activation(y, ("Sigmoid",), att.op.opset), None)
+    x = _logits(att, y, "bce_with_logits", _activation(y, ("Sigmoid",)), None)
     op = att.op
     per_element = op.Add(op.Sub(op.Relu(x), op.Mul(x, labels[0])), op.Log(op.Add(op.Exp(op.Neg(op.Abs(x))), 1.0)))
     return _mean(op, per_element), labels
@@ -316,7 +311,7 @@ def _causal_lm(att: _Attachment, y: ir.Value) -> tuple[ir.Value, list[ir.Value]]
     att.spec.class_axis = None  # (each position's label is the next position's token)
     dims = [dim_value(d) for d in y.shape]
     labels = [att.label(att.label_name, ir.DataType.INT64, dims[:2])]
-    logits = _logits(att, y, "causal_lm", _activation(y, ("Softmax", "LogSoftmax"), att.op.opset), 2)
+    logits = _logits(att, y, "causal_lm", _activation(y, ("Softmax", "LogSoftmax")), 2)
     op = att.op
     # labels[:, 1:] padded with −100, as transformers shifts them: the last position counts for nothing,
     # and the logits are read whole (no slice of the largest tensor)
@@ -350,7 +345,7 @@ def _ctc(att: _Attachment, y: ir.Value, blank: int = 0, zero_infinity: bool = Fa
     time_axis = 1 - batch_axis
     layout = "[batch, time, classes]" if batch_axis == 0 else "[time, batch, classes]"
     att.note(f"ctc reads output '{y.name}' {shape_text(dims)} as {layout} ({why}); blank is class {blank}")
-    logits = _logits(att, y, "ctc", _activation(y, ("Softmax", "LogSoftmax"), op.opset), 2)
+    logits = _logits(att, y, "ctc", _activation(y, ("Softmax", "LogSoftmax")), 2)
     log_probs = op.LogSoftmax(logits, axis=2)
     n = dims[batch_axis]
     label_shape = att.label_shape
