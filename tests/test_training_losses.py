@@ -327,3 +327,18 @@ def test_train_ctc_and_causal_lm_from_the_command_line(tmp_path, capsys):
             assert "note: ctc reads output 'out' [N, T, 5] as [batch, time, classes]" in captured.err
     assert main(["artifacts", model, "-o", str(tmp_path / "bad"), "--loss", "causal_lm", "--ctc-blank", "1"]) == 2
     assert "--ctc-blank and --ctc-zero-infinity apply to --loss ctc only" in capsys.readouterr().err
+
+
+def test_loss_configuration_errors():
+    from onnx_autodiff.errors import TrainingError
+
+    sequence, _ = linear_model(["N", "T", 3], 3, 4)
+    flat, _ = linear_model(["N", 3], 3, 4)
+    cases = [(sequence, BuiltinLoss("ctc", blnk=2), "does not take the options {'blnk': 2}"),
+             (flat, "causal_lm", "causal_lm needs logits [batch, sequence, vocabulary]; output 'logits' has shape [N, 4]"),
+             (flat, "ctc", "ctc needs scores [batch, time, classes] or [time, batch, classes]"),
+             (sequence, "focal", "unknown loss 'focal': use one of cross_entropy, mse, l1, bce_with_logits, causal_lm, ctc")]
+    for model, loss, message in cases:
+        with pytest.raises(TrainingError) as error:
+            generate_artifacts(model, loss=loss, optimizer="sgd")
+        assert message in str(error.value)

@@ -16,6 +16,7 @@ Class losses fit the model's output (docs/training.md, "Losses"):
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from collections.abc import Callable
 
@@ -146,9 +147,10 @@ def attach_loss(model: ir.Model, namer: Namer, spec: LossSpec):
         if build is None:
             raise TrainingError(f"unknown loss {builtin.name!r}: use one of {', '.join(LOSSES)}, None (the model's output is the loss) or a callable")
         try:
-            loss, labels = build(_Attachment(model, op, namer, spec), y, **builtin.options)
-        except TypeError as error:  # an option the loss does not take
+            inspect.signature(build).bind(None, None, **builtin.options)
+        except TypeError as error:
             raise TrainingError(f"loss {builtin.name!r} does not take the options {builtin.options}: {error}") from error
+        loss, labels = build(_Attachment(model, op, namer, spec), y, **builtin.options)
     else:
         labels = _label_values(namer, spec.labels, y)
         if isinstance(spec.loss, onnx.FunctionProto):
