@@ -710,7 +710,8 @@ def col2im(op, node, dY):
     channel of dY with a one-hot kernel per block position."""
     block = shapes.constant(node.inputs[2])
     if block is None:
-        raise RuleError("Col2Im's gradient needs a constant block_shape")
+        raise RuleError(f"Col2Im's gradient needs a constant block_shape ('{node.inputs[2].name}' is "
+                        "computed at run time)")
     block = [int(b) for b in block]
     ns, k = len(block), int(np.prod(block))
     onehot = op.const(np.eye(k).reshape([k, 1, *block]), like=dY)
@@ -732,10 +733,10 @@ def deform_conv(op, node, dY):
     mask = node.inputs[4] if len(node.inputs) > 4 else None
     x_dims, w_dims = shapes.dims(X), shapes.static_shape(W)
     if x_dims is None or len(x_dims) != 4 or not all(isinstance(d, int) for d in x_dims[2:]):
-        raise RuleError(
-            "DeformConv's gradient supports 2-D images of static height and width only")
+        raise RuleError(f"DeformConv's gradient supports 2-D images of static height and width only "
+                        f"(the input '{X.name}' has shape {x_dims})")
     if w_dims is None:
-        raise RuleError("DeformConv's gradient needs the kernel W to have a static shape")
+        raise RuleError(f"DeformConv's gradient needs the kernel '{W.name}' to have a static shape")
     g = _Geometry(node, X, W)
     (H, Wd), (kh, kw), group = x_dims[2:], g.kernel, g.group
     G = shapes.attr(node, "offset_group", 1)
