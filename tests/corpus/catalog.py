@@ -16,6 +16,7 @@ the name of the node's output (the value the graph reads).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -142,4 +143,7 @@ def record(key: str, entry: dict) -> None:
         o.version for o in model.opset_import if o.domain in ("", "ai.onnx")))
     manifest = load_manifest()
     manifest[key] = entry
-    MANIFEST.write_text(json.dumps(dict(sorted(manifest.items())), indent=1) + "\n")
+    text = json.dumps(dict(sorted(manifest.items())), indent=1)
+    # shapes on one line: [\n  1,\n  3\n ] -> [1, 3]
+    text = re.sub(r"\[\s+(-?\d+(?:,\s+-?\d+)*)\s+\]", lambda m: "[" + re.sub(r",\s+", ", ", m.group(1)) + "]", text)
+    MANIFEST.write_text(text + "\n")
