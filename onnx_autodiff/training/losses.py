@@ -346,7 +346,8 @@ def _ctc(att: _Attachment, y: ir.Value, blank: int = 0, zero_infinity: bool = Fa
     batch_axis, why = _ctc_batch_axis(att.model, dims)
     time_axis = 1 - batch_axis
     layout = "[batch, time, classes]" if batch_axis == 0 else "[time, batch, classes]"
-    att.note(f"ctc reads output '{y.name}' {shape_text(dims)} as {layout} ({why}); blank is class {blank}")
+    infinite = "" if zero_infinity else "; targets too long for their input give an infinite loss (0 with zero_infinity, --ctc-zero-infinity)"
+    att.note(f"ctc reads output '{y.name}' {shape_text(dims)} as {layout} ({why}); blank is class {blank}{infinite}")
     logits = _logits(att, y, "ctc", _activation(y, ("Softmax", "LogSoftmax")), 2)
     log_probs = op.LogSoftmax(logits, axis=2)
     n = dims[batch_axis]
