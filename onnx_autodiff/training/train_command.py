@@ -45,6 +45,7 @@ from onnx_autodiff.passes import progress
 from onnx_autodiff.training import distributed
 from onnx_autodiff.training.artifacts import TrainingArtifacts, quantized_weight_names
 from onnx_autodiff.training.cli import add_generation_arguments, artifacts_from_args
+from onnx_autodiff.training.losses import IGNORE_INDEX  # (no class: neither checked nor counted in the accuracy)
 from onnx_autodiff.training.trainer import Trainer
 from onnx_autodiff.training.values import (
     load_arrays,
@@ -55,7 +56,6 @@ from onnx_autodiff.training.values import (
 
 RUN_KEY = "onnx_autodiff.train"  # the checkpoint's metadata entry that holds the run
 RUN_FORMAT = 1
-IGNORE_INDEX = -100  # cross_entropy's label for "no class": neither checked nor counted in the accuracy
 DATA_SUFFIXES = (".npz", ".safetensors")
 INTERRUPTED = 130  # the shell's code for a command stopped by Ctrl-C
 ADAPTER_INPUTS_MODEL = "adapter_inputs.onnx"  # --save-onnx-adapter: the model whose inputs the adapters are
