@@ -155,7 +155,8 @@ def _matmul_broadcast(op, node, dY, ra, rb):
 
 
 class _Geometry:
-    """A convolution's spatial attributes, with auto_pad turned into explicit pads."""
+    """A convolution's spatial attributes, with auto_pad turned into explicit pads (ints, or
+    :class:`_RunTimePads` where only X's sizes at run time decide them)."""
 
     def __init__(self, node: ir.Node, X: ir.Value, W: ir.Value | None):
         w_dims = None if W is None else shapes.dims(W)
