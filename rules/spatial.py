@@ -1,8 +1,10 @@
 """Spatial resampling: Resize and Upsample, GridSample, AffineGrid, RoiAlign.
 
 Resize is linear in X and separable: along each resized axis Y = W·X for an (out, in) matrix W
-that depends only on static sizes and constant scales/sizes, so it is built here in numpy and
-dX applies Wᵀ axis by axis (one MatMul each). GridSample and RoiAlign depend on run-time data
+that depends only on the axis's length and its scale or size, and dX applies Wᵀ axis by axis (one
+MatMul each). W is built here in numpy where those are static; where one is known at run time
+only (dynamic H×W, sizes computed from Shape), the graph computes W by applying the forward's own
+Resize to an identity matrix of the run-time length. GridSample and RoiAlign depend on run-time data
 (the grid, the boxes): their sampling positions and bilinear/bicubic weights are rebuilt in the
 graph from the forward inputs; dX scatters (or, RoiAlign, multiplies back) the weighted dY.
 AffineGrid is linear in theta: dθ = Σ dgrid ⊗ (base coordinates, 1).
@@ -17,6 +19,7 @@ forward's own positions in the graph, so their branches agree with it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -134,6 +137,7 @@ def _entries(value, X, count: int) -> list:
 
 
 def _traced(value, X, depth: int) -> list | None:
+    """:func:`_entries` through Concat, Cast, (Un)Squeeze, Slice and Gather; None when unknown."""
     array = shapes.constant(value)
     if array is not None:
         return array.reshape(-1).tolist()
@@ -333,11 +337,15 @@ def _resize_backward(op, node, dY):
     dX = dY
     for axis, W in _resize_plan(node, op.opset):
         if isinstance(W, np.ndarray):
-            matrix = lambda transposed, W=W: op.const(W.T if transposed else W, like=like)  # noqa: E731
+            matrix = functools.partial(_static_matrix, op, W, like=like)
         else:
-            matrix = lambda transposed, axis=axis, W=W: _runtime_matrix(op, node, axis, W, transposed, like)  # noqa: E731
+            matrix = functools.partial(_runtime_matrix, op, node, axis, W, like=like)
         dX = _along(op, dX, axis, r, matrix)
     return dX
+
+
+def _static_matrix(op, W: np.ndarray, transposed: bool, like):
+    return op.const(W.T if transposed else W, like=like)
 
 
 @rule("Resize", differentiable=("X",), since=10)
@@ -379,11 +387,33 @@ def _cubic_weights(op, t, a: float = -0.75):
     return weights, derivs
 
 
-def _reflect(op, u, lo: float, hi: float):
+def _length(op, x, axis: int, like):
+    """x's length along ``axis``: an int when static, else a scalar value of ``like``'s dtype."""
+    n = shapes.dims(x)[axis]
+    if isinstance(n, int):
+        return n
+    return shapes.cast_like(op, op.Gather(op.Shape(x), op.const(np.array(axis, np.int64))), like)
+
+
+def _less(op, n, k: float):
+    """n - k for a length that is static (a number) or known at run time (a value)."""
+    return op.Sub(n, k) if isinstance(n, ir.Value) else n - k
+
+
+def _num(op, x, like):
+    """A number as a constant of ``like``'s dtype; a value as it is."""
+    return x if isinstance(x, ir.Value) else op.const(x, like=like)
+
+
+def _reflect(op, u, lo: float, hi):
     """u folded into [lo, hi] like a mirror, and d(folded)/du (±1)."""
-    span = hi - lo
-    if span <= 0:
-        return op.Mul(u, 0.0), op.Mul(u, 0.0)
+    if isinstance(hi, ir.Value):
+        # A length of 1 with align_corners spans nothing: a tiny span folds everything onto lo.
+        span = op.Max(op.Sub(hi, lo), 1e-6)
+    else:
+        span = hi - lo
+        if span <= 0:
+            return op.Mul(u, 0.0), op.Mul(u, 0.0)
     a = op.Abs(op.Sub(u, lo))
     flips = op.Floor(op.Div(a, span))
     extra = op.Sub(a, op.Mul(flips, span))
@@ -393,26 +423,27 @@ def _reflect(op, u, lo: float, hi: float):
     return folded, slope
 
 
-def _pad_coordinate(op, u, n: int, padding: str, align: bool):
-    """(padded u, du_padded/du) for border/reflection; the identity for zeros."""
+def _pad_coordinate(op, u, n, padding: str, align: bool):
+    """(padded u, du_padded/du) for border/reflection; the identity for zeros. ``n``: the axis's
+    length, an int or a value (see :func:`_length`)."""
     if padding == "zeros":
         return u, None
     slope = None
     if padding == "reflection":
-        lo, hi = (0.0, n - 1.0) if align else (-0.5, n - 0.5)
+        lo, hi = (0.0, _less(op, n, 1.0)) if align else (-0.5, _less(op, n, 0.5))
         u, slope = _reflect(op, u, lo, hi)
-    inside = op.And(op.GreaterOrEqual(u, 0.0), op.LessOrEqual(u, float(n - 1)))
+    inside = op.And(op.GreaterOrEqual(u, 0.0), op.LessOrEqual(u, _less(op, n, 1.0)))
     gate = shapes.cast_like(op, inside, u)
     slope = gate if slope is None else op.Mul(slope, gate)
-    return op.Clip(u, op.const(0.0, like=u), op.const(float(n - 1), like=u)), slope
+    return op.Clip(u, op.const(0.0, like=u), _num(op, _less(op, n, 1.0), u)), slope
 
 
-def _pad_index(op, i, n: int, padding: str, align: bool):
+def _pad_index(op, i, n, padding: str, align: bool):
     """A (float) tap index made valid: clipped, reflected then clipped, or just clipped for zeros."""
     if padding == "reflection":
-        lo, hi = (0.0, n - 1.0) if align else (-0.5, n - 0.5)
+        lo, hi = (0.0, _less(op, n, 1.0)) if align else (-0.5, _less(op, n, 0.5))
         i, _ = _reflect(op, i, lo, hi)
-    return op.Clip(i, op.const(0.0, like=i), op.const(float(n - 1), like=i))
+    return op.Clip(i, op.const(0.0, like=i), _num(op, _less(op, n, 1.0), i))
 
 
 def _product(op, factors):
@@ -424,19 +455,15 @@ def _product(op, factors):
     return result
 
 
-def _in_range(op, i, n: int):
-    return shapes.cast_like(op, op.And(op.GreaterOrEqual(i, 0.0), op.LessOrEqual(i, float(n - 1))), i)
+def _in_range(op, i, n):
+    return shapes.cast_like(op, op.And(op.GreaterOrEqual(i, 0.0), op.LessOrEqual(i, _less(op, n, 1.0))), i)
 
 
 @rule("GridSample", differentiable=("X", "grid"), since=16)
 def grid_sample(op, node, dY):
     """Y[n,c,p] = Σ_taps w(grid[n,p])·X[n,c,tap]; dX scatters w·dY, dgrid = Σ_c dY·Σ_taps w'·X"""
     X, grid = node.inputs
-    x_dims = shapes.dims(X)
-    if x_dims is None or not all(isinstance(d, int) for d in x_dims[2:]):
-        raise RuleError("GridSample: the gradient needs the spatial sizes of X to be static")
-    sizes = list(x_dims[2:])
-    D = len(sizes)
+    D = shapes.known_rank(X, "X") - 2
     mode = shapes.attr(node, "mode", "bilinear")
     mode = {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode)
     padding = shapes.attr(node, "padding_mode", "zeros")
@@ -451,16 +478,20 @@ def grid_sample(op, node, dY):
     comps = op.split(grid_x, [1] * D, axis=-1, count=D)  # x, y(, z): the last spatial axis first
     taps_per_axis = []  # per spatial axis: [(index, weight, dweight/du or None, in-range mask)]
     du_dgrid = []  # per spatial axis: du/dgrid (the unnormalisation scale times the padding slope)
-    for d, n in enumerate(sizes):
+    sizes = []  # per spatial axis: an int, or a value when known at run time only
+    for d in range(D):
         g = comps[D - 1 - d]
-        scale = (n - 1) / 2 if align else n / 2
+        n = _length(op, X, 2 + d, g)
+        sizes.append(n)
+        scale = op.Mul(_less(op, n, 1.0) if align else n, 0.5) if isinstance(n, ir.Value) else \
+            (n - 1) / 2 if align else n / 2
         u = op.Mul(op.Add(g, 1.0), scale)
         if not align:
             u = op.Sub(u, 0.5)
         taps = []
         if mode == "cubic":
             # Bicubic pads each tap index, not the coordinate.
-            slope = op.const(scale, like=g)
+            slope = _num(op, scale, g)
             base = op.Floor(u)
             weights, derivs = _cubic_weights(op, op.Sub(u, base))
             for k, w, dw in zip((-1, 0, 1, 2), weights, derivs):
@@ -474,7 +505,7 @@ def grid_sample(op, node, dY):
                          _in_range(op, i, n) if padding == "zeros" else None))
         else:
             u, pad_slope = _pad_coordinate(op, u, n, padding, align)
-            slope = op.const(scale, like=g) if pad_slope is None else op.Mul(pad_slope, scale)
+            slope = _num(op, scale, g) if pad_slope is None else op.Mul(pad_slope, scale)
             i0 = op.Floor(u)
             t = op.Sub(u, i0)
             for i, w, dw in ((i0, op.Sub(1.0, t), -1.0), (op.Add(i0, 1.0), t, 1.0)):
@@ -483,7 +514,13 @@ def grid_sample(op, node, dY):
         taps_per_axis.append(taps)
         du_dgrid.append(slope)
 
-    strides = [int(np.prod(sizes[d + 1:])) for d in range(D)]
+    strides = []  # of the flattened spatial axes: ints, or values where a later length is one
+    for d in range(D):
+        stride = 1
+        for n in sizes[d + 1:]:
+            dynamic = isinstance(n, ir.Value) or isinstance(stride, ir.Value)
+            stride = (n if stride == 1 else op.Mul(stride, n)) if dynamic else stride * n
+        strides.append(stride)
     dY_flat = op.Reshape(dY, [0, 0, -1])  # (N, C, Q)
     X_flat = op.Reshape(X, [0, 0, -1])  # (N, C, P)
     out_shape = op.Shape(dY_flat)
@@ -495,7 +532,8 @@ def grid_sample(op, node, dY):
     grad_terms = [[] for _ in range(D)]
     want_grid = mode != "nearest"
     for combo in itertools.product(*taps_per_axis):
-        offset = shapes.accumulate(op, [op.Mul(i, float(s)) if s != 1 else i
+        offset = shapes.accumulate(op, [i if isinstance(s, int) and s == 1 else
+                                        op.Mul(i, s if isinstance(s, ir.Value) else float(s))
                                         for (i, _, _, _), s in zip(combo, strides)])
         index = op.Expand(flat(op.Cast(offset, to=INT64)), out_shape)
         masks = [m for (_, _, _, m) in combo]
@@ -569,11 +607,12 @@ def affine_grid(op, node, dgrid):
 # RoiAlign
 
 
-def _roi_axis(op, start, bin_size, grid_count, n_bins: int, n_samples: int, size: int):
+def _roi_axis(op, start, bin_size, grid_count, n_bins: int, n_samples: int, size):
     """Per box, the dense (R, n_bins, size) averaging-interpolation matrix of one spatial axis.
 
     Sample s of bin b sits at start + b·bin + (s + 0.5)·bin / count (count = the box's sampling
-    count; samples beyond it are masked out); each reads its two neighbours bilinearly.
+    count; samples beyond it are masked out); each reads its two neighbours bilinearly. ``size``:
+    the axis's length, an int or a value (see :func:`_length`).
     """
     b = np.arange(n_bins, dtype=np.float64)[:, None]
     s = np.arange(n_samples, dtype=np.float64)[None, :]
@@ -584,16 +623,19 @@ def _roi_axis(op, start, bin_size, grid_count, n_bins: int, n_samples: int, size
                  op.Div(op.Mul(bin_size, op.const(s + 0.5, like=like)), grid_count))
     used = op.Less(op.const(np.broadcast_to(s, (n_bins, n_samples)), like=like), grid_count)
     # Not(Less) rather than GreaterOrEqual, which appears at opset 12.
-    inside = op.Not(op.Or(op.Less(pos, -1.0), op.Greater(pos, float(size))))
+    inside = op.Not(op.Or(op.Less(pos, -1.0), op.Greater(pos, size if isinstance(size, ir.Value) else float(size))))
     valid = shapes.cast_like(op, op.And(used, inside), like)
     pos = op.Max(pos, op.const(0.0, like=like))
     low = op.Floor(pos)
-    edge = op.Not(op.Less(low, float(size - 1)))
-    last = op.const(float(size - 1), like=like)
+    edge = op.Not(op.Less(low, _less(op, size, 1.0)))
+    last = _num(op, _less(op, size, 1.0), like)
     low = op.Where(edge, last, low)
     frac = op.Where(edge, op.const(0.0, like=like), op.Sub(pos, low))
     high = op.Min(op.Add(low, 1.0), last)
-    cells = op.const(np.arange(size, dtype=np.float64), like=like)
+    if isinstance(size, ir.Value):
+        cells = op.Range(op.const(0.0, like=like), size, op.const(1.0, like=like))
+    else:
+        cells = op.const(np.arange(size, dtype=np.float64), like=like)
 
     def spread(index, weight):  # (R, bins, samples) -> (R, bins, size)
         hit = shapes.cast_like(op, op.Equal(op.unsqueeze(index, [3]), cells), like)
@@ -612,10 +654,8 @@ def roi_align(op, node, dY):
         raise RuleError("RoiAlign: mode 'max' (a max over weighted corner values) is not supported; "
                         "only mode 'avg' is")
     shapes.require_opset(op, 11, "RoiAlign's gradient (Range, float Equal)")
-    x_dims = shapes.dims(X)
-    if x_dims is None or not all(isinstance(d, int) for d in x_dims[2:]):
-        raise RuleError("RoiAlign: the gradient needs static spatial sizes of X")
-    H, W = x_dims[2:]
+    shapes.known_rank(X, "X")
+    H, W = (_length(op, X, axis, rois) for axis in (2, 3))
     oh, ow = shapes.attr(node, "output_height", 1), shapes.attr(node, "output_width", 1)
     ratio = shapes.attr(node, "sampling_ratio", 0)
     scale = shapes.attr(node, "spatial_scale", 1.0)

@@ -179,11 +179,12 @@ def test_resize_symbolic_batch():
 NCHW = ["N", "C", "H", "W"]
 
 
-def assert_vjp_at_sizes(model, feeds_list, oracle="fd", x="X"):
+def assert_vjp_at_sizes(model, feeds_list, oracle="fd", wrt=("X",)):
     """ONE backward graph of ``model``, run on onnxruntime at each of ``feeds_list``, against float64
-    finite differences (``oracle="fd"``) or the onnxruntime forward's own Jacobian ("jacobian":
-    where onnx.reference's Resize, the float64 evaluator, departs from the spec and onnxruntime)."""
-    proto, autodiff = backward_model(model, model.graph.output[0].name, [x], seed="input")
+    finite differences (``oracle="fd"``) or the onnxruntime forward's own Jacobian ("jacobian", for
+    one input the output is linear in: where onnx.reference's Resize, the float64 evaluator,
+    departs from the spec and onnxruntime)."""
+    proto, autodiff = backward_model(model, model.graph.output[0].name, list(wrt), seed="input")
     assert_valid_model(proto)
     backward, forward = _session(proto), _session(model)
     names = [o.name for o in proto.graph.output]
@@ -191,16 +192,18 @@ def assert_vjp_at_sizes(model, feeds_list, oracle="fd", x="X"):
     for k, feeds in enumerate(feeds_list):
         y = forward.run(None, feeds)[0]
         r = np.random.default_rng(k).standard_normal(y.shape).astype(np.float32)
-        ad = dict(zip(names, backward.run(None, {**feeds, autodiff.seed_name: r})))[autodiff.gradient_names[x]]
-        if oracle == "fd":
-            fd = fd_vjp(model, feeds, [x], [r]).details[x]
-            assert compare(ad, fd, 1e-4, 1e-3) <= 1, f"at {feeds[x].shape}: AD {ad} FD {fd.value}"
-            assert np.any(fd.value != 0)
-        else:
-            want = jacobian_vjp(forward, feeds, x, r)
-            np.testing.assert_allclose(ad, want, atol=1e-5 * max(1.0, np.abs(want).max()), rtol=1e-4)
-            assert np.any(want != 0)
-        shapes.add(feeds[x].shape)
+        got = dict(zip(names, backward.run(None, {**feeds, autodiff.seed_name: r})))
+        fd = fd_vjp(model, feeds, list(wrt), [r]).details if oracle == "fd" else None
+        for x in wrt:
+            ad = got[autodiff.gradient_names[x]]
+            if oracle == "fd":
+                assert compare(ad, fd[x], 1e-4, 1e-3) <= 1, f"{x} at {feeds[x].shape}: AD {ad} FD {fd[x].value}"
+                assert np.any(fd[x].value != 0)
+            else:
+                want = jacobian_vjp(forward, feeds, x, r)
+                np.testing.assert_allclose(ad, want, atol=1e-5 * max(1.0, np.abs(want).max()), rtol=1e-4)
+                assert np.any(want != 0)
+        shapes.add(tuple(feeds[x].shape for x in feeds))
     assert len(shapes) == len(feeds_list)
     return proto
 
@@ -222,7 +225,8 @@ def _shape_sizes(sizes, opset):
         return [helper.make_node("Unsqueeze", [a, "zero"], [b])]
 
     return [helper.make_node("Shape", ["Z"], ["z_shape"]), const("two", 2), const("three", 3), const("zero", [0]),
-            helper.make_node("Gather", ["z_shape", "two"], ["z_h"]), helper.make_node("Gather", ["z_shape", "three"], ["z_w"]),
+            helper.make_node("Gather", ["z_shape", "two"], ["z_h"]),
+            helper.make_node("Gather", ["z_shape", "three"], ["z_w"]),
             *unsqueeze("z_h", "z_h1"), *unsqueeze("z_w", "z_w1"),
             helper.make_node("Concat", ["z_h1", "z_w1"], ["z_hw"], axis=0),
             helper.make_node("Cast", ["z_hw"], ["hw"], to=onnx.TensorProto.INT64),
@@ -399,7 +403,8 @@ def test_torch_export_dynamic_hw(tmp_path, opset):
         y = net(x)
         dy = torch.randn(y.shape)
         (y * dy).sum().backward()
-        got = dict(zip([o.name for o in model.graph.output], session.run(None, {"x": x.detach().numpy(), "dy": dy.numpy()})))
+        outputs = session.run(None, {"x": x.detach().numpy(), "dy": dy.numpy()})
+        got = dict(zip([o.name for o in model.graph.output], outputs))
         np.testing.assert_allclose(got["grad_x"], x.grad.numpy(), atol=1e-5, rtol=1e-4)
 
 
@@ -495,6 +500,18 @@ def test_grid_sample_symbolic_batch():
     assert_matches_torch(model, {"X": x[:1], "grid": grid[:1, :1]}, "linear", "zeros", 0)
 
 
+@pytest.mark.parametrize("mode,padding,align", [("bilinear", "reflection", 0), ("bicubic", "zeros", 1),
+                                                ("nearest", "border", 0), ("bilinear", "border", 1)])
+def test_grid_sample_symbolic_sizes(mode, padding, align):
+    """X's spatial lengths symbolic too: one backward graph checked at two sizes."""
+    model, _ = grid_case(mode, padding, align, (1, 2, 3, 4), (2, 3), 16)
+    model = make_model(model.graph.node, {"X": _x(1, 2, 3, 4), "grid": _x(1, 2, 3, 2)}, ["out0"], opset=16,
+                       shapes={"X": NCHW, "grid": ["N", "h", "w", 2]})
+    feeds = [{"X": _x(1, 2, 3, 4), "grid": R.uniform(-1.15, 1.15, (1, 2, 3, 2)).astype(np.float32)},
+             {"X": _x(2, 1, 4, 2), "grid": R.uniform(-1.15, 1.15, (2, 3, 1, 2)).astype(np.float32)}]
+    assert_vjp_at_sizes(model, feeds, wrt=("X", "grid") if mode != "nearest" else ("X",))
+
+
 def test_grid_sample_refuses_bicubic_3d():
     model, _ = grid_case("cubic", "zeros", 0, (1, 1, 2, 3, 3), (2, 2, 2), 20)
     with pytest.raises(AutodiffError, match="cubic"):
@@ -571,6 +588,19 @@ def test_roi_align(ctm, sampling_ratio, spatial_scale):
 def test_roi_align_runtime_rois(opset):
     model, feeds = roi_model(opset, False, sampling_ratio=2)
     assert_linear_vjp(model, feeds, "X")
+
+
+@pytest.mark.parametrize("ctm", ["half_pixel", "output_half_pixel"])
+def test_roi_align_symbolic_sizes(ctm):
+    """X's every dimension and the number of boxes symbolic: one backward graph at two sizes."""
+    x = _x(2, 2, 4, 5)
+    model = op_model("RoiAlign", {"X": x, "rois": ROIS, "batch_indices": BATCH}, opset=16, output_height=2,
+                     output_width=3, sampling_ratio=2, coordinate_transformation_mode=ctm,
+                     shapes={"X": NCHW, "rois": ["R", 4], "batch_indices": ["R"]})
+    feeds = [{"X": x, "rois": ROIS, "batch_indices": BATCH},
+             {"X": _x(1, 1, 6, 3), "rois": (ROIS[:2] * [1.2, 0.5, 1.2, 0.5]).astype(np.float32),
+              "batch_indices": BATCH[:2] * 0}]
+    assert_vjp_at_sizes(model, feeds)
 
 
 def test_roi_align_finite_differences():
