@@ -583,25 +583,51 @@ def _base_coords(n: int, align: bool) -> np.ndarray:
 @rule("AffineGrid", differentiable=("theta",), since=20)
 def affine_grid(op, node, dgrid):
     """grid[n, p] = θ[n] · (x_p, y_p(, z_p), 1); dθ[n] = Σ_p dgrid[n, p] ⊗ (x_p, y_p(, z_p), 1)"""
-    size = shapes.constant(node.inputs[1])
-    if size is None:
-        out = shapes.dims(node.outputs[0])
-        if out is None or not all(isinstance(d, int) for d in out[1:-1]):
-            raise RuleError("AffineGrid: the gradient needs 'size' as a constant (or a static grid shape)")
-        spatial = list(out[1:-1])
-    else:
-        spatial = [int(s) for s in size[2:]]
-    D = len(spatial)
+    theta, given = node.inputs
+    like = theta if theta.dtype else dgrid
     align = bool(shapes.attr(node, "align_corners", 0))
-    if align and 1 in spatial:
-        raise RuleError("AffineGrid with align_corners=1 and a spatial size of 1 is ill-defined "
-                        "(onnxruntime puts the point at +1, onnx.reference at -1, PyTorch at 0)")
-    axes = [_base_coords(n, align) for n in spatial]
-    mesh = np.meshgrid(*axes, indexing="ij")  # (z,) y, x over the spatial axes in order
-    base = np.stack([m.ravel() for m in reversed(mesh)] + [np.ones(mesh[0].size)], axis=1)
-    theta = node.inputs[0]
+    size = shapes.constant(given)
+    out = shapes.dims(node.outputs[0])
+    spatial = None
+    if size is not None:
+        spatial = [int(s) for s in size[2:]]
+    elif out is not None and all(isinstance(d, int) for d in out[1:-1]):
+        spatial = list(out[1:-1])
+    if spatial is None:
+        length = shapes.static_shape(given)
+        if length is None:
+            raise RuleError(f"AffineGrid: the gradient needs the length of 'size' ('{given.name}') static")
+        D = length[0] - 2
+    else:
+        D = len(spatial)
+        if align and 1 in spatial:
+            raise RuleError("AffineGrid with align_corners=1 and a spatial size of 1 is ill-defined "
+                            "(onnxruntime puts the point at +1, onnx.reference at -1, PyTorch at 0)")
     flat = op.Transpose(op.Reshape(dgrid, [0, -1, D]), perm=[0, 2, 1])  # (N, D, P)
-    return {"theta": op.MatMul(flat, op.const(base, like=theta if theta.dtype else dgrid))}
+    if spatial is None:
+        base = _runtime_base(op, given, D, align, like)
+    else:
+        axes = [_base_coords(n, align) for n in spatial]
+        mesh = np.meshgrid(*axes, indexing="ij")  # (z,) y, x over the spatial axes in order
+        base = op.const(np.stack([m.ravel() for m in reversed(mesh)] + [np.ones(mesh[0].size)], axis=1), like=like)
+    return {"theta": op.MatMul(flat, base)}
+
+
+def _runtime_base(op, size, D: int, align: bool, like):
+    """The (P, D + 1) matrix of base coordinates (x, y(, z), 1) over the spatial lengths that the
+    run-time ``size`` holds: each axis's coordinates broadcast over the grid, flattened."""
+    spatial = op.Slice(size, [2], [D + 2])
+    columns = []
+    for d in range(D):
+        n = shapes.cast_like(op, op.Gather(size, op.const(np.array(2 + d, np.int64))), like)
+        i = op.Range(op.const(0.0, like=like), n, op.const(1.0, like=like))
+        if align:  # -1 + 2i/(n-1); a length of 1 (ill-defined, see above) puts its point at -1
+            coords = op.Sub(op.Div(op.Mul(i, 2.0), op.Max(op.Sub(n, 1.0), 1.0)), 1.0)
+        else:  # (2i + 1)/n - 1
+            coords = op.Sub(op.Div(op.Add(op.Mul(i, 2.0), 1.0), n), 1.0)
+        along = op.Reshape(coords, [-1 if e == d else 1 for e in range(D)])
+        columns.append(op.Reshape(op.Expand(along, spatial), [-1, 1]))
+    return op.Concat(*reversed(columns), shapes.ones_like(op, columns[0]), axis=1)
 
 
 # RoiAlign

@@ -550,6 +550,20 @@ def test_affine_grid_symbolic_batch():
     assert_linear_vjp(model, {"theta": theta}, "theta")
 
 
+@pytest.mark.parametrize("d,align", [(2, 0), (2, 1), (3, 1)])
+def test_affine_grid_runtime_size(d, align):
+    """size = Shape(X) of a symbolic X (as F.affine_grid(theta, x.size()) exports): the base
+    coordinates are built in the graph; one backward graph checked at two sizes."""
+    nodes = [helper.make_node("Shape", ["X"], ["size"]),
+             helper.make_node("AffineGrid", ["theta", "size"], ["grid"], align_corners=align)]
+    theta = R.standard_normal((2, d, d + 1)).astype(np.float32)
+    model = make_model(nodes, {"theta": theta, "X": _x(2, 1, *range(3, 3 + d))}, ["grid"], opset=20,
+                       shapes={"theta": ["N", d, d + 1], "X": ["N", "C", *"DHW"[-d:]]})
+    feeds = [{"theta": theta, "X": _x(2, 1, *range(3, 3 + d))},
+             {"theta": theta[:1], "X": _x(1, 1, *range(4, 2, -1), *[2] * (d - 2))}]
+    assert_vjp_at_sizes(model, feeds, wrt=("theta",))
+
+
 def test_affine_grid_refuses_degenerate():
     theta = R.standard_normal((1, 2, 3)).astype(np.float32)
     sz = np.array([1, 1, 1, 3], np.int64)
