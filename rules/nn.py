@@ -531,10 +531,11 @@ def _row_major(node: ir.Node) -> bool:
 
 # The forward node is given its Indices output (row-major) rather than running MaxPool again.
 @rule("MaxPool", differentiable=("X",), since=8, saves=("Indices",), when=_row_major)
-@rule("MaxPool", differentiable=("X",), since=8)
+@rule("MaxPool", differentiable=("X",))
 def max_pool(op, node, dY, dIndices=None):
     """Y[o] = max over the window; dX gets dY[o] at the window's first maximum (Indices)."""
     X = node.inputs[0]
+    shapes.require_opset(op, 8, "MaxPool's gradient (the Indices output)")
     attrs = {k: shapes.attr(node, k) for k in node.attributes if k != "storage_order"}
     if len(node.outputs) > 1 and node.outputs[1].name and _row_major(node):
         indices = node.outputs[1]

@@ -430,6 +430,13 @@ def test_max_pool_symbolic_batch():
     check("MaxPool", {"X": distinct(*x_shape)}, shapes={"X": ["N", "C", "H", "W"]}, **attrs)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_max_pool_before_opset8_converts(overlap):
+    """MaxPool-1 has no Indices output: the model is converted to the opset the gradient needs."""
+    kw = {"kernel_shape": [2, 2], "strides": [1, 1] if overlap else [2, 2]}
+    check("MaxPool", {"X": distinct(1, 1, 4, 4)}, opset=7, **kw)
+
+
 def test_max_pool_overlap_before_opset16_refused():
     model = op_model("MaxPool", {"X": distinct(1, 1, 4, 4)}, kernel_shape=[2, 2], opset=13)
     with pytest.raises(RuleError, match="needs opset 16"):
