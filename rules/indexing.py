@@ -68,14 +68,12 @@ def _gather_elements_legacy(op, x, indices, axis: int, r: int):
     """GatherElements(x, indices, axis) before opset 11: a one-hot product over x's axis."""
     xd, idims = shapes.dims(x), shapes.dims(indices)
     d = None if xd is None else xd[axis]
-    if not isinstance(d, int) or idims is None:
-        raise RuleError(
-            f"this gradient needs static shapes before opset 11 (the model has {op.opset})")
-    ends = []
-    for k, (n, m) in enumerate(zip(idims, xd)):
-        if k != axis and n != m and not isinstance(n, int):
-            raise RuleError("before opset 11 this gradient needs indices' extents to be static")
-        ends.append(m if k == axis or n == m else n)
+    static = isinstance(d, int) and idims is not None and all(
+        k == axis or n == m or isinstance(n, int) for k, (n, m) in enumerate(zip(idims, xd)))
+    if not static:  # the one-hot form's size; GatherElements (opset 11) reads the shapes at run time
+        shapes.require_opset(op, 11, f"a gather along an axis of '{x.name}' by '{indices.name}', of extents "
+                                     "only known at run time,")
+    ends = [m if k == axis or n == m else n for k, (n, m) in enumerate(zip(idims, xd))]
     if list(ends) != list(xd):
         x = op.slice(x, [0] * r, ends)
     indices = op.Where(op.Less(indices, 0), op.Add(indices, d), indices)

@@ -201,21 +201,25 @@ def _aligned(X, term):
 def det(op, node, dY):
     """Y = det(X) over the last two axes; dX = dY·cof(X), the matrix of signed minors."""
     X = node.inputs[0]
-    d = shapes.dims(X)
-    if d is None or not isinstance(d[-1], int):
-        raise RuleError(
-            "the Det gradient needs the matrix size n (the last dimension) to be static; "
-            "run shape inference or give the input a static last dimension"
-        )
-    n, r = d[-1], len(d)
+    r = shapes.known_rank(X)
+    n = shapes.dims(X)[-1]
     dY = op.unsqueeze(dY, [-2, -1])
     if n == 1:
         return {"X": dY}
-    keep = np.array([[k for k in range(n) if k != i] for i in range(n)], np.int64)
+    if isinstance(n, int):
+        keep = np.array([[k for k in range(n) if k != i] for i in range(n)], np.int64)
+        sign = op.const((-1.0) ** np.add.outer(np.arange(n), np.arange(n)), dtype=X.dtype)
+    else:  # the same tables at run time (a 1×1 matrix's minor is 0×0, whose Det is 1)
+        shapes.require_opset(op, 10, f"the Det gradient of '{X.name}', whose matrix size is only known at run time,")
+        size = op.Gather(op.Shape(X), r - 1)
+        rows, cols = op.Range(0, size, 1), op.Range(0, op.Sub(size, 1), 1)
+        column, row = op.unsqueeze(rows, [1]), op.unsqueeze(cols, [0])
+        keep = op.Add(row, op.Cast(op.Not(op.Less(row, column)), to=int(ir.DataType.INT64)))  # k + (k >= i)
+        parity = op.Mod(op.Add(column, op.unsqueeze(rows, [0])), 2)
+        sign = shapes.cast_like(op, op.Sub(1, op.Mul(parity, 2)), X)
     cols = op.Gather(X, keep, axis=r - 1)  # [..., row, j, col]
     minors = op.Gather(cols, keep, axis=r - 2)  # [..., i, row, j, col]
     b = r - 2
     minors = op.Transpose(minors, perm=[*range(b), b, b + 2, b + 1, b + 3])
-    sign = (-1.0) ** np.add.outer(np.arange(n), np.arange(n))
-    cofactor = op.Mul(op.Det(minors), op.const(sign, dtype=X.dtype))
+    cofactor = op.Mul(op.Det(minors), sign)
     return {"X": op.Mul(dY, cofactor)}

@@ -55,7 +55,9 @@ _EINSUM_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FL
 def matmul(op, node, dY):
     """Y = A @ B (numpy matmul: 1-D operands promoted, batch dims broadcast)."""
     A, B = node.inputs
-    ra, rb = shapes.known_rank(A, "input A"), shapes.known_rank(B, "input B")
+    ra, rb = shapes.rank(A), shapes.rank(B)
+    if ra is None or rb is None:
+        return _matmul_any_rank(op, A, B, dY, ra, rb)
     if ra == 1 and rb == 1:
         return {"A": op.Mul(dY, B), "B": op.Mul(dY, A)}
     floats = A.dtype in _EINSUM_TYPES and B.dtype in _EINSUM_TYPES
@@ -149,6 +151,48 @@ def _matmul_broadcast(op, node, dY, ra, rb):
     dA = op.MatMul(dY, shapes.swap_last2(op, B, rb))
     dB = op.MatMul(shapes.swap_last2(op, A, ra), dY)
     return {"A": _sum_to_batch(op, dA, A, batch), "B": _sum_to_batch(op, dB, B, batch)}
+
+
+def _matmul_any_rank(op, A, B, dY, ra, rb):
+    """An operand whose rank is unknown until run time (a bare node list, a value a backward
+    made inside a subgraph): by run-time shapes, each operand is viewed as matmul reads it (a 1-D
+    A as a row, a 1-D B as a column, ones prepended to the longer batch's rank) and dY with the
+    axes it lost restored. Einsum's ellipsis carries the batch axes (it takes equal ranks only),
+    and the run-time reduction sums the broadcast ones back to each operand's own."""
+    if any(x.dtype is not None and x.dtype not in _EINSUM_TYPES for x in (A, B)):
+        unknown = A if ra is None else B
+        raise RuleError(f"the gradient of MatMul with an operand of unknown rank ('{unknown.name}') is an "
+                        f"Einsum, which takes float, double and float16 only (the operands are {A.dtype}, "
+                        f"{B.dtype}): run shape inference so that the rank is known")
+    shapes.require_opset(op, 13, f"MatMul's gradient for operands of unknown rank ('{A.name}', '{B.name}')")
+    a_shape, b_shape = _matrix_shape(op, A, row=True), _matrix_shape(op, B, row=False)
+    r = op.Max(op.Shape(a_shape), op.Shape(b_shape))
+    a2, b2 = (op.Reshape(x, _padded(op, shape, r)) for x, shape in ((A, a_shape), (B, b_shape)))
+    rows, cols = op.Slice(a_shape, [-2], [-1]), op.Slice(b_shape, [-1], [_INT64_MAX])
+    batch = op.Slice(op.Shape(dY), [0], op.Sub(r, [2]))
+    dY2 = op.Reshape(dY, op.Concat(batch, rows, cols, axis=0))
+    dA = shapes.unbroadcast(op, op.Einsum(dY2, b2, equation="...mn,...kn->...mk"), a2, dY2)
+    dB = shapes.unbroadcast(op, op.Einsum(a2, dY2, equation="...mk,...mn->...kn"), b2, dY2)
+    return {"A": op.Reshape(dA, op.Shape(A)), "B": op.Reshape(dB, op.Shape(B))}
+
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _matrix_shape(op, x, row: bool):
+    """x's shape as matmul reads it: itself with two axes or more, a 1-D x's as a row (A) or a
+    column (B), at run time."""
+    x_shape = op.Shape(x)
+    at_least_2 = op.Max(op.Shape(x_shape), [2])
+    if row:
+        return op.Slice(op.Concat([1], x_shape, axis=0), op.Neg(at_least_2), [_INT64_MAX])
+    return op.Slice(op.Concat(x_shape, [1], axis=0), [0], at_least_2)
+
+
+def _padded(op, shape, r):
+    """``shape`` with ones prepended to ``r`` entries (run-time values)."""
+    ones = op.ConstantOfShape(op.Sub(r, op.Shape(shape)), value=ir.Tensor(np.array([1], np.int64)))
+    return op.Concat(ones, shape, axis=0)
 
 
 # Convolutions

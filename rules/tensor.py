@@ -196,7 +196,8 @@ def reverse_sequence(op, node, dY):
 def concat(op, node, dY):
     """Y = inputs joined along axis; dX_i = Split(dY, input sizes)[i]"""
     inputs = list(node.inputs)
-    axis = shapes.normalize_axis(shapes.attr(node, "axis", 1), _kept_rank(node, dY))
+    axis = shapes.attr(node, "axis", 1)
+    axis = axis if axis >= 0 else shapes.normalize_axis(axis, _kept_rank(node, dY))
     if len(inputs) == 1:
         return {"inputs": [dY]}
     sizes = _cat(op, *(_dims(op, x, axis, axis + 1) for x in inputs))
@@ -232,11 +233,11 @@ def _slice_params(op, node):
 def slice_(op, node, dY):
     """Y = X[starts:ends:steps] on axes; dX = dY put back into zeros (a Pad for unit steps)"""
     X = node.inputs[0]
+    values, (starts, ends, axes, steps) = _slice_params(op, node)
+    if axes is None or all(shapes.rank(v) is None for v in (X, node.outputs[0], dY)):
+        return {"data": _slice_by_positions(op, X, dY, values)}
     r = _kept_rank(node, dY)
     dims = shapes.dims(X) or (None,) * r
-    values, (starts, ends, axes, steps) = _slice_params(op, node)
-    if axes is None:
-        raise RuleError("Slice axes that are only known at run time are not supported")
     axes = [shapes.normalize_axis(a, r) for a in axes]
     static = None not in (starts, ends, steps) and all(isinstance(dims[a], int) for a in axes)
     if static:
@@ -260,6 +261,18 @@ def slice_(op, node, dY):
             idx = op.Slice(_arange(op, d), pick[0], pick[1], [0], pick[3])
         g = _scatter_axis(op, g, idx, d, a, r, add=False)
     return {"data": g}
+
+
+def _slice_by_positions(op, X, dY, values):
+    """Slice's gradient where its axes (or X's rank) are known only at run time: the same slice
+    of X's flat positions says where each element of dY came from."""
+    shapes.require_opset(op, 11, "the gradient of a Slice whose axes are only known at run time")
+    x_shape = op.Shape(X)
+    positions = op.Reshape(op.Range(0, op.ReduceProd(x_shape, keepdims=0), 1), x_shape)
+    picked = op.Reshape(op.Slice(positions, *values), [-1])
+    flat = op.ScatterElements(shapes.zeros(op, dY, op.ReduceProd(x_shape, keepdims=1)), picked,
+                              op.Reshape(dY, [-1]), axis=0)
+    return op.Reshape(flat, x_shape)
 
 
 @rule("Pad", differentiable=("data", "constant_value"))
@@ -328,7 +341,8 @@ def expand(op, node, dY):
 def tile(op, node, dY):
     """Y = X repeated; dX = ReduceSum over r of dY reshaped to (r0, d0, r1, d1, ...)"""
     X, repeats = node.inputs
-    r = shapes.known_rank(X)
+    r = next((shapes.rank(v) for v in (X, node.outputs[0], dY) if shapes.rank(v) is not None), None)
+    r = r if r is not None else (shapes.static_shape(repeats) or [None])[0]
     reps, shape = shapes.constant(repeats), shapes.static_shape(X)
     if reps is not None and shape is not None:
         target = [int(v) for pair in zip(reps.tolist(), shape) for v in pair]
@@ -336,6 +350,9 @@ def tile(op, node, dY):
         pairs = op.Concat(op.unsqueeze(repeats, [1]), op.unsqueeze(op.Shape(X), [1]), axis=1)
         target = op.Reshape(pairs, [-1])
     g = op.Reshape(dY, target)
+    if r is None:  # the repeats' axes, every other one, counted at run time
+        shapes.require_opset(op, 13, f"the gradient of Tile of '{X.name}', whose rank is only known at run time,")
+        return {"input": op.ReduceSum(g, op.Range(0, op.Size(target), 2), keepdims=0)}
     return {"input": op.reduce_sum(g, list(range(0, 2 * r, 2)), keepdims=False)}
 
 
@@ -367,11 +384,28 @@ def cumsum(op, node, dY):
 def gather(op, node, dY):
     """Y = X indexed by indices along axis; dX scatter-adds dY there (repeated indices sum)"""
     X, indices = node.inputs
-    r = shapes.known_rank(X)
+    r = shapes.rank(X)
+    if r is None and shapes.rank(indices) is not None and shapes.rank(dY) is not None:
+        r = shapes.rank(dY) - shapes.rank(indices) + 1  # Y's axes: X's with the one gathered replaced by indices'
+    if r is None:
+        return {"data": _gather_any_rank(op, X, indices, dY, shapes.attr(node, "axis", 0))}
     a = shapes.normalize_axis(shapes.attr(node, "axis", 0), r)
     d = _scalar_extent(op, X, a)
     g = op.Reshape(dY, _cat(op, _dims(op, X, 0, a), [-1], _dims(op, X, a + 1, r)))
     return {"data": _scatter_axis(op, g, _flat_index(op, indices, d), d, a, r, add=True)}
+
+
+def _gather_any_rank(op, X, indices, dY, a: int):
+    """Gather's gradient where X's rank is known only at run time: X viewed as (before, d, after)
+    around the gathered axis, dY as (before, indices, after), scattered along the middle axis."""
+    shapes.require_opset(op, 11, f"the gradient of Gather from '{X.name}', whose rank is only known at run time,")
+    x_shape = op.Shape(X)
+    after = [a + 1] if a != -1 else [np.iinfo(np.int64).max]
+    d = op.Squeeze(op.Slice(x_shape, [a], after)) if op.opset < 13 else op.Squeeze(op.Slice(x_shape, [a], after), [0])
+    sizes = [op.ReduceProd(op.Slice(x_shape, [0], [a]), keepdims=1), [-1],
+             op.ReduceProd(op.Slice(x_shape, after, [np.iinfo(np.int64).max]), keepdims=1)]
+    g = op.Reshape(dY, _cat(op, *sizes))
+    return op.Reshape(_scatter_axis(op, g, _flat_index(op, indices, d), d, 1, 3, add=True), x_shape)
 
 
 @rule("GatherElements", differentiable=("data",))
@@ -408,15 +442,20 @@ def gather_nd(op, node, dY):
     dX = ScatterND-add of dY into zeros, the batch coordinates prepended to each tuple (before
     opset 16, a one-hot matrix product)"""
     X, indices = node.inputs
-    b, q = shapes.attr(node, "batch_dims", 0), shapes.known_rank(indices, "the indices")
+    b = shapes.attr(node, "batch_dims", 0)
     k = (shapes.dims(indices) or [None])[-1]
-    if not isinstance(k, int):
-        raise RuleError("GatherND needs the last dimension of indices to be static")
+    if not isinstance(k, int):  # the tuples' length, known at run time: ScatterND reads it there
+        shapes.require_opset(op, 16, "the gradient of GatherND whose index tuples' length is only known at run time")
     idx = indices
     if shapes.constant(indices) is None or np.any(shapes.constant(indices) < 0):
-        extent = _dims(op, X, b, b + k)
+        if isinstance(k, int):
+            extent = _dims(op, X, b, b + k)
+        else:
+            length = op.Slice(op.Shape(indices), [-1], [np.iinfo(np.int64).max])
+            extent = op.Slice(op.Shape(X), [b], op.Add(length, [b]))
         idx = op.Where(op.Less(indices, 0), op.Add(indices, extent), indices)
     if b:
+        q = shapes.known_rank(indices, "the indices")
         grid_shape = _cat(op, _dims(op, indices, 0, q - 1), [1])
         grids = []
         for j in range(b):

@@ -9,7 +9,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnx_autodiff.conformance import check_vjp
-from onnx_autodiff.conformance.check import backward_model
+from onnx_autodiff.conformance.check import ad_vjp, backward_model
+from onnx_autodiff.conformance.oracle import random_cotangents
 from onnx_autodiff.passes.rewrite_rules.webgpu import dropout_tables
 from onnx_autodiff.toolkit import proto_graphs
 
@@ -90,11 +91,16 @@ def assert_gradients(
     registry=None,
     seed: int = 0,
     ad_backends=("onnxruntime",),
+    symbolic: bool = True,
 ):
     """The backward graph's VJP (float32, onnxruntime) matches float64 central differences, and
     (for a model with one float output) the backward graph passes :func:`assert_valid_model`.
 
     ``ad_backends`` may add "reference" where onnxruntime lacks the forward op's kernel itself.
+    With ``symbolic`` (the default) the same holds for :func:`symbolic_model` of ``model``, where
+    the rules know no input's extents: its VJP must equal the static one, which matched the oracle
+    (one more build and run, not a second finite-difference sweep). A case opts out with
+    ``symbolic=False`` and a comment saying why its forward needs static extents.
     """
     result = check_vjp(model, feeds, wrt, registry=registry, seed=seed, atol=atol, rtol=rtol, ad_backends=ad_backends)
     assert result.ok, f"gradient mismatch\n{result}\nAD: {result.ad}\nFD: {result.fd}"
@@ -103,7 +109,54 @@ def assert_gradients(
     floats = [o for o in model.graph.output if o.type.tensor_type.elem_type in _FLOAT_ELEM]
     if len(floats) == 1 and floats[0].type.tensor_type.HasField("shape"):  # the graph ad_vjp ran
         assert_valid_model(backward_model(model, floats[0].name, wrt, registry=registry, seed="input")[0])
+    if symbolic:
+        _assert_symbolic_gradients(model, feeds, wrt, result.ad, registry, seed, atol, rtol, ad_backends)
     return result
+
+
+def symbolic_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` whose graph inputs' every dimension is a distinct name, its outputs'
+    and value_info's shapes cleared and inferred again from those; an output inference leaves
+    without a shape keeps its declared rank, each dimension a name (as exporters declare)."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    graph = copy.graph
+    initialized = {t.name for t in graph.initializer}
+    for info in graph.input:
+        if info.name in initialized or not info.type.HasField("tensor_type"):
+            continue
+        for k, dim in enumerate(info.type.tensor_type.shape.dim):
+            dim.Clear()
+            dim.dim_param = f"{info.name}_d{k}"
+    del graph.value_info[:]
+    declared = {}
+    for info in graph.output:
+        if info.type.HasField("tensor_type") and info.type.tensor_type.HasField("shape"):
+            declared[info.name] = len(info.type.tensor_type.shape.dim)
+            info.type.tensor_type.ClearField("shape")
+    inferred = onnx.shape_inference.infer_shapes(copy, strict_mode=False, data_prop=True)
+    for info in inferred.graph.output:
+        if info.name in declared and not info.type.tensor_type.HasField("shape"):
+            info.type.tensor_type.shape.dim.extend(
+                onnx.TensorShapeProto.Dimension(dim_param=f"{info.name}_d{k}") for k in range(declared[info.name]))
+    return inferred
+
+
+def _assert_symbolic_gradients(model, feeds, wrt, static_ad, registry, seed, atol, rtol, backends):
+    symbolic = symbolic_model(model)
+    cotangents = random_cotangents(model, feeds, seed)
+    floats = [i for i, r in enumerate(cotangents) if r is not None]
+    if len(floats) == 1 and symbolic.graph.output[floats[0]].type.tensor_type.HasField("shape"):
+        assert_valid_model(backward_model(symbolic, symbolic.graph.output[floats[0]].name, wrt,
+                                          registry=registry, seed="input")[0])
+    ad = ad_vjp(symbolic, feeds, wrt, cotangents, registry, backends=backends)
+    for name in wrt:
+        want, got = np.asarray(static_ad[name], np.float64), np.asarray(ad[name], np.float64)
+        assert got.shape == want.shape, f"symbolic inputs: grad of {name} shaped {got.shape}, not {want.shape}"
+        scale = max(1.0, float(np.max(np.abs(want), initial=0.0, where=np.isfinite(want))))
+        close = np.isclose(got, want, rtol=rtol, atol=atol * scale, equal_nan=True)
+        assert close.all(), (f"symbolic inputs: grad of {name} differs from the static one\n"
+                             f"symbolic: {got}\nstatic: {want}")
 
 
 def assert_valid_model(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -380,10 +380,16 @@ def _refined(value: ir.Value, found: ir.Shape | None) -> ir.Shape | None:
                      for k, (o, n) in enumerate(zip(old, new))])
 
 
+# Ops whose version here computes what every earlier one does (with the defaults of the attributes
+# it added) and infers more: Reshape-14 gives its output the rank of a shape input whose values are
+# computed (a TorchScript export's Concat of Shape's Gathers); Reshape-5 and -13 give no shape.
+_INFERRED_AS = {"Reshape": 14}
+
+
 @functools.lru_cache(maxsize=None)
 def _schema(op_type: str, opset: int):
     try:
-        return onnx.defs.get_schema(op_type, opset, "")
+        return onnx.defs.get_schema(op_type, max(opset, _INFERRED_AS.get(op_type, 0)), "")
     except onnx.defs.SchemaError:
         return None
 

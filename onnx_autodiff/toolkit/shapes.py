@@ -324,7 +324,7 @@ def _reduce_static(op: OpBuilder, grad: ir.Value, lead: list[int], inner: list[i
 def _reduce_dynamic(op: OpBuilder, grad: ir.Value, x: ir.Value, like: ir.Value) -> ir.Value:
     """Axes where x (left-padded with ones) has extent 1, found at run time; then Reshape."""
     if op.opset < 13:
-        return _reduce_dynamic_by_reshape(op, grad, x, rank(like) if rank(grad) is None else rank(grad))
+        return _reduce_dynamic_by_reshape(op, grad, x, like)
     grad_shape = op.Shape(grad)
     x_shape = op.Shape(x)
     pad_len = op.Sub(op.Shape(grad_shape), op.Shape(x_shape))
@@ -335,17 +335,19 @@ def _reduce_dynamic(op: OpBuilder, grad: ir.Value, x: ir.Value, like: ir.Value) 
     return op.Reshape(summed, x_shape)
 
 
-def _reduce_dynamic_by_reshape(op: OpBuilder, grad: ir.Value, x: ir.Value, ry: int | None) -> ir.Value:
+def _reduce_dynamic_by_reshape(op: OpBuilder, grad: ir.Value, x: ir.Value, like: ir.Value) -> ir.Value:
     """The same for ReduceSum with axes as an attribute (before opset 13): with the ranks known,
     sum the leading axes, then view each remaining axis of extent y as (x, y / x) and sum the
-    second part: x is 1 (broadcast, the whole axis sums) or y (nothing sums) at run time."""
-    rx = rank(x)
-    if rx is None or ry is None or ry < rx:
-        raise RuleError(
-            "undoing a broadcast whose axes are only known at run time needs the ranks of the "
-            f"values, or opset 13 or later (the model has {op.opset}): run shape inference or "
-            "convert the model with onnx.version_converter"
-        )
+    second part: x is 1 (broadcast, the whole axis sums) or y (nothing sums) at run time. Without
+    the ranks, the passes convert the model to opset 13, where the axes are a run-time input."""
+    rx, ry = rank(x), rank(like) if rank(grad) is None else rank(grad)
+    if rx is None or ry is None:
+        unknown = ", ".join(f"'{v.name}'" for v, r in ((x, rx), (like, ry)) if r is None)
+        require_opset(op, 13, f"undoing a broadcast onto '{x.name}' from '{like.name}' along axes only "
+                              f"known at run time, where the rank of {unknown} is unknown,")
+    if ry < rx:
+        raise RuleError(f"cannot undo a broadcast onto '{x.name}' (rank {rx}) from '{like.name}' "
+                        f"(rank {ry}): the gradient has fewer axes than the value")
     if ry > rx:
         grad = op.reduce_sum(grad, list(range(ry - rx)), keepdims=False)
     if rx == 0:

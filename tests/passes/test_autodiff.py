@@ -721,3 +721,82 @@ def test_the_backward_makes_one_constant_per_number_and_axes():
     y = ir.Value(name="y", type=ir.TensorType(ir.DataType.FLOAT))
     op.Sub(1.0, y), op.Sub(1.0, y)
     assert [n.op_type for n in op.nodes].count("Constant") == 2
+
+
+def _run_function(function: onnx.FunctionProto, feeds: dict) -> list[np.ndarray]:
+    """Calls ``function`` from a model whose inputs have the feeds' shapes (the function itself
+    carries no types), checked and run on onnxruntime."""
+    graph = helper.make_graph(
+        [helper.make_node(function.name, list(function.input), list(function.output), domain=function.domain)],
+        "caller",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, feeds[n].shape) for n in function.input],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, feeds[x].shape)
+         for n, x in zip(function.output, function.input)],
+    )
+    opsets = [helper.make_opsetid(o.domain, o.version) for o in function.opset_import]
+    model = helper.make_model(graph, opset_imports=[*opsets, helper.make_opsetid(function.domain, 1)],
+                              functions=[function], ir_version=8)
+    onnx.checker.check_model(model, full_check=True)
+    onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+@pytest.mark.parametrize("a_shape,b_shape", [
+    ((3, 4), (4, 5)), ((2, 3, 4), (4, 5)), ((3, 4), (2, 4, 5)), ((2, 1, 3, 4), (5, 4, 2)),
+    ((4,), (4, 5)), ((2, 3, 4), (4,)), ((4,), (4,)),
+])
+def test_matmul_of_operands_of_unknown_rank_in_a_bare_node_list(a_shape, b_shape):
+    """A FunctionProto carries no types: MatMul's gradient is rank-polymorphic, as Mul's and
+    Gemm's are, and matches finite differences at every rank its forward takes."""
+    from onnx_autodiff import gradient_of_nodes
+    from onnx_autodiff.conformance.check import compare
+
+    nodes = [helper.make_node("MatMul", ["A", "B"], ["C"]), helper.make_node("Tanh", ["C"], ["y"])]
+    function = gradient_of_nodes(nodes, ["A", "B"], "y", opset_imports={"": 18})
+    feeds = {"A": R.standard_normal(a_shape).astype(np.float32), "B": R.standard_normal(b_shape).astype(np.float32)}
+    forward = make_model(nodes, feeds, ["y"])
+    dy = R.standard_normal(np.tanh(np.matmul(feeds["A"], feeds["B"])).shape).astype(np.float32)
+    grads = _run_function(function, {**feeds, "dy": dy})
+    fd = fd_vjp(forward, feeds, ["A", "B"], [dy])
+    for name, grad in zip(["A", "B"], grads):
+        assert compare(grad, fd.details[name], 1e-4, 1e-3) <= 1.0, name
+
+
+def test_reshape_to_a_computed_shape_before_opset_13_keeps_its_rank_and_opset():
+    """An unoptimised export at opset 12 reshapes to a shape computed from Shape (Concat of
+    Gathers): onnx's Reshape-5 inference gives no rank there, and the broadcast Add downstream then
+    had no rank to undo its broadcast with before opset 13."""
+    x = R.standard_normal((2, 3, 4)).astype(np.float32)
+    b = R.standard_normal((1, 3, 1)).astype(np.float32)
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Gather", ["s", "i0"], ["n"], axis=0),
+        helper.make_node("Concat", ["n", "three", "m1"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["r"]),
+        helper.make_node("Add", ["r", "b"], ["z"]),
+        helper.make_node("Tanh", ["z"], ["y"]),
+    ]
+    ints = {"i0": np.array([0], np.int64), "three": np.array([3], np.int64), "m1": np.array([-1], np.int64)}
+    model = make_model(nodes, {"x": x}, ["y"], initializers={**ints, "b": b}, shapes={"x": ["N", "C", "L"]}, opset=12)
+    assert_gradients(model, {"x": x}, ["x", "b"])
+    out, _ = differentiate(model, of="y", wrt=["b"])
+    assert {o.domain: o.version for o in out.opset_import}[""] == 12  # ranks found: no conversion
+
+
+def test_matmul_inside_a_branch_on_a_value_of_unknown_rank():
+    """A branch reshapes x to a shape fed at run time: the product there has an operand of no
+    rank, which MatMul's gradient does without."""
+    def branch(name, nodes, out):
+        return helper.make_graph(nodes, name, [], [helper.make_value_info(out, onnx.TypeProto())])
+
+    then_branch = branch("t", [helper.make_node("Reshape", ["x", "s"], ["xr"]),
+                               helper.make_node("MatMul", ["xr", "W"], ["m"]),
+                               helper.make_node("Tanh", ["m"], ["o"])], "o")
+    else_branch = branch("e", [helper.make_node("Identity", ["zeros"], ["o2"])], "o2")
+    nodes = [helper.make_node("If", ["cond"], ["y"], then_branch=then_branch, else_branch=else_branch)]
+    feeds = {"cond": np.array(True), "x": R.standard_normal((2, 6)).astype(np.float32),
+             "s": np.array([2, 2, 3], np.int64)}
+    model = make_model(nodes, feeds, ["y"], shapes={"s": ["R"]}, output_shapes={"y": [2, 2, 4]},
+                       initializers={"W": R.standard_normal((3, 4)).astype(np.float32),
+                                     "zeros": np.zeros((2, 2, 4), np.float32)})
+    assert_gradients(model, feeds, ["x", "W"])

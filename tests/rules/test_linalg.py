@@ -158,11 +158,12 @@ def test_det_symbolic_batch():
     _ort_backward(model, {"X": x}, ["X"])
 
 
-def test_det_unknown_size_is_refused():
-    x = well_conditioned(3, 3)
-    model = op_model("Det", {"X": x}, shapes={"X": ["M", "M"]})
-    with pytest.raises(RuleError, match="static"):
-        backward_model(model, "out0", ["X"], seed="input")
+def test_det_of_a_matrix_size_known_at_run_time():
+    """The minors' index table and the signs are computed from n; a 1×1 matrix's minor is 0×0."""
+    model = op_model("Det", {"X": well_conditioned(2, 3, 3)}, shapes={"X": ["B", "M", "M"]})
+    for shape in ((2, 3, 3), (1, 4, 4), (3, 1, 1), (2, 2, 2)):
+        x = well_conditioned(*shape)
+        assert_gradients(model, {"X": x}, ["X"], symbolic=False)  # (this model is the symbolic one)
 
 
 def test_det_second_order():

@@ -36,3 +36,20 @@ def test_cast_like_of_an_unknown_dtype_is_a_cast_like_from_opset_15():
     with pytest.raises(OpsetTooOldError, match="needs opset 15") as refused:
         shapes.cast_like(OpBuilder(14, Namer()), value("mask", ir.DataType.BOOL), like)
     assert refused.value.needed == 15  # the passes convert the model to opset 15 and retry
+
+
+def test_unbroadcast_of_unknown_ranks_before_opset_13_asks_for_13_naming_the_values():
+    grad, x = value("grad", ir.DataType.FLOAT), value("bias", ir.DataType.FLOAT)
+    with pytest.raises(OpsetTooOldError, match="onto 'bias' from 'grad'.*rank of 'bias', 'grad' is unknown") as refused:
+        shapes.unbroadcast(OpBuilder(12, Namer()), grad, x, grad)
+    assert refused.value.needed == 13  # the passes convert the model to opset 13 and retry
+
+
+def test_unbroadcast_of_known_ranks_before_opset_13_sums_by_reshape():
+    grad = value("grad", ir.DataType.FLOAT)
+    grad.shape = ir.Shape(["N", "C", "H"])
+    x = value("bias", ir.DataType.FLOAT)
+    x.shape = ir.Shape(["C", None])
+    op = OpBuilder(12, Namer())
+    shapes.unbroadcast(op, grad, x, grad)
+    assert op.nodes[0].op_type == "ReduceSum" and list(op.nodes[0].attributes["axes"].value) == [0]

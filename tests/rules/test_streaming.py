@@ -36,13 +36,13 @@ def op_model(op_type, inputs, shapes=None, **attrs):
     return make_model([node], {k: v for k, v in inputs if k}, ["out0", "out1"], shapes=shapes, opset=27)
 
 
-def check(op_type, inputs, torch_fn, shapes=None, atol=1e-4, rtol=1e-3, **attrs):
+def check(op_type, inputs, torch_fn, shapes=None, atol=1e-4, rtol=1e-3, symbolic=True, **attrs):
     """Both outputs carry gradients: AD (onnxruntime) against float32 finite differences and
     against PyTorch float64 autograd of ``torch_fn(torch, **tensors) -> (output, present_state)``."""
     model = op_model(op_type, inputs, shapes=shapes, **attrs)
     feeds = {k: v for k, v in (inputs.items() if isinstance(inputs, dict) else inputs) if k}
     wrt = list(feeds)
-    assert_gradients(model, feeds, wrt)
+    assert_gradients(model, feeds, wrt, symbolic=symbolic)
     torch = pytest.importorskip("torch")
     cotangents = random_cotangents(model, feeds, seed=1)
     ad = ad_vjp(model, feeds, wrt, cotangents)
@@ -83,13 +83,14 @@ def conv_inputs(b=2, c=3, length=5, k=3, bias=False, past=False):
 @pytest.mark.parametrize("bias,past", [(False, False), (True, False), (False, True), (True, True)])
 def test_causal_conv(activation, bias, past):
     check("CausalConvWithState", conv_inputs(bias=bias, past=past),
-          lambda torch, **t: causal_conv_torch(torch, **t, activation=activation), activation=activation)
+          lambda torch, **t: causal_conv_torch(torch, **t, activation=activation), activation=activation,
+          symbolic=False)  # the weight's channels and kernel size give the Conv's group and kernel_shape
 
 
 @pytest.mark.parametrize("length,k", [(1, 4), (2, 5), (6, 1)])  # a decode step, input shorter than the state, k=1
 def test_causal_conv_lengths(length, k):
     inputs = conv_inputs(length=length, k=k, bias=True, past=k > 1)
-    check("CausalConvWithState", inputs, causal_conv_torch)
+    check("CausalConvWithState", inputs, causal_conv_torch, symbolic=False)  # (as test_causal_conv)
 
 
 def test_causal_conv_symbolic_batch_and_length():
@@ -187,7 +188,9 @@ def check_la(update, attrs=(), **kw):
     hq, hkv = kw.get("hq", 2), kw.get("hkv", 2)
     attrs = dict(attrs)
     fn = lambda torch, **t: linear_attention_torch(torch, **t, hq=hq, hkv=hkv, scale=attrs.get("scale", 0.0))
-    return check("LinearAttention", inputs, fn, q_num_heads=hq, kv_num_heads=hkv, update_rule=update, **attrs)
+    # symbolic: without a scale the rule reads the query's head size (1/sqrt(d)) while it builds
+    return check("LinearAttention", inputs, fn, q_num_heads=hq, kv_num_heads=hkv, update_rule=update,
+                 symbolic="scale" in attrs, **attrs)
 
 
 @pytest.mark.parametrize("update", ["linear", "gated", "delta", "gated_delta"])

@@ -232,10 +232,14 @@ def test_slice_runtime_steps():
     assert_gradients(model, inputs, ["X"])
 
 
-def test_slice_runtime_axes_refused():
-    inputs = {"X": randn(3, 4), "s": np.array([1], I64), "e": np.array([3], I64), "a": np.array([1], I64)}
-    with pytest.raises(AutodiffError, match="axes that are only known at run time"):
-        backward_model(op_model("Slice", inputs), "out0", ["X"], seed="input")
+@pytest.mark.parametrize("a,t", [([1], None), ([-1, 0], [-2, 1])])
+def test_slice_runtime_axes(a, t):
+    """Axes (and steps) fed at run time: the positions X's elements were read from, sliced alike."""
+    inputs = {"X": randn(3, 4), "s": np.array([1, 0][: len(a)], I64), "e": np.array([3, 2][: len(a)], I64),
+              "a": np.array(a, I64)}
+    if t is not None:
+        inputs["t"] = np.array(t, I64)
+    assert_gradients(op_model("Slice", inputs), inputs, ["X"])
 
 
 def test_slice_opset10_inputs():
@@ -537,3 +541,30 @@ def test_pad_run_time_pads_axes_and_sizes(mode, opset):
         r = random_cotangents(model, feeds)[0]
         got = dict(zip(names, session.run(None, {**feeds, autodiff.seed_name: r})))
         np.testing.assert_allclose(got[autodiff.gradient_names["X"]], result.ad["X"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("op_type,extra,kw,size", [
+    ("Tile", {"reps": np.array([1, 2, 1], I64)}, {}, 48),
+    ("Tile", {"reps": np.array([2, 1, 2], I64)}, {"fed": True}, 96),  # repeats' length unknown too
+    ("Gather", {"idx": np.array([[2, 0], [1, 1]], I64)}, {"axis": 1}, 32),
+    ("Gather", {"idx": np.array([1, 1, 0], I64)}, {"axis": 0}, 36),
+    ("Gather", {"idx": np.array([3, -1], I64)}, {"axis": -1, "fed": True}, 12),
+    ("Expand", {"to": np.array([2, 2, 1, 4], I64)}, {"fed": True}, 48),
+    ("Slice", {"st": np.array([1], I64), "en": np.array([4], I64), "ax": np.array([2], I64)}, {"fed": True}, 18),
+    ("Concat", {}, {"axis": 1}, 48),
+    ("Unsqueeze", {"ax": np.array([-1, 1], I64)}, {"fed": True}, 24),
+    ("Squeeze", {"ax": np.array([0], I64)}, {"fed": True, "reshape_to": [1, 6, 4]}, 24),
+])
+def test_op_on_a_value_of_unknown_rank_with_a_gradient_of_unknown_rank(op_type, extra, kw, size):
+    """X reshaped to a shape fed at run time has no rank, nor has the op's output and so its
+    gradient (flattened after it): the rule reads the rank elsewhere or at run time."""
+    kw = dict(kw)
+    fed, to = kw.pop("fed", False), kw.pop("reshape_to", [2, 3, 4])
+    nodes = [helper.make_node("Reshape", ["flat", "s"], ["X"]),
+             helper.make_node(op_type, ["X", *(extra or ["X"])], ["y"], **kw),
+             helper.make_node("Reshape", ["y", "minus1"], ["z"])]
+    feeds = {"flat": randn(24), "s": np.array(to, I64), **(extra if fed else {})}
+    model = make_model(nodes, feeds, ["z"], shapes={"s": ["R"], **{k: [f"{k}_n"] for k in extra if fed}},
+                       output_shapes={"z": [size]},
+                       initializers={"minus1": np.array([-1], I64), **({} if fed else extra)})
+    assert_gradients(model, feeds, ["flat"])
