@@ -97,7 +97,9 @@ def loop(op, node, *dYs, captures):
     )
     dv_init = [dYs[k] if dYs[k] is not None else shapes.zeros(op, node.outputs[k]) for k in floats]
     acc_init = [shapes.zeros(op, w) for w in wanted]
-    results = op.Loop(count, None, *dv_init, *acc_init, body=reverse_graph, _outputs=len(floats) + len(wanted))
+    # (cond given, though a for loop may omit it: onnx.reference's Loop then runs no iteration)
+    results = op.Loop(count, op.const(np.array(True)), *dv_init, *acc_init, body=reverse_graph,
+                      _outputs=len(floats) + len(wanted))
     results = results if isinstance(results, tuple) else (results,)
     shapes.typed_like(results, [*(node.inputs[2 + k] for k in floats), *wanted])
     grads = {w: g for w, g in zip(wanted, results[len(floats):])}
@@ -201,7 +203,8 @@ def scan(op, node, *dYs, captures):
     )
     ds_init = [dYs[k] if dYs[k] is not None else shapes.zeros(op, node.outputs[k]) for k in floats_s]
     acc_init = [shapes.zeros(op, w) for w in wanted]
-    results = op.Loop(count, None, *ds_init, *acc_init, body=reverse_graph, _outputs=n_s + len(wanted) + n_x)
+    results = op.Loop(count, op.const(np.array(True)), *ds_init, *acc_init, body=reverse_graph,
+                      _outputs=n_s + len(wanted) + n_x)
     results = results if isinstance(results, tuple) else (results,)
     shapes.typed_like(results[: n_s + len(wanted)], [*(states[k] for k in floats_s), *wanted])
     for g, j in zip(results[n_s + len(wanted):], floats_x):

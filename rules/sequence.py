@@ -49,7 +49,7 @@ def _map(op, seq: ir.Value, body_fn, name: str) -> ir.Value:
     acc = ir.Value(name=op.namer.fresh(), type=ir.SequenceType(ir.TensorType(mapped.dtype)))
     graph = body.graph([i, cond, acc], [cond, body.SequenceInsert(acc, mapped)], name=name)
     graph.outputs[1].type = acc.type
-    return op.Loop(_length(op, seq), None, op.SequenceEmpty(dtype=int(mapped.dtype)), body=graph)
+    return op.Loop(_length(op, seq), op.const(np.array(True)), op.SequenceEmpty(dtype=int(mapped.dtype)), body=graph)
 
 
 def _zeros_like_seq(op, seq: ir.Value) -> ir.Value:

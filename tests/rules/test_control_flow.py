@@ -370,3 +370,23 @@ def test_if_branch_initializer_through_the_training_artifacts(tmp_path):
     trainer = Trainer(artifacts, lr=0.1, providers=["CPUExecutionProvider"])
     trainer.step({})
     np.testing.assert_allclose(trainer.state_dict()["X"], x - 0.1 * _expected_gradient(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("with_scan", [True, False])
+def test_backward_loops_run_on_the_reference_evaluator(with_scan):
+    """The reverse Loop of a Loop's gradient gives its condition: onnx.reference runs no iteration
+    of a Loop whose optional cond is omitted (and then fails on the empty scan outputs), so a
+    train model holding a Scan (ctc's loss, an LSTM's) could not run there."""
+    from onnx.reference import ReferenceEvaluator
+
+    feeds = {k: (R.standard_normal(3) * 0.7).astype(np.float32) for k in ("h0", "x", "W")}
+    model = loop_model(with_scan=with_scan)
+    model.graph.node[0].input[1] = "go"  # (the forward's own Loop with its cond, for the same reason)
+    model.graph.initializer.append(numpy_helper.from_array(np.array(True), "go"))
+    grads, _ = backward_model(model, model.graph.output[0].name, ["h0", "x", "W"], seed="input")
+    names = [o.name for o in grads.graph.output]
+    feeds["dy"] = np.ones(3, np.float32) if "dy" in {i.name for i in grads.graph.input} else None
+    feeds = {k: v for k, v in feeds.items() if v is not None}
+    expected = ort.InferenceSession(grads.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    for name, got, want in zip(names, ReferenceEvaluator(grads).run(None, feeds), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
