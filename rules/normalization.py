@@ -192,6 +192,13 @@ def batch_normalization(op, node, dY, dRunningMean=None, dRunningVar=None, *dSav
     return grads
 
 
+@rule("BatchNormalization", differentiable=("X", "scale", "B", "mean", "var"), until=8)
+def batch_normalization_before_9(op, node, *dYs):
+    """Opsets 7 and 8 differ from 9 by the ``spatial`` attribute (1, the default, is opset 9's only
+    form): the model is converted to opset 9, whose rule then applies."""
+    shapes.require_opset(op, 9, "the gradient of BatchNormalization (its opset-9 form, without 'spatial')")
+
+
 # Their backward graphs need Sub/Mul/ReduceMean kernels of opset 7 or later (onnxruntime has none
 # before): older models are refused with advice to convert them.
 rule("InstanceNormalization", differentiable=("input", "scale", "B"), until=6)(needs_opset7)

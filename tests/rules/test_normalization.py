@@ -406,3 +406,16 @@ def test_second_order(case):
     grad.graph.output.append(kept)
     dy = normal(*feeds[x].shape)
     assert_gradients(grad, {**feeds, autodiff.seed_name: dy}, [x, autodiff.seed_name])
+
+
+@pytest.mark.parametrize("opset", [7, 8])
+def test_batch_norm_before_opset_9_converts(opset):
+    """Opsets 7 and 8 (the 'spatial' attribute) take opset 9's rule on the converted model."""
+    r = rng(21)
+    x = r.standard_normal((2, 3, 4, 4)).astype(np.float32)
+    stats = {"s": r.standard_normal(3), "b": r.standard_normal(3), "m": r.standard_normal(3), "v": r.random(3) + 0.5}
+    model = make_model([helper.make_node("BatchNormalization", ["X", "s", "b", "m", "v"], ["y"])], {"X": x}, ["y"],
+                       initializers={k: v.astype(np.float32) for k, v in stats.items()}, opset=opset)
+    assert_gradients(model, {"X": x}, ["X", "s", "b", "m", "v"])
+    grads, _ = backward_model(model, "y", ["X"], seed="input")
+    assert next(o.version for o in grads.opset_import if o.domain == "") == 9
