@@ -180,12 +180,9 @@ def _traced(value, X, depth: int) -> list | None:
     return None
 
 
-_RUNTIME = "run time"  # a plan's matrix built in the graph: the input's length or a scale is not static
-
-
 def _resize_plan(node, opset: int) -> list[tuple[int, object]]:
     """(axis, W) for every axis Resize/Upsample changes: W the (out, in) numpy matrix where the
-    axis's length and scale are static, else the arguments of :func:`_runtime_matrix`."""
+    axis's length and scale are static, else the ``spec`` of :func:`_runtime_matrix`."""
     X = node.inputs[0]
     in_dims = shapes.dims(X)
     if in_dims is None:
@@ -244,7 +241,7 @@ def _resize_plan(node, opset: int) -> list[tuple[int, object]]:
         if same[i] and ctm != "tf_crop_and_resize":
             continue  # identity along this axis, whatever its size
         if not static[i] or runtime_roi:
-            plan.append((axis, (_RUNTIME, i, k, given[i], sizes is not None)))
+            plan.append((axis, (i, k, given[i], sizes is not None)))
             continue
         if isinstance(out_dims[axis], int):  # dY's shape decides W's rows when it is known
             outs[i] = out_dims[axis]
@@ -269,8 +266,10 @@ def _runtime_matrix(op, node, axis: int, spec, transposed: bool, like):
     coordinates, rounding, filter) applied to the identity of the input's run-time length, with
     that axis's scale or size (and roi) on one side and the length kept on the other.
 
-    W depends on shapes only, so the gradient stays linear in dY (differentiable again)."""
-    _, i, k, entry, by_size = spec
+    W depends on shapes only, so the gradient stays linear in dY (differentiable again). ``spec``:
+    (the axis's index i in 'axes', their count k, its scale or size where known before run time (a
+    number, or (_DIM, j): X's length along j; else None), whether 'sizes' is given)."""
+    i, k, entry, by_size = spec
     X = node.inputs[0]
     shapes.require_opset(op, 9, f"{node.op_type}'s gradient over a length or scale known at run time (EyeLike)")
     n = _extent(op, X, axis)
