@@ -171,7 +171,8 @@ def _traced(value, X, depth: int) -> list | None:
         if data is None or any(p is None for p in picks):
             return None
         if node.op_type == "Gather":
-            return [data[int(i)] for i in picks[0].reshape(-1)]
+            indices = [int(i) for i in picks[0].reshape(-1)]
+            return [data[i] for i in indices] if all(-len(data) <= i < len(data) for i in indices) else None
         starts, ends, *rest = (p.reshape(-1) for p in picks)
         axes, steps = (rest + [np.zeros(1), np.ones(1)][len(rest):])[:2]
         if len(starts) != 1 or int(axes[0]) not in (0, -1):
