@@ -800,3 +800,43 @@ def test_matmul_inside_a_branch_on_a_value_of_unknown_rank():
                        initializers={"W": R.standard_normal((3, 4)).astype(np.float32),
                                      "zeros": np.zeros((2, 2, 4), np.float32)})
     assert_gradients(model, feeds, ["x", "W"])
+
+
+@pytest.mark.parametrize("opset", [11, 12])
+def test_torchscript_export_with_dynamic_sizes_before_opset_13(opset):
+    """A detection head's ``box.reshape(n, 4, 4, H*W).softmax(2)`` exported by TorchScript with
+    dynamic N, H, W: the Reshape's target is computed from Shape, and the broadcasts after it are
+    undone at the model's own opset; gradients equal PyTorch's at two input sizes."""
+    torch = pytest.importorskip("torch")
+    import io
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.d = torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.Conv2d(16, 16, 1)
+
+        def forward(self, x):
+            n, _, h, w = x.shape
+            features = torch.relu(self.c(x))
+            box = self.d(features)
+            p = box.reshape(n, 4, 4, h * w).softmax(2)
+            return (p * box.reshape(n, 4, 4, h * w)).sum() + (features + box).mean()
+
+    torch.manual_seed(0)
+    net, buffer = Net(), io.BytesIO()
+    torch.onnx.export(net, (torch.randn(2, 3, 5, 6),), buffer, dynamo=False, opset_version=opset,
+                      input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "N", 2: "H", 3: "W"}})
+    model = onnx.load_from_string(buffer.getvalue())
+    names = [t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT]
+    out, _ = differentiate(model, of="y", wrt=names)
+    assert {o.domain: o.version for o in out.opset_import}[""] == opset
+    onnx.checker.check_model(out, full_check=True)
+    session = ort.InferenceSession(out.SerializeToString(), providers=["CPUExecutionProvider"])
+    parameters = dict(net.named_parameters())
+    for shape in ((2, 3, 5, 6), (1, 3, 4, 7)):
+        x = torch.randn(shape)
+        net.zero_grad()
+        net(x).backward()
+        results = dict(zip([o.name for o in out.graph.output], session.run(None, {"x": x.numpy()})))
+        for name in names:
+            np.testing.assert_allclose(results[f"grad_{name}"], parameters[name].grad.numpy(), rtol=1e-4, atol=1e-5)
