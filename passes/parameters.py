@@ -11,8 +11,13 @@ differentiable input of its rule, or an outer value a subgraph reads), and
   parameters of equal values); buffers and the constants the exporter created (exponents,
   epsilons, scale factors, causal masks, rotary caches) are not;
 - in any other model: it has more than one element (a one-element initializer is an exponent,
-  an epsilon, a scale factor or a bound) and every element is finite and below half the dtype's
-  largest magnitude (a tensor holding -inf or -3.4e38 is an attention mask).
+  an epsilon, a scale factor or a bound) or a layer reads it as its weight, bias, scale or shift
+  (:func:`~onnx_autodiff.passes.recovery.weight_read`), and every element is finite and below half
+  the dtype's largest magnitude (a tensor holding -inf or -3.4e38 is an attention mask).
+
+Weights stored as float ``Constant`` nodes (paddle2onnx; silero's ``If`` branches) are lifted into
+initializers first (:class:`~onnx_autodiff.passes.lift.LiftWeightConstantsPass`) and follow the
+same rule.
 
 Name other initializers explicitly (``wrt=``, ``--wrt``, ``requires_grad=``) to differentiate them.
 """
@@ -28,9 +33,10 @@ import onnx_ir as ir
 from onnx_autodiff.errors import AutodiffError
 from onnx_autodiff.passes.metadata import MODULE_NAMES
 from onnx_autodiff.passes.quantize import frozen_bases
-from onnx_autodiff.passes.recovery import is_torch_export, recover_parameters, stored_shape
+from onnx_autodiff.passes.lift import LiftWeightConstantsPass
+from onnx_autodiff.passes.recovery import is_torch_export, recover_parameters, stored_shape, weight_read
 from onnx_autodiff.rules import GradRegistry, default_registry
-from onnx_autodiff.toolkit import FLOAT_TYPES, captured_values, shapes
+from onnx_autodiff.toolkit import FLOAT_TYPES, captured_values, graph_and_subgraphs, shapes
 
 
 @dataclasses.dataclass
@@ -42,7 +48,12 @@ class DefaultParameters:
 
 
 def default_parameters(model: ir.Model, registry: GradRegistry | None = None) -> DefaultParameters:
-    """The float initializers of ``model.graph`` that the default differentiates (see the module doc)."""
+    """The float initializers of ``model.graph`` that the default differentiates (see the module doc).
+
+    Weight Constants are lifted into initializers of ``model`` first (in place, as
+    :class:`~onnx_autodiff.passes.lift.LiftWeightConstantsPass` does), so that every value
+    returned is an initializer the caller can differentiate; the model computes the same."""
+    LiftWeightConstantsPass()(model)
     graph = model.graph
     floats = [v for v in graph.initializers.values() if v.dtype in FLOAT_TYPES]
     read = _read_where_gradients_flow(model, registry or default_registry())
@@ -89,7 +100,7 @@ def _why_not_a_parameter(value: ir.Value, read: bool, held: dict[str, str] | Non
         return "read by no differentiable input"
     if held is not None:
         return held.get(value.name)
-    if value.const_value is None or value.const_value.size <= 1:
+    if value.const_value is None or (value.const_value.size <= 1 and weight_read(value) is None):
         return "one-element constant"
     if not _finite_and_moderate(value.const_value):
         return "mask (infinite or extreme values)"
@@ -161,6 +172,11 @@ def parameter_rows(model: ir.Model, registry: GradRegistry | None = None) -> lis
     file's initializer order, then the constants'."""
     from onnx_autodiff.passes.recovery import RecoverParametersPass
 
+    lift = LiftWeightConstantsPass()
+    if _holds_constants(model):  # (the model is left as it is: the weights are lifted in a copy)
+        model = model.clone()
+        lift(model)
+    where = {w.initializer: "; ".join(site.describe() for site in w.sites) for w in lift.lifted}
     recovery = recover_parameters(model)
     rewritten = model.clone() if recovery.torch_export else model
     if recovery.torch_export:
@@ -171,6 +187,7 @@ def parameter_rows(model: ir.Model, registry: GradRegistry | None = None) -> lis
         homes = {p.name: p.initializer for p in recovery.parameters}
     default = default_parameters(rewritten, registry)
     trained = {v.name for v in default.parameters}
+    statistics = _running_statistics(rewritten.graph)
     shared: dict[str, int] = {}
     for p in recovery.parameters:
         shared[p.initializer] = shared.get(p.initializer, 0) + 1
@@ -183,8 +200,30 @@ def parameter_rows(model: ir.Model, registry: GradRegistry | None = None) -> lis
         notes += [f"tied: also {a}" for a in p.aliases] + [f"copy in {c}" for c, _ in p.copies]
         home = homes.get(p.name)
         why = "" if home in trained else default.left_out.get(home, "not chosen")
-        rows.append(ParameterRow(p.name, stored, transform, p.shape, home in trained,
-                                 "; ".join([why, *notes]) if why else "; ".join(notes), p.found_by))
+        found_by = p.found_by
+        if p.initializer in where:
+            found_by = where[p.initializer] if found_by == "name" else f"{found_by} ({where[p.initializer]})"
+        if home in statistics:
+            why = statistics[home]
+        rows.append(ParameterRow(p.name, stored, transform, p.shape, home in trained and home not in statistics,
+                                 "; ".join([why, *notes]) if why else "; ".join(notes), found_by))
     for name, reason in [*recovery.constants.items(), *quantized_weights(model.graph).items()]:
+        reason = f"{reason} ({where[name]})" if name in where else reason
         rows.append(ParameterRow(None, name, "", stored_shape(model.graph.initializers[name]), False, reason))
     return rows
+
+
+def _running_statistics(graph: ir.Graph) -> dict[str, str]:
+    """BatchNormalization's mean and variance initializers, which training updates and never
+    trains (:func:`onnx_autodiff.training.generate_artifacts`), each with that reason."""
+    found = {}
+    for node in graph:
+        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
+            for value in node.inputs[3:5]:
+                if value is not None and value.is_initializer():
+                    found[value.name] = "BatchNormalization running statistic: updated in training mode, not trained"
+    return found
+
+
+def _holds_constants(model: ir.Model) -> bool:
+    return any(node.op_type == "Constant" for graph in graph_and_subgraphs(model.graph) for node in graph)

@@ -43,7 +43,7 @@ import onnx
 import onnx_ir as ir
 
 from onnx_autodiff.passes.metadata import MODULE_NAMES, MODULE_TRANSPOSED, module_names
-from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, shapes
+from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, captured_values, shapes
 
 EXPORTER_KIND = "pkg.torch.export.graph_signature.InputSpec.kind"
 ORIGINAL_NAME = "pkg.torch.onnx.original_node_name"
@@ -60,6 +60,37 @@ _PRODUCTS = {"MatMul": 1, "Gemm": 1}
 # (onnxscript's no-op rules remove Add(y, 0) for a scalar 0 only: a linear's MatMul keeps its Add)
 _BIASED = {"Gemm": ("aten.linear", "aten.addmm"),
            "Conv": ("aten.convolution", "aten.conv1d", "aten.conv2d", "aten.conv3d")}
+# the inputs (by position) that hold a layer's weight, bias, scale or shift: a float tensor read
+# there is trained whatever its name (an LSTM's gates reordered by the exporter, a Conv with a
+# batch normalization folded into it), as it is stored when the module's own cannot be recovered
+WEIGHT_INPUTS = {
+    "Conv": {1: "W", 2: "B"}, "ConvTranspose": {1: "W", 2: "B"}, "Gemm": {0: "A", 1: "B", 2: "C"},
+    "MatMul": {0: "A", 1: "B"}, "LSTM": {1: "W", 2: "R", 3: "B", 7: "P"}, "GRU": {1: "W", 2: "R", 3: "B"},
+    "RNN": {1: "W", 2: "R", 3: "B"}, "BatchNormalization": {1: "scale", 2: "B"},
+    "LayerNormalization": {1: "Scale", 2: "B"}, "InstanceNormalization": {1: "scale", 2: "B"},
+    "GroupNormalization": {1: "scale", 2: "bias"},
+}
+# what producers put between a stored weight and its layer (paddle2onnx reshapes biases, a float16
+# weight is cast): the weight is still the layer's
+_VIEWS = frozenset({"Identity", "Cast", "Reshape", "Transpose", "Squeeze", "Unsqueeze"})
+_AS_STORED = " as stored"
+
+
+def weight_read(value: ir.Value) -> str | None:
+    """Which layer input reads ``value`` as its weight ("Conv W", "LSTM R", ...), directly or
+    through :data:`_VIEWS` (their data input), inside subgraphs too; None when none does."""
+    pending, seen = [value], {value}
+    while pending:
+        for node, index in pending.pop(0).uses():
+            if node.domain not in ("", "ai.onnx"):
+                continue
+            slot = WEIGHT_INPUTS.get(node.op_type, {}).get(index)
+            if slot is not None:
+                return f"{node.op_type} {slot}"
+            if node.op_type in _VIEWS and index == 0 and node.outputs[0] not in seen:
+                seen.add(node.outputs[0])
+                pending.append(node.outputs[0])
+    return None
 
 
 def mangled(name: str) -> str:
@@ -86,6 +117,12 @@ class Parameter:
         return {"name": self.name, "initializer": self.initializer, "transposed": self.transposed,
                 "shape": list(self.shape), "found_by": self.found_by,
                 "copies": [list(c) for c in self.copies], "aliases": list(self.aliases)}
+
+    @property
+    def module(self) -> bool:
+        """Whether the stored tensor is (a transform of) the module's own parameter; False for a
+        weight trained as the exporter stored it (:func:`weight_read`), fused or reordered."""
+        return _AS_STORED not in self.found_by
 
     def module_value(self, stored: np.ndarray) -> np.ndarray:
         """The module's tensor from the stored one."""
@@ -226,12 +263,16 @@ def _analyse(model: ir.Model) -> tuple[Recovery, list[_Claim], list[_Restored]]:
                 claims.append(_Claim(None, -1, value, value.name, False, "exporter mark"
                                      if EXPORTER_KIND in value.metadata_props else "name"))
         _claim_by_value(graph, floats, claims, digests)
+        _claim_weights_as_stored(graph, floats, claims)
         restored = _folded_biases(graph, claims, placeholders)
     else:
         for node in graph:
             for index, value in enumerate(node.inputs):
                 if value in floats:
                     claims.append(_Claim(node, index, value, value.name, False, "name"))
+            # (read inside a subgraph: claimed as it is, no read to rewrite)
+            claims.extend(_Claim(None, -1, value, value.name, False, "name") for value in captured_values(node)
+                          if value in floats)
     parameters = _parameters(graph, claims, digests if torch_export else None)
     parameters.extend(Parameter(r.name, r.name, False, (r.size,), "restored (a zero bias the exporter folded away)")
                       for r in restored)
@@ -400,6 +441,27 @@ def _claim_by_value(graph: ir.Graph, floats: set[ir.Value], claims: list[_Claim]
             for node, index in value.uses():
                 claims.append(_Claim(node, index, value, source.name, source.transposed != transposed, "value identity"))
             break
+
+
+def _claim_weights_as_stored(graph: ir.Graph, floats: set[ir.Value], claims: list[_Claim]) -> None:
+    """A float initializer that nothing else claims, read as a layer's weight (:func:`weight_read`),
+    is a parameter under its own name, trained as stored: the TorchScript exporter's reordered LSTM
+    gates (``onnx::LSTM_209``), a Conv with a batch normalization folded into it (``onnx::Conv_12``).
+    Not a tensor the exporter marked as a buffer or constant, nor one folded from a parameter that
+    was recovered (training it apart would untie them)."""
+    claimed = {c.value for c in claims}
+    recovered = {c.name for c in claims}
+    for value in graph.initializers.values():
+        if value not in floats or value in claimed or value.metadata_props.get(EXPORTER_KIND, "PARAMETER") != "PARAMETER" \
+                or any(s in recovered for s in _folded_from(value)):
+            continue
+        slot = weight_read(value)
+        if slot is None:
+            continue
+        how = f"{slot}{_AS_STORED}"
+        if any(_fused_batch_norm(node, value) for node, _ in value.uses()):
+            how += " (a batch normalization folded into it: trained fused)"
+        claims.extend(_Claim(node, index, value, value.name, False, how) for node, index in value.uses())
 
 
 _SAMPLES = 256

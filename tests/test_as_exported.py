@@ -371,9 +371,10 @@ def test_zero_biases_the_optimizer_dropped_are_trained():
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_batch_norm_fused_into_a_conv_is_said_to_be_unrecoverable(kind):
+def test_a_batch_norm_fused_into_a_conv_is_trained_as_stored(kind):
     """Both exporters fold an inference-mode BatchNormalization into the Conv before it; the Conv's
-    weight is then neither the module's conv weight nor anything else that torch trains."""
+    weight is then neither the module's conv weight nor anything else that torch trains: it is
+    trained as stored, and said to be fused."""
     import onnx_ir as ir
 
     net = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU()).eval()
@@ -390,9 +391,9 @@ def test_a_batch_norm_fused_into_a_conv_is_said_to_be_unrecoverable(kind):
     if kind == "plain":
         assert {p.name for p in recovery.parameters} == {"0.weight", "0.bias", "1.weight", "1.bias"}
         return
-    assert not recovery.parameters
-    assert len(recovery.constants) == 2
-    assert all("batch normalization fused" in why for why in recovery.constants.values())
+    assert not recovery.constants
+    assert len(recovery.parameters) == 2 and not any(p.module for p in recovery.parameters)
+    assert all("batch normalization folded into it" in p.found_by for p in recovery.parameters)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])

@@ -44,6 +44,7 @@ from onnx_autodiff.passes.quantize import INT4_OPSET, STORED_INPUT
 from onnx_autodiff.passes.opsets import OpsetError, build_proto_upgrading, convert_in_place, default_opset
 from onnx_autodiff.passes.unused import optional_outputs
 from onnx_autodiff.passes.parameters import default_parameters
+from onnx_autodiff.passes.lift import LiftWeightConstantsPass
 from onnx_autodiff.passes.recovery import RecoverParametersPass, is_torch_export
 from onnx_autodiff.passes.rewrite_rules import lowering_rules
 from onnx_autodiff.rules.quantized import CHUNK
@@ -295,6 +296,15 @@ def _as_proto(model) -> onnx.ModelProto:
             raise TrainingError(f"no such model file: {os.fspath(model)}")
         return onnx.load(os.fspath(model), load_external_data=False)  # read from there when used
     raise TrainingError(f"cannot use a {type(model).__name__} as a model: give an onnx.ModelProto, an onnx_ir.Model or a path")
+
+
+def _holds_float_constants(proto: onnx.ModelProto) -> bool:
+    """Whether a float Constant node is anywhere in ``proto``'s graphs (weights a producer may have
+    stored so: :class:`~onnx_autodiff.passes.lift.LiftWeightConstantsPass`)."""
+    return any(node.op_type == "Constant" and node.attribute and (
+        node.attribute[0].name in ("value_float", "value_floats")
+        or (node.attribute[0].name == "value" and ir.DataType(node.attribute[0].t.data_type) in FLOAT_TYPES))
+        for graph in proto_graphs(proto.graph) for node in graph.node)
 
 
 def _source_dir(model) -> str | None:
@@ -855,8 +865,6 @@ def _frozen_bases_read_in_pieces(model: ir.Model) -> None:
         if len(shape) != 2 or shape[0] * shape[1] <= CHUNK or stored.const_value.dtype.bitwidth > _PIECES_BITS:
             continue
         along, side_by_side = int(shape[1] < shape[0]), True
-        if along and isinstance(stored.const_value, ir.ExternalTensor):
-            along, side_by_side = 0, False
         products = [(product, axis) for axis in (0, 1) if axis == along or side_by_side
                     for product in _products_contracting(read.outputs[0], axis)]
         if not products:
@@ -1176,6 +1184,8 @@ def _generate_artifacts(model, requires_grad, frozen_params, loss, optimizer, op
         layout["class_axis"] = loss_spec.class_axis
     if modules is not None:
         layout["modules"] = modules
+    if source.constants is not None:
+        layout["constants"] = source.constants
     if lora is not None:
         layout["lora"] = {**injected.config.to_json(), "scale": injected.config.scale,
                           "adapters": [dataclasses.asdict(a) for a in injected.adapters]}
@@ -1214,24 +1224,40 @@ class _Source:
         self.model: ir.Model | None = None  # the model to train, once converted
         self.inference: ir.Model | None = None  # the inference model, where it is no longer ``forward``
         self.modules: list[dict] | None = None
+        self.constants: list[dict] | None = None  # the weights lifted from Constant nodes, for export
+        if _holds_float_constants(proto):  # (read off the proto, as the check below)
+            self._lift()
         if is_torch_export(proto):  # (read off the proto: most models are not, and need no conversion)
             self._recover()
+
+    def _lift(self) -> None:
+        """Weights stored as Constant nodes become initializers of the model to train; the
+        inference model keeps them as nodes, which ``Trainer.export`` sets (layout "constants")."""
+        model = from_proto(self.proto, self.base_dir)
+        lift = LiftWeightConstantsPass()
+        if lift(model).modified:
+            self.model = model
+            self.constants = [w.to_json() for w in lift.lifted]
 
     def _recover(self) -> None:
         """Each module parameter one initializer in the model to train (tied copies read through
         it), the inference model in the file's own layout (what ``Trainer.export`` fills in), and
         the parameters by module name as the layout records them (each with the copies that
         export sets from it)."""
-        self.model = from_proto(self.proto, self.base_dir)
+        if self.model is None:
+            self.model = from_proto(self.proto, self.base_dir)
         kept = RecoverParametersPass(tie=False)
         self.inference = kept(from_proto(self.proto, self.base_dir)).model
         tied = RecoverParametersPass(tie=True)
         tied(self.model)
-        if [p.initializer for p in tied.recovered] != [p.initializer for p in kept.recovered]:
+        lifted = {entry["initializer"] for entry in self.constants or ()}  # (Constant nodes in the inference model)
+        if [p.initializer for p in tied.recovered if p.initializer not in lifted] != [p.initializer for p in kept.recovered]:
             raise TrainingError("parameter recovery named the parameters differently in the train and the exported "
                                 "model (a bug, please report)")
         self.modules = []
         for p in kept.recovered:
+            if not p.module:  # a weight trained as stored (a fused Conv): no module tensor to give back
+                continue
             entry = p.to_json()
             entry["copies"] = [[name, bool(transposed != p.transposed)] for name, transposed in p.copies]  # from the stored
             self.modules.append(entry)

@@ -14,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff.errors import BatchError, TrainingError
 from onnx_autodiff.modelfile import from_proto, over_limit, save_model, tensor_array, to_inline_proto, uses_external_data
+from onnx_autodiff.passes.lift import write_back
 from onnx_autodiff.passes.quantize import as_read
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, proto_graphs
 from onnx_autodiff.training import distributed
@@ -750,7 +751,10 @@ class Trainer:
         return self._written(proto, trained, path, external_data)
 
     def _written(self, proto: onnx.ModelProto, trained: dict, path, external_data) -> onnx.ModelProto:
-        """``proto`` with the ``trained`` values as its initializers, written to ``path`` when given."""
+        """``proto`` with the ``trained`` values as its initializers (and in the Constant nodes the
+        file stores weights in), written to ``path`` when given."""
+        if self.layout.get("constants"):
+            write_back(proto.graph, self.layout["constants"], trained)
         if external_data or uses_external_data(proto) or over_limit(sum(a.nbytes for a in trained.values())):
             return self._export_large(proto, trained, path, external_data)
         for i, tensor in enumerate(proto.graph.initializer):
