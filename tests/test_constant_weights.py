@@ -321,3 +321,49 @@ def test_running_statistics_stored_as_constants_are_updated_there(models):
     assert {"bn_mean", "bn_var"} <= {k for k in before if not np.array_equal(before[k], after[k])}
     assert _structure(exported.graph) == _structure(proto.graph) and exported.opset_import == proto.opset_import
     ort.InferenceSession(exported.SerializeToString()).run(None, feeds)
+
+
+def test_a_weight_in_a_loop_body_is_differentiated_and_trained():
+    """A Constant weight inside a Loop body: an outer value the body reads once lifted, which the
+    Loop rule differentiates; the export puts it back into the body."""
+    from onnx_autodiff.training import Trainer, generate_artifacts
+
+    body = helper.make_graph(
+        [_const("loop_w", _normal(3, 3)), helper.make_node("MatMul", ["h", "loop_w"], ["hw"]),
+         helper.make_node("Tanh", ["hw"], ["h_next"]), helper.make_node("Identity", ["cond_in"], ["cond_out"])],
+        "body", [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                 helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+                 helper.make_tensor_value_info("h", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("h_next", TensorProto.FLOAT, [2, 3])])
+    nodes = [helper.make_node("Constant", [], ["n"], value=numpy_helper.from_array(np.array(3, np.int64))),
+             helper.make_node("Constant", [], ["t"], value=numpy_helper.from_array(np.array(True))),
+             helper.make_node("Loop", ["n", "t", "x"], ["y"], body=body)]
+    graph = helper.make_graph(nodes, "loop", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = ir.from_proto(proto)
+    assert [v.name for v in default_parameters(model).parameters] == ["loop_w"]
+    x = np.random.default_rng(4).standard_normal((2, 3)).astype(np.float32)
+    assert_gradients(ir.to_proto(model), {"x": x}, ["loop_w"])
+    trainer = Trainer(generate_artifacts(proto, loss="mse", optimizer="sgd", optimizer_options={"lr": 0.5}))
+    losses = [trainer.step({"x": x, "labels": np.zeros((2, 3), np.float32)}) for _ in range(3)]
+    assert losses[-1] < losses[0]
+    exported = trainer.export()
+    assert _structure(exported.graph) == _structure(proto.graph)
+    assert not np.array_equal(_stored(exported.graph)["loop_w"], _stored(proto.graph)["loop_w"])
+
+
+def test_train_command_writes_the_weights_into_their_constants(models, tmp_path):
+    from onnx_autodiff.cli import main
+
+    proto = models["paddle"]
+    onnx.save(proto, tmp_path / "paddle.onnx")
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "data.npz", x=rng.standard_normal((4, 2, 4, 4)).astype(np.float32), labels=rng.integers(0, 5, 4))
+    assert main(["train", str(tmp_path / "paddle.onnx"), "--data", str(tmp_path / "data.npz"), "-o", str(tmp_path / "out"),
+                 "--optimizer", "sgd", "--lr", "0.1", "--epochs", "2", "--batch-size", "2"]) == 0
+    trained = onnx.load(tmp_path / "out" / "model.onnx")
+    assert _structure(trained.graph) == _structure(proto.graph) and not trained.graph.initializer
+    before, after = _stored(proto.graph), _stored(trained.graph)
+    assert {k for k in before if not np.array_equal(before[k], after[k])} >= {"conv1_w", "conv2_w_flat", "fc_w", "fc_b16"}
