@@ -12,7 +12,7 @@ import onnx
 import onnx_ir as ir
 
 from onnx_autodiff.errors import UnsupportedModelError
-from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, graph_and_subgraphs, shapes
+from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, graph_and_subgraphs, shapes, subgraphs
 
 
 class LiftConstantsPass(ir.passes.InPlacePass):
@@ -148,6 +148,8 @@ def _float_constants(graph: ir.Graph, path: tuple) -> list[_Found]:
             tensor = _constant_tensor(node)
             if tensor is not None and tensor.dtype in FLOAT_TYPES and node.outputs[0].name:
                 found.append(_Found(node, graph, path, tensor))
+        if not subgraphs(node):  # (the toolkit's fast test: most nodes hold none)
+            continue
         for attribute in sorted(node.attributes.values(), key=lambda a: a.name != "then_branch"):
             held = [attribute.value] if attribute.type == ir.AttributeType.GRAPH else (
                 attribute.value if attribute.type == ir.AttributeType.GRAPHS else [])
