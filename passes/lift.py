@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+from collections.abc import Collection
 
 import numpy as np
 import onnx
@@ -108,8 +109,9 @@ class LiftWeightConstantsPass(ir.passes.InPlacePass):
     From IR version 4 on (before it an initializer must also be a graph input).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, only: Collection[str] | None = None) -> None:
         super().__init__()
+        self.only = None if only is None else frozenset(only)  # Constants' output names (None: all)
         self.lifted: list[LiftedWeight] = []
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -118,7 +120,8 @@ class LiftWeightConstantsPass(ir.passes.InPlacePass):
         self.lifted = []
         if (model.ir_version or 0) < 4:
             return ir.passes.PassResult(model, modified=False)
-        found = [f for f in _float_constants(model.graph, ()) if f.tensor.size > 1 or weight_read(f.node.outputs[0])]
+        found = [f for f in _float_constants(model.graph, ())
+                 if (f.tensor.size > 1 or weight_read(f.node.outputs[0])) and (self.only is None or f.node.outputs[0].name in self.only)]
         if not found:
             return ir.passes.PassResult(model, modified=False)
         graph = model.graph
@@ -250,6 +253,30 @@ def write_back(graph: onnx.GraphProto, lifted: list[dict], values: dict[str, np.
             else:
                 del attribute.floats[:]
                 attribute.floats.extend(np.asarray(value, np.float32).reshape(-1).tolist())
+
+
+def lifted_in(proto: onnx.ModelProto, lifted: list[dict], names) -> onnx.ModelProto:
+    """``proto`` with the weights among ``names`` (lifted initializers, :meth:`LiftedWeight.to_json`
+    entries in ``lifted``) as initializers again, the other Constant nodes as they are: for a pass
+    that needs a weight stored as an initializer (LoRA's adapters beside their base)."""
+    outputs = {site["output"] for entry in lifted if entry["initializer"] in names for site in entry["sites"]}
+    if not outputs:
+        return proto
+    model = ir.from_proto(proto)
+    LiftWeightConstantsPass(only=outputs)(model)
+    return ir.to_proto(model)
+
+
+def read_back(graph: onnx.GraphProto, lifted: list[dict], names) -> dict[str, np.ndarray]:
+    """The values of the lifted initializers among ``names`` as the Constant nodes of ``graph``
+    hold them (each from its first site; :func:`write_back`'s reverse)."""
+    found = {}
+    for entry in lifted:
+        if entry["initializer"] in names:
+            attribute = _site_node(graph, ConstantSite.from_json(entry["sites"][0])).attribute[0]
+            found[entry["initializer"]] = onnx.numpy_helper.to_array(attribute.t) if attribute.name == "value" else \
+                np.asarray(attribute.f if attribute.name == "value_float" else list(attribute.floats), np.float32)
+    return found
 
 
 def _site_node(graph: onnx.GraphProto, site: ConstantSite) -> onnx.NodeProto:

@@ -367,3 +367,28 @@ def test_train_command_writes_the_weights_into_their_constants(models, tmp_path)
     assert _structure(trained.graph) == _structure(proto.graph) and not trained.graph.initializer
     before, after = _stored(proto.graph), _stored(trained.graph)
     assert {k for k in before if not np.array_equal(before[k], after[k])} >= {"conv1_w", "conv2_w_flat", "fc_w", "fc_b16"}
+
+
+def test_lora_on_a_constant_weight_merges_into_its_constant(models):
+    """LoRA adapts the MatMul whose weight is a Constant node; export merges W + scale·A·B into
+    that Constant (merge=False keeps the adapters beside it, the Constant unchanged)."""
+    from onnx_autodiff.passes.lora import LoraConfig
+    from onnx_autodiff.training import Trainer, generate_artifacts
+
+    proto, feeds = models["paddle"], _feeds("paddle")
+    target = ort.InferenceSession(proto.SerializeToString()).run(None, feeds)[0] + 0.5
+    artifacts = generate_artifacts(proto, loss="mse", optimizer="sgd", optimizer_options={"lr": 0.5},
+                                   lora=LoraConfig(rank=2), freeze_batchnorm=True)
+    assert artifacts.params == ["fc_w.lora_A", "fc_w.lora_B"]
+    trainer = Trainer(artifacts)
+    losses = [trainer.step({**feeds, "labels": target}) for _ in range(3)]
+    assert losses[-1] < losses[0]
+    merged, apart = trainer.export(), trainer.export(merge=False)
+    assert _structure(merged.graph) == _structure(proto.graph)
+    before, after = _stored(proto.graph), _stored(merged.graph)
+    assert {k for k in before if not np.array_equal(before[k], after[k])} == {"fc_w"}
+    np.testing.assert_array_equal(_stored(apart.graph)["fc_w"], before["fc_w"])
+    run = [ort.InferenceSession(m.SerializeToString()).run(None, feeds)[0] for m in (merged, apart)]
+    np.testing.assert_allclose(run[0], run[1], rtol=1e-5, atol=1e-6)
+    adapter_inputs = trainer.export_adapter_model()  # the base as an initializer, the adapters as inputs
+    assert {"fc_w.lora_A", "fc_w.lora_B"} <= {i.name for i in adapter_inputs.graph.input}

@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff.errors import BatchError, TrainingError
 from onnx_autodiff.modelfile import from_proto, over_limit, save_model, tensor_array, to_inline_proto, uses_external_data
-from onnx_autodiff.passes.lift import write_back
+from onnx_autodiff.passes.lift import lifted_in, read_back, write_back
 from onnx_autodiff.passes.quantize import as_read
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, proto_graphs
 from onnx_autodiff.training import distributed
@@ -744,7 +744,7 @@ class Trainer:
         trained = {key: self._value(key).numpy() for key in [*self.layout["params"], *self.layout["buffers"]]}
         lora = self.layout.get("lora")
         if lora and not merge:
-            proto = unmerged(proto, lora)
+            proto = unmerged(self._bases_lifted(proto), lora)
         elif lora:
             trained.update(self._merged_bases({a["weight"] for a in lora["adapters"]}))
         trained.update(self._copies(trained))
@@ -894,12 +894,19 @@ class Trainer:
         :meth:`export`; ``path`` and ``external_data`` as there."""
         from onnx_autodiff.training.adapters import adapter_input_model
 
-        proto = adapter_input_model(self.artifacts.inference_model, self.layout)
+        proto = adapter_input_model(self._bases_lifted(self.artifacts.inference_model), self.layout)
         adapters = {key for a in self.layout["lora"]["adapters"] for key in (a["A"], a["B"])}
         trained = {key: self._value(key).numpy() for key in [*self.layout["params"], *self.layout["buffers"]]
                    if key not in adapters}
         trained.update(self._copies(trained))
         return self._written(proto, trained, path, external_data)
+
+    def _bases_lifted(self, proto: onnx.ModelProto) -> onnx.ModelProto:
+        """``proto`` with the LoRA base weights it stores as Constant nodes as initializers, where
+        the adapters are added beside them."""
+        if not self.layout.get("constants"):
+            return proto
+        return lifted_in(proto, self.layout["constants"], {a["weight"] for a in self.layout["lora"]["adapters"]})
 
     def _trained_or_stored(self, names) -> dict[str, np.ndarray]:
         """``names``' current values: trained ones from the trainer, LoRA bases merged with their
@@ -924,9 +931,13 @@ class Trainer:
         return merged_weights(adapters, lora["scale"], self._stored({a["weight"] for a in adapters}), values, model)
 
     def _stored(self, names: set[str]) -> dict[str, np.ndarray]:
-        """Initializers of the inference model as it stores them (external ones mapped from their file)."""
-        return {t.name: tensor_array(t, self.artifacts.base_dir)
-                for t in self.artifacts.inference_model.graph.initializer if t.name in names}
+        """Initializers of the inference model as it stores them (external ones mapped from their
+        file), and the weights it stores as Constant nodes."""
+        found = {t.name: tensor_array(t, self.artifacts.base_dir)
+                 for t in self.artifacts.inference_model.graph.initializer if t.name in names}
+        if self.layout.get("constants") and len(found) < len(names):
+            found.update(read_back(self.artifacts.inference_model.graph, self.layout["constants"], set(names) - set(found)))
+        return found
 
     def _export_large(self, proto: onnx.ModelProto, trained: dict, path, external_data) -> onnx.ModelProto:
         """export() through onnx-ir, which streams the tensors to the data file (no proto holds them)."""
