@@ -95,3 +95,34 @@ def test_artifacts_default_and_requires_grad_override():
     assert artifacts.params == ["W", "B"]
     assert artifacts.left_out == ["two", "eps", "mask", "scale", "ratio"]
     assert generate_artifacts(proto, requires_grad=["W", "scale"], loss=None, optimizer="sgd").params == ["W", "scale"]
+
+
+def _torchscript_conv(marks=None):
+    """A TorchScript-named Conv (node path, weight and bias named after the op) with one output
+    channel: a one-element bias."""
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["X", "onnx::Conv_12", "onnx::Conv_13"], ["c"], name="/conv/Conv"),
+         helper.make_node("ReduceSum", ["c"], ["loss"], keepdims=0, name="/ReduceSum")],
+        "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, 2, 3, 3])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        [numpy_helper.from_array(RNG.standard_normal((1, 2, 2, 2)).astype(np.float32), "onnx::Conv_12"),
+         numpy_helper.from_array(np.array([0.5], np.float32), "onnx::Conv_13")])
+    for name, kind in (marks or {}).items():
+        info = helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
+        info.metadata_props.add(key=EXPORTER_KIND, value=kind)
+        graph.value_info.append(info)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_a_layer_weight_is_a_parameter_whatever_its_name():
+    """Read as a Conv's W and B, TorchScript's onnx::Conv_NN tensors are trained (the bias of
+    one element too); an exporter's buffer mark still decides."""
+    default = default_parameters(ir.from_proto(_torchscript_conv()))
+    assert [v.name for v in default.parameters] == ["onnx::Conv_12", "onnx::Conv_13"]
+    marked = default_parameters(ir.from_proto(_torchscript_conv({"onnx::Conv_13": "BUFFER"})))
+    assert [v.name for v in marked.parameters] == ["onnx::Conv_12"]
+    assert marked.left_out == {"onnx::Conv_13": "exporter buffer"}
+    proto = _torchscript_conv()
+    for node in proto.graph.node:  # no exporter's node paths: the generic rule, a Conv bias all the same
+        node.name = node.op_type
+    assert [v.name for v in default_parameters(ir.from_proto(proto)).parameters] == ["onnx::Conv_12", "onnx::Conv_13"]
