@@ -116,7 +116,7 @@ class OpBuilder:
         if not _domain:
             if op_type == "CastLike" and self.opset < 15 and values[1].dtype is not None:
                 return self.Cast(values[0], to=int(values[1].dtype))  # the same node, before CastLike existed
-            _require_op(op_type, self.opset)
+            _require_op(op_type, self.opset, len(values))
         keep = _min_inputs(op_type, self.opsets.get(_domain, self.opset), _domain)
         while len(values) > keep and values[-1] is None:
             values.pop()
@@ -305,14 +305,22 @@ class OpBuilder:
 
 
 @functools.lru_cache(maxsize=None)
-def _require_op(op_type: str, opset: int) -> None:
-    """Refuse a default-domain op that ``opset`` lacks, naming the first opset that has it, so that
-    no backward holds an op its model's opset does not define (the passes then convert the model:
-    :mod:`onnx_autodiff.passes.opsets`)."""
-    if not onnx.defs.has(op_type, "") or onnx.defs.has(op_type, opset, ""):
+def _require_op(op_type: str, opset: int, inputs: int) -> None:
+    """Refuse a default-domain op that ``opset`` lacks, or whose form there takes fewer than
+    ``inputs`` inputs (Slice's starts, ReduceSum's axes as inputs), naming the first opset that has
+    it, so that no backward holds a node its model's opset does not define (the passes then convert
+    the model: :mod:`onnx_autodiff.passes.opsets`)."""
+    if not onnx.defs.has(op_type, ""):
         return  # (not a standard op: the checker names it)
-    first = min(s.since_version for s in onnx.defs.get_all_schemas_with_history() if s.name == op_type and s.domain == "")
-    raise OpsetTooOldError(f"{op_type} needs opset {first} or later (the model has {opset})", first)
+    if onnx.defs.has(op_type, opset, "") and onnx.defs.get_schema(op_type, opset, "").max_input >= inputs:
+        return
+    first = min((s.since_version for s in onnx.defs.get_all_schemas_with_history()
+                 if s.name == op_type and s.domain == "" and s.since_version > opset and s.max_input >= inputs),
+                default=None)
+    if first is None:
+        return  # (no opset has that form: the checker names it)
+    form = f" with {inputs} inputs" if onnx.defs.has(op_type, opset, "") else ""
+    raise OpsetTooOldError(f"{op_type}{form} needs opset {first} or later (the model has {opset})", first)
 
 
 @functools.lru_cache(maxsize=None)

@@ -77,6 +77,8 @@ def extent(op: OpBuilder, x: ir.Value, axis: int):
     d = dims(x)
     if d is not None and isinstance(d[axis], int):
         return d[axis]
+    if op.opset < 10:  # (Slice took starts and ends as attributes)
+        return op.Gather(op.Shape(x), [axis])
     return op.Slice(op.Shape(x), [axis], [axis + 1])
 
 

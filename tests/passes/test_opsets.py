@@ -279,3 +279,23 @@ def test_an_op_newer_than_the_model_converts_it():
     onnx.checker.check_model(result, full_check=True)
     assert default_opset(result) >= 9
     assert_gradients(model, {"X": x}, ["X"], registry=registry)
+
+
+def test_an_op_in_a_newer_form_converts_the_model():
+    """Slice with starts and ends as inputs is opset 10's form: a rule emitting it (as
+    shapes.extent does for a run-time extent) at opset 9 converts the model, instead of writing a
+    Slice the checker refuses."""
+    registry = default_registry().copy()
+
+    @register_gradient("Neg", differentiable=("X",), registry=registry)
+    def neg(op, node, dY):
+        whole = op.Slice(dY, [0], [1 << 62], [0])
+        return {"X": op.Neg(whole)}
+
+    x = rng(8).standard_normal((3, 4)).astype(np.float32)
+    model = make_model([helper.make_node("Neg", ["X"], ["y"])], {"X": x}, ["y"], opset=9)
+    autodiff = AutodiffPass(of="y", wrt=["X"], seed="input", registry=registry)
+    result = ir.to_proto(autodiff(ir.from_proto(model)).model)
+    onnx.checker.check_model(result, full_check=True)
+    assert default_opset(result) == 10
+    assert_gradients(model, {"X": x}, ["X"], registry=registry)
