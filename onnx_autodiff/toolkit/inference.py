@@ -203,6 +203,8 @@ def _complete(graph: ir.Graph, opset: int, imports) -> int:
             filled += _complete(sub, opset, imports)
         if not any(_incomplete(out) for out in node.outputs):
             continue
+        if node.op_type == "If" and node.domain in ("", "ai.onnx"):
+            filled += _taken_branch_shapes(node)
         schema = _schema(node.op_type, opset) if node.domain in ("", "ai.onnx") else None
         inputs = [v for v in node.inputs if v is not None]
         outer = captured_values(node) if held else []
@@ -213,6 +215,23 @@ def _complete(graph: ir.Graph, opset: int, imports) -> int:
         filled += _infer_node(node, schema, inputs, outer, imports)
         if node.op_type in ("Loop", "Scan"):
             filled += _carried_shapes(node)
+    return filled
+
+
+def _taken_branch_shapes(node: ir.Node) -> int:
+    """An If whose condition is known before run time has the types of the branch it takes, where
+    onnx merges both (a function body written for several ranks: AffineGrid's 2-D and 3-D
+    branches give its theta no rank)."""
+    cond = shapes.number(node.inputs[0])
+    if cond is None:
+        return 0
+    branch = shapes.attr(node, "then_branch" if cond else "else_branch")
+    filled = 0
+    for out, taken in zip(node.outputs, branch.outputs):
+        shape = _refined(out, taken.shape) if isinstance(taken.type, ir.TensorType) else None
+        if shape is not None and (out.type is None or out.type == taken.type):
+            out.type, out.shape = taken.type, shape
+            filled += 1
     return filled
 
 

@@ -840,3 +840,22 @@ def test_torchscript_export_with_dynamic_sizes_before_opset_13(opset):
         results = dict(zip([o.name for o in out.graph.output], session.run(None, {"x": x.numpy()})))
         for name in names:
             np.testing.assert_allclose(results[f"grad_{name}"], parameters[name].grad.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_an_if_whose_condition_is_known_has_the_types_of_the_branch_it_takes():
+    """Branches of different ranks (a function body written for 2-D and 3-D inputs) give the If's
+    output no shape in onnx's inference; the condition known before run time picks one, and
+    MatMul's gradient after it takes its static form (no Einsum, no run-time shapes)."""
+    def branch(name, source):
+        return helper.make_graph([helper.make_node("Identity", [source], [f"{name}_out"])], name, [],
+                                 [helper.make_value_info(f"{name}_out", onnx.TypeProto())])
+
+    nodes = [helper.make_node("Constant", [], ["cond"], value=helper.make_tensor("c", TensorProto.BOOL, [], [True])),
+             helper.make_node("If", ["cond"], ["t"], then_branch=branch("three", "x3"), else_branch=branch("two", "x2")),
+             helper.make_node("MatMul", ["t", "W"], ["y"])]
+    feeds = {"x3": R.standard_normal((2, 3, 4)).astype(np.float32), "x2": R.standard_normal((3, 4)).astype(np.float32)}
+    model = make_model(nodes, feeds, ["y"], initializers={"W": R.standard_normal((4, 5)).astype(np.float32)},
+                       output_shapes={"y": [2, 3, 5]})
+    assert_gradients(model, feeds, ["x3", "W"])
+    out, _ = differentiate(model, of="y", wrt=["x3", "W"])
+    assert not {"Einsum", "Shape"} & {n.op_type for n in out.graph.node}
