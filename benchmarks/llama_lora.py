@@ -1,7 +1,7 @@
 """LoRA fine-tuning of a Llama-shaped decoder over 2 GB on plain onnxruntime, against PyTorch + peft.
 
     python benchmarks/llama_lora.py [--size {2.5g,155m,tiny}] [--layers N] [--steps 4] [--batch 2]
-        [--seq N] [--dir /tmp] [--keep] [--no-torch]
+        [--seq N] [--dir /tmp] [--keep] [--no-torch] [--quantize-base ...] [--shipped-int4]
 
 Builds ``transformers.LlamaForCausalLM`` from a config with random weights (seed 0, no download),
 untied embeddings, float32. ``--size 2.5g`` (the default): vocabulary 128,256, hidden 2048, MLP
@@ -26,6 +26,14 @@ process so that its peak RSS is its own:
   merged export in that form (a ``model_q4.onnx`` as shipped) trained with its weights read
   through DequantizeLinear (``--quantize-format dequantizelinear``): onnxruntime's kernel holds
   a pre-packed copy of the weights beside those the backward reads;
+- with ``--shipped-int4``: a file as shipped, the float export quantized by onnxruntime's own
+  ``MatMulNBitsQuantizer`` (int4, blocks of 32, symmetric; its linear weights first stored as
+  MatMul's B [K, N], as the TorchScript exporter and optimum write them: the quantizer skips the
+  ``MatMul(x, Transpose(W))`` of an optimize=False export), saved with external data as
+  ``model_q4.onnx``; then the artifacts (the options above), the Trainer and the merged model of
+  that file twice: as the command line reads it by default (its MatMulNBits kernels in the train
+  models), and with ``--quantize-format dequantizelinear`` (its weights read through
+  DequantizeLinear, as ``--quantize-base int4`` stores a float base by default);
 - PyTorch + peft eager (unless ``--no-torch``): the same weights (same seed), the same LoRA config
   and initial A, the same batches and AdamW steps; its losses against ours.
 
@@ -80,27 +88,32 @@ def rss_mb() -> float:
 def artifacts_argv(args, folder: str, base: str = "float") -> list[str]:
     """The ``onnx-autodiff artifacts`` command of the artifacts phase of ``base`` (see
     :data:`BASES`): its options are built here alone."""
-    source = os.path.join(folder, "merged-quantized.onnx" if base == "reread" else "model.onnx")
+    sources = {"reread": "merged-quantized.onnx", "shipped": "model_q4.onnx", "shipped-read": "model_q4.onnx"}
+    source = os.path.join(folder, sources.get(base, "model.onnx"))
     argv = [sys.executable, "-m", "onnx_autodiff", "artifacts", source, "-o",
             os.path.join(folder, base_files(base)[0]), "--loss", "none", "--optimizer", "adamw", "--lr", str(LR),
             "--weight-decay", "0.01", "--lora", str(RANK), "--lora-targets", *(f"*{t}*" for t in TARGETS)]
     if base == "quantized":
         argv += ["--quantize-base", args.quantize_base, "--quantize-format", args.quantize_format]
-    elif base == "reread":
+    elif base in ("reread", "shipped-read"):
         argv += ["--quantize-format", "dequantizelinear"]
     return argv
 
 
 # the bases trained: the float export; its base quantized at build time (--quantize-base); and, for
 # a MatMulNBits base, the merged export in that form (a model_q4.onnx as shipped) trained with its
-# weights read through DequantizeLinear (--quantize-format dequantizelinear)
-BASES = ("float", "quantized", "reread")
+# weights read through DequantizeLinear (--quantize-format dequantizelinear); and the float export
+# quantized by onnxruntime's MatMulNBitsQuantizer, a file as shipped (--shipped-int4), read by its
+# kernels and read through DequantizeLinear
+BASES = ("float", "quantized", "reread", "shipped", "shipped-read")
 
 
 def base_files(base: str) -> tuple[str, str, str]:
     """The artifacts directory, the merged export and the phases' result suffix of ``base``."""
     return {"float": ("artifacts", "merged.onnx", ""), "quantized": ("artifacts-quantized", "merged-quantized.onnx", "-quantized"),
-            "reread": ("artifacts-reread", "merged-reread.onnx", "-reread")}[base]
+            "reread": ("artifacts-reread", "merged-reread.onnx", "-reread"),
+            "shipped": ("artifacts-shipped", "merged-shipped.onnx", "-shipped"),
+            "shipped-read": ("artifacts-shipped-read", "merged-shipped-read.onnx", "-shipped-read")}[base]
 
 
 def batches(args, vocab: int) -> list[dict[str, np.ndarray]]:
@@ -163,6 +176,47 @@ def phase_export(folder: str, args) -> dict:
     saved = time.perf_counter() - start
     return {"params": params, "bytes": sum(p.numel() * p.element_size() for p in module.parameters()),
             "build_s": built, "export_s": exported, "save_s": saved}
+
+
+def phase_ship(folder: str, args) -> dict:
+    """``model_q4.onnx``: the float export as onnxruntime's MatMulNBitsQuantizer writes it (int4,
+    blocks of 32, symmetric), with external data, after its ``MatMul(x, Transpose(W))`` became
+    ``MatMul(x, Wᵀ)`` of a stored [K, N] initializer under W's name (the quantizer reads MatMul
+    initializers only)."""
+    import logging
+
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)  # (a line per node otherwise)
+    start = time.perf_counter()
+    model = onnx.load(os.path.join(folder, "model.onnx"))
+    graph = model.graph
+    weights = {t.name: t for t in graph.initializer}
+    readers = {}
+    for node in graph.node:
+        for position, name in enumerate(node.input):
+            readers.setdefault(name, []).append((node, position))
+    folded = []
+    for node in list(graph.node):
+        if (node.op_type != "Transpose" or node.input[0] not in weights or len(weights[node.input[0]].dims) != 2
+                or len(readers[node.input[0]]) != 1
+                or not all(r.op_type == "MatMul" and i == 1 for r, i in readers.get(node.output[0], []))):
+            continue
+        tensor = weights[node.input[0]]
+        tensor.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(tensor).T.copy(), tensor.name))
+        for reader, position in readers[node.output[0]]:
+            reader.input[position] = tensor.name
+        graph.node.remove(node)
+        folded.append(tensor.name)
+    quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=32, is_symmetric=True)
+    quantizer.process()
+    shipped = quantizer.model.model
+    del model, weights, readers
+    path = os.path.join(folder, "model_q4.onnx")
+    onnx.save(shipped, path, save_as_external_data=True, location="model_q4.onnx.data", size_threshold=1024)
+    nbits = sum(n.op_type == "MatMulNBits" for n in shipped.graph.node)
+    return {"folded": len(folded), "nbits": nbits, "ship_s": time.perf_counter() - start}
 
 
 def phase_train(folder: str, args) -> dict:
@@ -241,7 +295,7 @@ def phase_torch(folder: str, args) -> dict:
             "loaded_mb": loaded, "steps_peak_mb": peak_mb()}
 
 
-PHASES = {"export": phase_export, "train": phase_train, "merged": phase_merged, "torch": phase_torch}
+PHASES = {"export": phase_export, "ship": phase_ship, "train": phase_train, "merged": phase_merged, "torch": phase_torch}
 
 
 def disk_mb(folder: str, prefix: str = "") -> float:
@@ -277,6 +331,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quantize-format", choices=["dequantizelinear", "matmulnbits"], default="dequantizelinear",
                         help="how the quantized base is read (default, as the command line's: DequantizeLinear; "
                              "matmulnbits: onnxruntime's MatMulNBits kernel, and its merged export trained again)")
+    parser.add_argument("--shipped-int4", action="store_true",
+                        help="also train LoRA on the float export quantized by onnxruntime's MatMulNBitsQuantizer "
+                             "(int4, blocks of 32, symmetric), a model_q4.onnx as shipped, side by side")
     parser.add_argument("--base", choices=BASES, default="float", help=argparse.SUPPRESS)
     parser.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
@@ -299,7 +356,8 @@ def main(argv=None) -> int:
             with open(os.path.join(folder, f"{name}.json")) as stream:
                 results[name] = json.load(stream)
         rows.append([label, f"{seconds:.1f}", f"{peak:.0f}", "" if disk is None else f"{disk_mb(folder, disk):.0f}",
-                     name if name in ("train", "torch", "train-quantized", "train-reread") and not code else None])
+                     name if name in ("train", "torch", "train-quantized", "train-reread", "train-shipped",
+                                                 "train-shipped-read") and not code else None])
         if code or not name:  # the phases' own output is warnings (torch's registry, onnxruntime's folding)
             print(f"{label}: exit {code}\n  " + text.replace("\n", "\n  "))
         return not code
@@ -326,6 +384,18 @@ def main(argv=None) -> int:
                         artifacts_argv(args, folder, "reread"), None, "artifacts-reread")
                   and phase(f"Trainer, that model's MatMulNBits read through DequantizeLinear: {args.steps} steps",
                             [*me, *common, "--base=reread", "--phase=train"], "train-reread", "merged-reread"))
+        if ok and args.shipped_int4:
+            ok = phase("onnxruntime MatMulNBitsQuantizer: model_q4.onnx (int4, blocks of 32)",
+                       [*me, *common, "--phase=ship"], "ship", "model_q4.onnx")
+            for base, how in (("shipped", "MatMulNBits kernels"), ("shipped-read", "--quantize-format dequantizelinear")):
+                directory, merged, suffix = base_files(base)
+                ok = ok and (phase(f"onnx-autodiff artifacts --lora on model_q4.onnx ({how})",
+                                   artifacts_argv(args, folder, base), None, directory)
+                             and phase(f"Trainer, model_q4.onnx ({how}): {args.steps} steps, evaluate, export merged",
+                                       [*me, *common, f"--base={base}", "--phase=train"], f"train{suffix}",
+                                       merged.removesuffix(".onnx"))
+                             and phase(f"merged model_q4.onnx ({how}) on onnxruntime",
+                                       [*me, *common, f"--base={base}", "--phase=merged"], f"merged{suffix}"))
         size = sizes(args)
         if "export" in results:
             e = results["export"]
@@ -386,6 +456,27 @@ def main(argv=None) -> int:
             if "train" in results:
                 steps = r["steps_peak_mb"] / results["train"]["steps_peak_mb"]
                 print(f"  peak RSS of the steps: {steps:.2f}x the float base's")
+        for suffix, how in (("-shipped", "its MatMulNBits kernels"), ("-shipped-read", "read through DequantizeLinear")):
+            if f"train{suffix}" not in results:
+                continue
+            r, ship = results[f"train{suffix}"], results["ship"]
+            print(f"\nours, model_q4.onnx (MatMulNBitsQuantizer: {ship['nbits']} MatMulNBits, {ship['folded']} "
+                  f"transposes folded first, {ship['ship_s']:.1f} s), {how}: sessions {r['session_s']:.1f} s; step "
+                  f"{_steps(r['step_s'])}")
+            print("  losses " + " ".join(f"{x:.5f}" for x in r["losses"]))
+            merged = results.get(f"merged{suffix}")
+            if merged and r["merge_cost"]:
+                error = abs(merged["loss"] - r["merge_cost"]["merged"]) / abs(r["merge_cost"]["merged"])
+                print(f"  merged model: loss {merged['loss']:.5f} (against merge_cost: {error:.1e})")
+                code |= error > 1e-4
+            if "train" in results:
+                steps = r["steps_peak_mb"] / results["train"]["steps_peak_mb"]
+                print(f"  peak RSS of the steps: {steps:.2f}x the float base's")
+        if "train-shipped" in results and "train-shipped-read" in results:  # the same file, the same adapters
+            error = max(abs(a - b) / abs(b) for a, b in zip(results["train-shipped-read"]["losses"],
+                                                            results["train-shipped"]["losses"]))
+            print(f"  the losses read through DequantizeLinear against the kernels': {error:.1e}")
+            code |= error > 1e-4
         if "torch" in results:
             p = results["torch"]
             print(f"PyTorch + peft eager: {p['adapters']} adapters, build {p['build_s']:.1f} s; step {_steps(p['step_s'])}")

@@ -138,6 +138,23 @@ def test_llama_lora_trains_quantized_bases_at_a_toy_size(tmp_path, capsys):
     assert reread[0] == pytest.approx(merged, rel=1e-4)
 
 
+def test_llama_lora_trains_a_shipped_matmulnbits_file_at_a_toy_size(tmp_path, capsys):
+    """--shipped-int4: the export quantized by onnxruntime's MatMulNBitsQuantizer trains by its kernels and
+    read through DequantizeLinear, the same losses, falling, and the merged models' losses are merge_cost's."""
+    for name in ("torch", "transformers", "onnxscript"):
+        pytest.importorskip(name)
+    bench = load("llama_lora")
+    assert bench.main(["--tiny", "--layers", "1", "--steps", "3", "--seq", "8", "--dir", str(tmp_path), "--no-torch",
+                       "--shipped-int4"]) == 0
+    out = capsys.readouterr().out
+    rows = table_rows(out)
+    assert len(rows) == 11, rows
+    assert all(float(rows[label]["peak RSS of the steps MB"]) > 0 for label in rows if label.startswith("Trainer"))
+    float_base, kernels, read = ([float(x) for x in line.split()[1:4]] for line in re.findall(r"^  losses .*$", out, re.MULTILINE))
+    assert kernels[-1] < kernels[0] and read == pytest.approx(kernels, rel=1e-5)
+    assert "8 MatMulNBits" in out and len(re.findall(r"merged model: loss .* \(against merge_cost", out)) == 2
+
+
 @pytest.mark.slow
 def test_build_time_per_node_and_per_parameter_stays_flat():
     """Growth is linear: the pass and cleanup's microseconds per forward node on the 20,001-node

@@ -347,39 +347,80 @@ def nbits_model(bits: int, zero_points: bool, bias: bool, K: int, rng, N: int = 
     return model, weight
 
 
-def test_a_stored_bases_pieces_are_its_files_bytes(tmp_path, monkeypatch):
-    """A weight the model stores in a file, read through DequantizeLinear (here a MatMulNBits
-    read so) and large enough to be read in pieces: the pieces are rows of that file where they
-    are, nothing copied, and the steps are those of the whole read."""
+def shipped_file(tmp_path) -> tuple[str, np.ndarray, np.ndarray]:
+    """A file as shipped: y = (x @ W1) @ W2, both products quantized by onnxruntime's own
+    MatMulNBitsQuantizer (int4, blocks of 16), saved with external data; and W1, W2 as its kernels
+    compute them (read off their products with the identity, not by this project's code)."""
+    matmul_nbits_quantizer = pytest.importorskip("onnxruntime.quantization.matmul_nbits_quantizer")
+    rng = np.random.default_rng(7)
+    weights = {"W1": rng.standard_normal((32, 32)).astype(np.float32) * 0.2,
+               "W2": rng.standard_normal((32, 96)).astype(np.float32) * 0.2}  # the head: 96 outputs of 32
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"]), helper.make_node("MatMul", ["h", "W2"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 32])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 96])],
+                              [numpy_helper.from_array(w, name) for name, w in weights.items()])
+    quantizer = matmul_nbits_quantizer.MatMulNBitsQuantizer(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), block_size=16, is_symmetric=True)
+    quantizer.process()
+    proto = quantizer.model.model
+    assert [n.op_type for n in proto.graph.node] == ["MatMulNBits"] * 2
+    eye = np.eye(32, dtype=np.float32)
+    read = []
+    for node in proto.graph.node:  # each product alone, of the identity: the weight as the kernel reads it
+        one = helper.make_model(helper.make_graph(
+            [node], "g", [helper.make_tensor_value_info(node.input[0], TensorProto.FLOAT, [32, 32])],
+            [helper.make_tensor_value_info(node.output[0], TensorProto.FLOAT, None)],
+            [t for t in proto.graph.initializer if t.name in node.input]), opset_imports=proto.opset_import)
+        read.append(_session(one).run(None, {node.input[0]: eye})[0].astype(np.float64))
+    path = str(tmp_path / "model_q4.onnx")
+    onnx.save_model(proto, path, save_as_external_data=True, location="model_q4.onnx.data", size_threshold=0)
+    return path, *read
+
+
+def test_a_shipped_files_head_is_read_in_pieces(tmp_path, monkeypatch):
+    """LoRA on a file onnxruntime's quantizer wrote, its weights read through DequantizeLinear: a
+    head large enough to be read in pieces (here made so) is read along its shorter axis, each
+    piece by itself, in the forward and the backward, never whole, although the model stores it
+    in a file (the pieces of its columns are copies, saved beside the train model); the steps are
+    those of the same model with the weights dequantized as float initializers and the same
+    adapters, and those of the kernels."""
     from onnx_autodiff.training import Trainer, generate_artifacts
     from onnx_autodiff.training import artifacts as artifacts_module
 
-    rng = np.random.default_rng(5)
-    proto, _ = nbits_model(4, True, False, 16, rng, N=48)  # W [48, 16]: the backward's dY @ W contracts the 48
-    proto.graph.node.insert(0, helper.make_node("Mul", ["x", "s"], ["h"]))  # a trained scale before the base
-    proto.graph.node[1].input[0] = "h"
-    proto.graph.initializer.append(numpy_helper.from_array(np.linspace(0.5, 1.5, 16).astype(np.float32), "s"))
-    path = str(tmp_path / "q4.onnx")
-    onnx.save_model(proto, path, save_as_external_data=True, location="q4.bin", size_threshold=0)
-    options = {"loss": "mse", "optimizer": "adamw", "optimizer_options": {"lr": 1e-2}, "requires_grad": ["s"],
-               "lora": LoraConfig(rank=4, quantize_format="dequantizelinear")}
-    whole = generate_artifacts(path, **options)
+    path, w1, w2 = shipped_file(tmp_path)
+    options = {"loss": "mse", "optimizer": "adamw", "optimizer_options": {"lr": 1e-2}}
+    lora = {"rank": 4, "targets": ["W1*"]}
+    kernel = generate_artifacts(path, **options, lora=LoraConfig(**lora))
     with monkeypatch.context() as patch:
-        patch.setattr(artifacts_module, "CHUNK", 16 * 16)  # pieces of 16 rows
-        patch.setattr(artifacts_module, "FROZEN_IN_PLACE", 1024)  # (a weight of 48 x 16 floats is not large)
-        pieced = generate_artifacts(path, **options)
-    pieces = [t for t in pieced.train_model.graph.initializer if ".rows" in t.name]
-    assert len(pieces) == 3 * 3  # the weight's, the scales' and the zero points' rows
-    data = {e.key: e.value for t in pieces if t.name.startswith("B.rows") for e in t.external_data}
-    assert data["location"] == "q4.bin" and not any(".rows" in t.name for t in whole.train_model.graph.initializer)
-    # its columns would be copies: the forward, contracting them, keeps reading the weight whole
-    assert len([n for n in pieced.train_model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] == "B"]) == 1
+        patch.setattr(artifacts_module, "CHUNK", 32 * 32)  # pieces of at most 1,024 of the head's 3,072 weights
+        patch.setattr(artifacts_module, "FROZEN_IN_PLACE", 1024)  # (a weight of 32 x 96 floats is not large)
+        pieced = generate_artifacts(path, **options, lora=LoraConfig(**lora, quantize_format="dequantizelinear"))
+    graph = pieced.train_model.graph
+    sizes = {t.name: list(t.dims) for t in graph.initializer}
+    reads = [n for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in sizes]
+    head = [n for n in reads if n.input[0].startswith("W2")]
+    assert "MatMulNBits" not in {n.op_type for n in graph.node}
+    # the head [96, 32] stored as [N, K]: two pieces of 16 of K's columns (1,024 // 96 = 10 columns, a
+    # whole block of 16), each read once by the forward and once by the backward; nothing reads it whole
+    assert sorted(sizes[n.input[0]] for n in head) == [[96, 16]] * 4 and "W2_Q4" not in sizes
     pieced.save(tmp_path / "pieced")
-    assert not any(f.endswith(".data") for f in os.listdir(tmp_path / "pieced"))  # nothing written beside it
-    batch = {"x": rng.standard_normal((2, 3, 16)).astype(np.float32), "labels": rng.standard_normal((2, 3, 48)).astype(np.float32)}
-    trainers = Trainer(whole), Trainer(str(tmp_path / "pieced"))
-    losses = [[t.step(batch) for t in trainers] for _ in range(3)]
-    np.testing.assert_allclose(*zip(*losses), rtol=1e-5)
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.standard_normal((2, 3, 32)).astype(np.float32),
+             "labels": rng.standard_normal((2, 3, 96)).astype(np.float32)}
+    nodes = [helper.make_node("MatMul", ["x", "W1_Q4"], ["h"]), helper.make_node("MatMul", ["h", "W2_Q4"], ["y"])]
+    floats = helper.make_model(helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 32])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 96])],
+        [numpy_helper.from_array(w.astype(np.float32), name) for name, w in (("W1_Q4", w1), ("W2_Q4", w2))]),
+        opset_imports=[helper.make_opsetid("", 18)])
+    reference = generate_artifacts(floats, **options, lora=LoraConfig(**lora))
+    assert reference.params == pieced.params == ["W1_Q4.lora_A", "W1_Q4.lora_B"]
+    np.testing.assert_array_equal(reference.checkpoint["W1_Q4.lora_A"], pieced.checkpoint["W1_Q4.lora_A"])  # the same A
+    trainers = [Trainer(reference), Trainer(kernel), Trainer(str(tmp_path / "pieced"))]
+    losses = np.array([[t.step(batch) for t in trainers] for _ in range(4)])
+    assert losses[-1, 0] < losses[0, 0]
+    for column in (1, 2):
+        np.testing.assert_allclose(losses[:, column], losses[:, 0], rtol=1e-5)
 
 
 @pytest.mark.parametrize("bits,zero_points,bias,K", [(4, False, False, 64), (4, True, True, 48), (8, False, True, 64),
