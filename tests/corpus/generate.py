@@ -8,6 +8,7 @@ records them (with the weights computed by :mod:`catalog`) in ``manifest.json``:
     /tmp/venv-tf/bin/python tests/corpus/generate.py tf
     /tmp/venv-paddle/bin/python tests/corpus/generate.py paddle
     /tmp/venv-optimum/bin/python tests/corpus/generate.py optimum
+    python tests/corpus/generate.py manifest     # recompute weights and ops of every entry
 
 The environments (see README.md)::
 
@@ -249,7 +250,8 @@ def paddle_models():
                         ("paddle_ocr_rec", [[2, 3, 8, 32], [3, 3, 8, 48]])):
         model = onnx.load(str(HERE / f"{key}.onnx"))
         out = model.graph.output[0].name
-        record(key, entry(f"{key}.onnx", "paddle2onnx 1.3.1 (paddle.onnx.export, paddlepaddle 2.6.2), opset 11",
+        record(key, entry(f"{key}.onnx", "paddle2onnx 1.3.1 (paddle.onnx.export, paddlepaddle 2.6.2), opset_version=11 "
+                          "(raised to 14 by paddle2onnx for HardSwish)",
                           [(model.graph.input[0].name, "float32", "normal", shapes)], out))
 
 
