@@ -244,10 +244,8 @@ def test_training_lowers_the_loss_and_export_writes_the_weights_back(models, nam
     proto = models[name]
     feeds = _feeds(name)
     target = ort.InferenceSession(proto.SerializeToString()).run(None, feeds)[0] + 0.5
-    # target=None for the LSTM: the onnxruntime lowering names a Gemm 'val_0' in both of the LSTM
-    # backward's Scan bodies, which the checker refuses (a lowering issue, not this one's)
     artifacts = generate_artifacts(proto, loss="mse", optimizer="sgd", optimizer_options={"lr": 0.05},
-                                   freeze_batchnorm=True, target=None if name == "lstm" else "onnxruntime")
+                                   freeze_batchnorm=True)
     assert set(WEIGHTS[name]) <= set(artifacts.params)
     trainer = Trainer(artifacts)
     losses = [trainer.step({**feeds, "labels": target}) for _ in range(4)]
