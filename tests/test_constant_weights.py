@@ -213,9 +213,7 @@ def test_gradients_of_the_weights_match_finite_differences(models, name):
     model = ir.from_proto(models[name])
     wrt = [v.name for v in default_parameters(model).parameters]
     assert set(WEIGHTS[name]) <= set(wrt)
-    # symbolic=False for the LSTM: the backward's inferred dims reuse the forward's names
-    # (unk__0 for two extents) and onnxruntime's buffer reuse then fails; a shape-inference issue
-    assert_gradients(ir.to_proto(model), _feeds(name, 8000), wrt, symbolic=name != "lstm")
+    assert_gradients(ir.to_proto(model), _feeds(name, 8000), wrt)
 
 
 def _structure(graph: onnx.GraphProto) -> list:

@@ -57,3 +57,21 @@ def test_inferred_types_taken_as_converting_the_inferred_proto_gives_them():
     assert types_by_name(model) == expected
     assert expected["Y"][1] == ["N", 4] and expected["parts"][0] is not None  # inferred, not declared
     assert types_by_name(from_proto(proto))["Y"] == (None, None)
+
+
+def test_inference_of_a_few_nodes_names_no_dimension():
+    """The dimensions onnx's inference of nodes apart from their model makes up ("unk__0") stay
+    unnamed: that inference knows no other name of the model, its "unk__0" may be another extent
+    than the model's own, and onnxruntime takes equal names for equal sizes (an LSTM's backward
+    failed with "Shape mismatch attempting to re-use buffer")."""
+    import onnx_ir as ir
+
+    from onnx_autodiff.toolkit.inference import infer_node_shapes
+
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["N", 6]))
+    sizes = ir.Value(name="sizes", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([2]))
+    node = ir.Node("", "Reshape", [x, sizes], num_outputs=1)
+    node.outputs[0].name = "y"
+    infer_node_shapes([node], [x, sizes], 18)
+    assert node.outputs[0].shape is not None and len(node.outputs[0].shape) == 2
+    assert all(d.value is None for d in node.outputs[0].shape.dims)

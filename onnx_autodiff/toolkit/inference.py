@@ -131,7 +131,7 @@ def infer_node_shapes(nodes: Sequence[ir.Node], inputs: Sequence[ir.Value], opse
         for out in n.outputs:
             info = found.get(out.name)
             if info is not None and out.shape is None and info.type.tensor_type.HasField("shape"):
-                shape = ir.serde.deserialize_type_proto_for_shape(info.type)
+                shape = _without_made_up_names(ir.serde.deserialize_type_proto_for_shape(info.type))
                 _take_inferred(out, info.type, shape, Overwrite.ALL)
         for sub in subgraphs(n):
             pending.extend(sub)
@@ -148,7 +148,7 @@ def infer_output_types(node: ir.Node, opset: int, outputs: Sequence[ir.Value]) -
     for value in outputs:
         found = inferred.get(value.name)
         if found is not None and found.HasField("tensor_type"):
-            shape = ir.serde.deserialize_type_proto_for_shape(found)
+            shape = _without_made_up_names(ir.serde.deserialize_type_proto_for_shape(found))
             _take_inferred(value, found, shape, Overwrite.ALL)
 
 
@@ -365,6 +365,17 @@ def frozen_shape(kind: onnx.TypeProto, seen: dict[bytes, ir.Shape | None]) -> ir
     if key not in seen:
         seen[key] = ir.serde.deserialize_type_proto_for_shape(kind)
     return seen[key]
+
+
+def _without_made_up_names(shape: ir.Shape | None) -> ir.Shape | None:
+    """``shape`` with the dimensions onnx's inference of a few nodes made up ("unk__0") unnamed:
+    that inference knows no other name in the model, so its "unk__0" may be another extent than
+    the model's own, and onnxruntime takes equal names for equal sizes (it reuses one's buffer
+    for the other)."""
+    made_up = [not isinstance(d, int) and d.value is not None and _unknown(d.value) for d in shape.dims] if shape else []
+    if not any(made_up):
+        return shape
+    return ir.Shape([None if gone else d for d, gone in zip(shape.dims, made_up)])
 
 
 def _unknown(dim) -> bool:
