@@ -77,7 +77,7 @@ def convert_proto(proto: onnx.ModelProto, opset: int, reason: str) -> onnx.Model
             "install a newer onnx"
         )
     try:
-        return onnx.version_converter.convert_version(proto, opset)
+        converted = onnx.version_converter.convert_version(proto, opset)
     except Exception as error:  # noqa: BLE001 - the converter raises RuntimeError, ConvertError, ...
         old = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
         detail = " ".join(f"{type(error).__name__}: {error}".split())
@@ -85,6 +85,11 @@ def convert_proto(proto: onnx.ModelProto, opset: int, reason: str) -> onnx.Model
             f"{reason}, and onnx.version_converter could not convert the model from opset {old} "
             f"to {opset} ({detail}): convert it by other means, or export it for opset {opset} or later"
         ) from error
+    # The converter keeps the IR version, though the new opset needs a newer one: an IR version 3
+    # model's new initializers (Pad-11's pads) would have to be graph inputs too.
+    needed = onnx.helper.find_min_ir_version_for(list(converted.opset_import), ignore_unknown=True)
+    converted.ir_version = max(converted.ir_version, needed)
+    return converted
 
 
 def convert_in_place(model: ir.Model, opset: int, reason: str, source: ir.Model | None = None) -> None:

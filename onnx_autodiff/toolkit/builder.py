@@ -116,10 +116,11 @@ class OpBuilder:
         if not _domain:
             if op_type == "CastLike" and self.opset < 15 and values[1].dtype is not None:
                 return self.Cast(values[0], to=int(values[1].dtype))  # the same node, before CastLike existed
-            _require_op(op_type, self.opset, len(values))
         keep = _min_inputs(op_type, self.opsets.get(_domain, self.opset), _domain)
         while len(values) > keep and values[-1] is None:
             values.pop()
+        if not _domain:
+            _require_op(op_type, self.opset, len(values))  # (omitted trailing inputs not counted)
         attrs = {k: v for k, v in attributes.items() if v is not None}
         name = self.namer.fresh(f"{self.namer.prefix}_{op_type}_{len(self.nodes)}")
         dtype = _result_dtype(op_type, values, attrs)

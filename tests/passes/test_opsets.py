@@ -299,3 +299,17 @@ def test_an_op_in_a_newer_form_converts_the_model():
     onnx.checker.check_model(result, full_check=True)
     assert default_opset(result) == 10
     assert_gradients(model, {"X": x}, ["X"], registry=registry)
+
+
+def test_conversion_takes_the_ir_version_the_new_opset_needs():
+    """An IR version 3 model (opset 7) converted to opset 11: the converter writes Pad-11's pads as
+    an initializer, which IR version 3 would also need as a graph input; the converted model takes
+    the IR version its opset needs instead of failing the checker."""
+    x = rng(9).standard_normal((1, 2, 5, 5)).astype(np.float32)
+    nodes = [helper.make_node("Pad", ["X"], ["p"], pads=[0, 0, 1, 1, 0, 0, 1, 1]),
+             helper.make_node("MaxPool", ["p"], ["y"], kernel_shape=[2, 2], strides=[2, 2])]
+    model = make_model(nodes, {"X": x}, ["y"], opset=7)
+    model.ir_version = 3
+    result, _ = differentiate(model, "y", ["X"])
+    assert default_opset(result) >= 8 and result.ir_version >= 4
+    assert_gradients(model, {"X": x}, ["X"])
