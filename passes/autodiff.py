@@ -22,6 +22,7 @@ from onnx_autodiff.errors import (
 from onnx_autodiff.passes import progress
 from onnx_autodiff.passes.metadata import Provenance, mark, record_differentiated
 from onnx_autodiff.passes.opsets import build_upgrading
+from onnx_autodiff.passes.lift import LiftWeightConstantsPass
 from onnx_autodiff.passes.parameters import default_parameters
 from onnx_autodiff.passes.patterns import Match, grouped
 from onnx_autodiff.rules import GradRegistry, GradRule, default_registry
@@ -457,7 +458,14 @@ def choose_variables(
                 f"default treats as a parameter{constants}: name the variables with wrt"
             )
         return default.parameters, left_out
-    xs = find_values(graph, list(wrt), "wrt")
+    try:
+        xs = find_values(graph, list(wrt), "wrt")
+    except UnknownValueError:
+        # a weight stored as a Constant inside a branch, named as `params` lists it: an
+        # initializer once lifted, as the default's are
+        if not LiftWeightConstantsPass(only=list(wrt))(model).modified:
+            raise
+        xs = find_values(graph, list(wrt), "wrt")
     for x in xs:
         check_differentiable(x, "wrt")
     if len(set(xs)) != len(xs):

@@ -388,3 +388,24 @@ def test_lora_on_a_constant_weight_merges_into_its_constant(models):
     np.testing.assert_allclose(run[0], run[1], rtol=1e-5, atol=1e-6)
     adapter_inputs = trainer.export_adapter_model()  # the base as an initializer, the adapters as inputs
     assert {"fc_w.lora_A", "fc_w.lora_B"} <= {i.name for i in adapter_inputs.graph.input}
+
+
+def test_wrt_names_a_weight_inside_a_branch(models, tmp_path):
+    """``--wrt`` takes a branch's Constant by the name ``params`` lists: it is lifted as the
+    default's are, and its gradient equals the default build's for the same weight."""
+    from onnx_autodiff.cli import main
+
+    source = tmp_path / "silero.onnx"
+    onnx.save(models["silero"], source)
+    assert main(["grad", str(source), "-o", str(tmp_path / "all.onnx")]) == 0
+    assert main(["grad", str(source), "-o", str(tmp_path / "one.onnx"), "--wrt", "lstm_w_16k", "decoder_w"]) == 0
+    one = onnx.load(tmp_path / "one.onnx")
+    assert [o.name for o in one.graph.output][1:] == ["grad_lstm_w_16k", "grad_decoder_w"]
+    dy = np.random.default_rng(2).standard_normal((6, 2)).astype(np.float32)
+    feeds = {**_feeds("silero"), "dy": dy}
+    every = ort.InferenceSession(str(tmp_path / "all.onnx")).run(["grad_lstm_w_16k", "grad_decoder_w"], feeds)
+    chosen = ort.InferenceSession(str(tmp_path / "one.onnx")).run(["grad_lstm_w_16k", "grad_decoder_w"], feeds)
+    assert every[0].any()
+    for a, b in zip(chosen, every):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert main(["grad", str(source), "-o", str(tmp_path / "no.onnx"), "--wrt", "no_such_weight"]) == 2
