@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 
 import onnx_ir as ir
 from onnx_autodiff.passes.rewrite_rules import analysis
-from onnx_autodiff.toolkit import all_graphs, shapes
+from onnx_autodiff.toolkit import all_graphs, detach_whole, shapes, subgraphs
 from onnx_autodiff.toolkit.onnxscript_compat import Folder
 from onnxscript.optimizer import FOLDED_FROM_KEY
 
@@ -39,7 +39,11 @@ class FoldPass(ir.passes.InPlacePass):
             return ir.passes.PassResult(model, modified=False)
         folder = Folder(input_size_limit=self.limit, output_size_limit=self.limit, should_fold=self.should_fold,
                         graphs=self.graphs)
+        holders = [node for graph in self.graphs(model) for node in graph if subgraphs(node)]
         result = folder(model)
+        for node in holders:
+            if node.graph is None:  # an If the folder replaced by its taken branch: the other
+                detach_whole(node)  # branch's reads of outer values would keep them alive
         self.folded += folder.folded
         return result
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 import onnx
 import onnx_ir as ir
-from onnx_autodiff.toolkit import detach, subgraphs
+from onnx_autodiff.toolkit import detach_whole, subgraphs
 from onnx_autodiff.toolkit.graphs import graph_and_subgraphs
 
 
@@ -24,7 +24,7 @@ class RemoveUnusedPass(ir.passes.InPlacePass):
 
 
 def _remove_dead(graph: ir.Graph) -> int:
-    """Remove the nodes nothing reads, detaching the nodes of their subgraphs first (:func:`_detach_whole`)."""
+    """Remove the nodes nothing reads, detaching the nodes of their subgraphs first (:func:`detach_whole`)."""
     outputs = set(graph.outputs)
     dead: list[ir.Node] = []
     removed = 0
@@ -32,20 +32,11 @@ def _remove_dead(graph: ir.Graph) -> int:
         if any(out.uses() or out in outputs for out in node.outputs):
             removed += sum(_remove_dead(sub) for sub in subgraphs(node))
             continue
-        _detach_whole(node)  # its producers, further up, may then be dead too
+        detach_whole(node)  # its producers, further up, may then be dead too
         dead.append(node)
     if dead:  # at once: each removal copies the list of graph outputs
         graph.remove(dead)
     return removed + len(dead)
-
-
-def _detach_whole(node: ir.Node) -> None:
-    """Detach ``node`` and the nodes of its subgraphs: onnx-ir's removal leaves the outer values
-    that a removed Loop body read with uses that keep them alive."""
-    for sub in subgraphs(node):
-        for inner in ir.traversal.RecursiveGraphIterator(sub):
-            detach(inner)
-    detach(node)
 
 
 def remove_unused(model: ir.Model) -> bool:
@@ -84,7 +75,7 @@ def remove_unused_after(graph: ir.Graph, added: Iterable[ir.Node], released: Ite
                 removed += sum(_remove_dead(sub) for sub in subgraphs(node))
             continue
         pending += [v.producer() for v in node.inputs if v is not None and v.producer() is not None]
-        _detach_whole(node)
+        detach_whole(node)
         dead.add(node)
         alive.pop(node, None)
     if dead:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from onnx_autodiff.toolkit import shapes
 from onnx_autodiff.toolkit.builder import FLOAT_TYPES, Namer, OpBuilder, may_be_float
 from onnx_autodiff.toolkit.graphs import (
-    all_graphs, captured_values, detach, graph_and_subgraphs, initializers_to_constants, proto_graphs, subgraphs,
+    all_graphs, captured_values, detach, detach_whole, graph_and_subgraphs, initializers_to_constants, proto_graphs, subgraphs,
 )
 from onnx_autodiff.toolkit.inference import infer_node_shapes, infer_shapes
 from onnx_autodiff.toolkit.shapes import axes, constant, number, unbroadcast, zeros
@@ -23,6 +23,7 @@ __all__ = [
     "captured_values",
     "constant",
     "detach",
+    "detach_whole",
     "graph_and_subgraphs",
     "initializers_to_constants",
     "infer_node_shapes",

@@ -90,6 +90,15 @@ def detach(*nodes: ir.Node) -> None:
                 node.replace_input_with(i, None)
 
 
+def detach_whole(node: ir.Node) -> None:
+    """Detach ``node`` and the nodes of its subgraphs: onnx-ir's removal leaves the outer values
+    that a removed Loop body or If branch read with uses that keep them alive."""
+    for sub in subgraphs(node):
+        for inner in ir.traversal.RecursiveGraphIterator(sub):
+            detach(inner)
+    detach(node)
+
+
 def initializers_to_constants(graph: ir.Graph, keep: frozenset[str] | set[str] = frozenset()) -> None:
     """The graph's initializers, but those named in ``keep``, as Constant nodes at its start under
     the same names (a function, or a graph whose nodes are copied into another, holds none); a

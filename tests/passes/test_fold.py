@@ -83,3 +83,21 @@ def test_the_cleanup_never_folds_through_a_protected_initializer():
     free = transposed_weight()
     CleanupPass(target=None)(free)
     assert op_types(free) == ["MatMul"]
+
+
+def test_an_if_folded_to_its_branch_leaves_the_other_branchs_reads():
+    """An If on a constant condition becomes the branch it takes; the other branch's reads of outer
+    values no longer count, so what only that branch read goes in the same cleanup (it stayed, and
+    a second cleanup removed it: the cleanup was not idempotent)."""
+    from onnx_autodiff.passes.unused import RemoveUnusedPass
+
+    def branch(name, read):
+        return helper.make_graph([helper.make_node("Mul", ["x", read], [f"{name}_out"])], name, [],
+                                 [helper.make_tensor_value_info(f"{name}_out", 1, [3])])
+    nodes = [helper.make_node("Constant", [], ["flag"], value=helper.make_tensor("t", 9, [], [True])),
+             helper.make_node("If", ["flag"], ["y"], then_branch=branch("then", "kept"), else_branch=branch("else", "gone"))]
+    model = ir.from_proto(make_model(nodes, {"x": np.ones(3, np.float32)}, ["y"], output_shapes={"y": [3]},
+                                     initializers={"kept": np.full(3, 2, np.float32), "gone": np.full(3, 3, np.float32)}))
+    FoldPass()(model)
+    RemoveUnusedPass()(model)
+    assert "If" not in [n.op_type for n in model.graph] and list(model.graph.initializers) == ["kept"]
