@@ -45,12 +45,6 @@ MANIFEST = load_manifest()
 
 # (model, check) -> the first line of today's error; check is "grad", "params" or "train".
 XFAIL: dict[tuple[str, str], str] = {
-    ('onnx_cnn_opset7', 'grad'):
-        "grad: onnx-autodiff: error: node '<unnamed>' (op Pad, domain ai.onnx, opset 11): Pad with 4 inputs needs opset 18 or later (the model has 11), and onnx.version_converter could not convert the model from opset 11 to 18 (ConvertError: Input _v_25 is undefined!): convert it by other means, or export it for opset 18 or later",
-    ('onnx_cnn_opset7', 'train'):
-        'train: onnx-autodiff: error: the generated train model fails the ONNX checker (a bug, please report): _v_24 in initializer but not in graph input',
-    ('onnx_silero_like', 'grad'):
-        "grad: onnx-autodiff: error: wrt 'b8k_stft_basis' names no input, initializer or node output of the graph",
     ('optimum_bert', 'train'):
         "AssertionError: the exported model's op counts differ from the producer's: {'Identity': '0 (producer 10)'}",
     ('optimum_vit', 'train'):
