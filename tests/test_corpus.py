@@ -44,14 +44,7 @@ from catalog import HERE as CORPUS, load_manifest, op_types, weight_value, weigh
 MANIFEST = load_manifest()
 
 # (model, check) -> the first line of today's error; check is "grad", "params" or "train".
-XFAIL: dict[tuple[str, str], str] = {
-    ('optimum_bert', 'train'):
-        "AssertionError: the exported model's op counts differ from the producer's: {'Identity': '0 (producer 10)'}",
-    ('optimum_vit', 'train'):
-        "AssertionError: the exported model's op counts differ from the producer's: {'Identity': '0 (producer 10)'}",
-    ('optimum_wav2vec2', 'train'):
-        "AssertionError: the exported model's op counts differ from the producer's: {'Identity': '0 (producer 11)'}",
-}
+XFAIL: dict[tuple[str, str], str] = {}
 
 STEPS = 6  # train: epochs of one step each on the one batch
 TOLERANCE = 1e-3  # directional derivative: |ad - fd| <= TOLERANCE * (|fd| + ||g*v||_2) + 1e-7

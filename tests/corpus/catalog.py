@@ -122,11 +122,16 @@ def weight_value(model: onnx.ModelProto, name: str) -> np.ndarray:
 
 
 def op_types(model: onnx.ModelProto, constants: bool = False) -> dict[str, int]:
-    """The multiset of op types over the main graph and every subgraph (Constant left out unless asked)."""
+    """The multiset of op types over the main graph and every subgraph; left out unless asked,
+    what stores weights rather than computes: Constants, and Identities of an initializer (an
+    exporter's alias of a deduplicated weight, e.g. optimum's equal LayerNorm biases, which
+    training unties: the trained file then stores each under its own name)."""
     counts: dict[str, int] = {}
+    stored = {t.name for t in model.graph.initializer}
     for graph, _ in _graphs(model.graph):
         for node in graph.node:
-            if node.op_type != "Constant" or constants:
+            alias = node.op_type == "Identity" and len(node.input) == 1 and node.input[0] in stored
+            if (node.op_type != "Constant" and not alias) or constants:
                 key = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
                 counts[key] = counts.get(key, 0) + 1
     return dict(sorted(counts.items()))
