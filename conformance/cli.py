@@ -22,6 +22,7 @@ from onnx_autodiff.conformance.report import (
     format_table,
     report_base,
     summarize,
+    symbolic_line,
     totals,
     versions,
     write_reports,
@@ -48,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--order", type=int, choices=(1, 2), default=1,
                         help="2: differentiate each single-node case's first-order graph again and check it "
                              "against finite differences of that graph (per-op verdict: twice differentiable)")
+    parser.add_argument("--no-symbolic", action="store_true",
+                        help="skip the re-check of each judged case with symbolic input dimensions "
+                             "(its backward graph must give the static VJP)")
     parser.add_argument("--references", nargs="?", const=str(DEFAULT_REFERENCES), metavar="FILE",
                         help="compare with the oracle answers stored in FILE (default: the packaged "
                              "conformance/references/oracle.npz) instead of running finite differences; "
@@ -58,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, registry=None) -> int:
-    """Run ``onnx-autodiff conformance``: 0 all registered rules pass, 1 a rule fails, 2 bad usage.
+    """Run ``onnx-autodiff conformance``: 0 all registered rules pass, 1 a rule fails (on static or
+    symbolic dimensions), 2 bad usage.
 
     ``args`` comes from a parser set up by :func:`add_arguments`; ``registry`` defaults to the
     shipped one.
@@ -76,7 +81,8 @@ def run(args: argparse.Namespace, registry=None) -> int:
     budget = getattr(args, "budget", DEFAULT_BUDGET)
     order = getattr(args, "order", 1)
     results = run_cases(selected, registry, jobs=args.jobs, budget=budget, progress=_Progress(),
-                        references=references, save=save, order=order)
+                        references=references, save=save, order=order,
+                        symbolic=not getattr(args, "no_symbolic", False))
     wall = time.perf_counter() - started
     verdicts = order2_verdicts(results) if order == 2 else None
     _print_summary(results, verdicts)
@@ -87,10 +93,11 @@ def run(args: argparse.Namespace, registry=None) -> int:
         return 2
     if args.report:
         meta = {"wall_seconds": wall, "jobs": args.jobs, "budget": budget, "selected_cases": len(selected), "order": order,
+                "symbolic": not getattr(args, "no_symbolic", False),
                 "filters": {"op": list(args.op), "case": list(args.case), "limit": args.limit}}
         if not _write_report(args.report, results, meta, verdicts):
             return 2
-    return 1 if any(r.status in ("fail", "error") for r in results) else 0
+    return 1 if any(r.status in ("fail", "error") or r.symbolic == "fail" for r in results) else 0
 
 
 def _check_report_path(path: str) -> None:
@@ -112,16 +119,20 @@ class _Progress:
         self.tty = self.stream.isatty()
         self.started = time.perf_counter()
         self.counts = {s: 0 for s in STATUSES}
+        self.symbolic_failures = 0
         self.last = 0.0
 
     def __call__(self, done: int, total: int, results: list[Result]) -> None:
         if results:
             self.counts[case_status(results)] += 1
+            self.symbolic_failures += any(r.symbolic == "fail" for r in results)
         now = time.perf_counter()
         if not (self.tty and now - self.last > 0.2) and not (done == total or done % 50 == 0):
             return
         self.last = now
         counts = " ".join(f"{SHORT.get(s, s)} {n}" for s, n in self.counts.items() if n)
+        if self.symbolic_failures:
+            counts += f" symbolic-fail {self.symbolic_failures}"
         name = results[0].case if results else ""
         line = f"[{done}/{total}] {now - self.started:.0f}s {counts} {name}"
         if self.tty:
@@ -194,9 +205,13 @@ def _print_summary(results: Sequence[Result], verdicts: Sequence[dict] | None) -
     print(f"{summary['case_count']} cases: " + ", ".join(f"{s} {n}" for s, n in summary["cases"].items() if n))
     print(eligible_line(summary))
     print(f"{summary['check_count']} checks: " + ", ".join(f"{s} {n}" for s, n in summary["checks"].items() if n))
+    if any(r.symbolic for r in results):
+        print(symbolic_line(summary))
     for r in results:
         if r.status in ("fail", "error"):
             print(f"{r.status}: {r.case} [{r.input}] {fmt_error(r.error) if r.error is not None else ''} {r.message}".rstrip())
+        if r.symbolic == "fail":
+            print(f"symbolic fail: {r.case} [{r.input}] {r.symbolic_message}")
     if verdicts is None:
         return
     counts = {}

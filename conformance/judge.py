@@ -19,6 +19,7 @@ from onnx_autodiff.conformance.check import LOSS, WEAK_TOLERANCE, backward_model
 from onnx_autodiff.conformance.oracle import BACKENDS, Evaluator, OracleResult, cotangents_for, fd_vjp, usable
 from onnx_autodiff.modelfile import from_proto
 from onnx_autodiff.conformance.references import References, StoredOracle, case_fingerprint, is_stale
+from onnx_autodiff.conformance.symbolic import recheck
 
 STATUSES = ("pass", "fail", "no-rule", "not-differentiable", "refused", "oracle-skip", "error")
 """Every status a check can get, in report-column order."""
@@ -53,6 +54,8 @@ class Result:
     source: str = ""  # "stored": compared with stored references; "live": live oracle (reference missing)
     constants: list = dataclasses.field(default_factory=list)  # run-time inputs fed as initializers (retry)
     defaults: list = dataclasses.field(default_factory=list)  # "Op.attr=value" written out for onnx.checker
+    symbolic: str = ""  # the re-check on symbolic dimensions (SYMBOLIC_OUTCOMES; "": not run)
+    symbolic_message: str = ""
 
 
 def run_case(
@@ -63,6 +66,7 @@ def run_case(
     *,
     references: References | None = None,
     record: dict | None = None,
+    symbolic: bool = True,
 ) -> list[Result]:
     """Check every float differentiable input of one case; one Result per input (or one per case
     when the case is not checked at all). Cases without a float input and a float output give [].
@@ -71,7 +75,8 @@ def run_case(
     exist for this case, seed and onnx version and their fingerprint (model, inputs, cotangents)
     matches; otherwise the live oracle runs (``Result.source`` says which). With ``record`` (a
     dict), the live oracle runs on every candidate input and ``record[case.name]`` receives its
-    :class:`StoredOracle`."""
+    :class:`StoredOracle`. With ``symbolic``, every input that passed or failed is also checked on
+    symbolic dimensions (``Result.symbolic``, see :func:`_symbolic`)."""
     from onnx_autodiff.rules import default_registry
 
     registry = registry if registry is not None else default_registry()
@@ -88,6 +93,9 @@ def run_case(
     if gradients or record is not None:
         answer = _ask_oracle(forward, gradients, budget, seed, references, record)
         results.update({x: _verdict(forward, x, gradient, answer) for x, gradient in gradients.items()})
+    if symbolic:
+        _symbolic(forward, {x: g for x, g in gradients.items() if results[x].status in ("pass", "fail")},
+                  results, registry)
     return [results[x] for x in forward.wrt]
 
 
@@ -304,6 +312,8 @@ class _Gradient:
     ad: np.ndarray
     backend: str
     named: dict
+    model: onnx.ModelProto  # the model whose backward graph gave it, and its feeds
+    feeds: dict
     constants: list = dataclasses.field(default_factory=list)
     defaults: list = dataclasses.field(default_factory=list)
 
@@ -331,7 +341,7 @@ def _attempt(forward: _Forward, model: onnx.ModelProto, feeds, x: str, registry)
         ad, backend, named = _ad(model, feeds, x, forward.cotangents, registry, forward.backward_backends)
     except Exception as error:  # noqa: BLE001 - every failure of the pass is a reported status
         return None, classify(error), one_line(error)
-    return _Gradient(ad, backend, named), "", ""
+    return _Gradient(ad, backend, named, model, feeds), "", ""
 
 
 def _retry_with_constants(forward: _Forward, x: str, registry, status: str, message: str):
@@ -390,21 +400,35 @@ def _forward_trouble(exported, backend: str, cotangents, f32: float) -> str:
 def backward_graph(model: onnx.ModelProto, x: str, cotangents, registry) -> tuple[onnx.ModelProto, str, dict]:
     """(the model with the gradient for ``x``, that output's name, the seed's feeds): the seed
     ``dy`` is an input fed with r when one output is float, else Σ⟨out_k, r_k⟩ is differentiated."""
+    proto, names, seed = backward_graphs(model, [x], cotangents, registry)
+    return proto, names[x], seed
+
+
+def backward_graphs(model: onnx.ModelProto, wrt: Sequence[str], cotangents,
+                    registry) -> tuple[onnx.ModelProto, dict, dict]:
+    """:func:`backward_graph` for several inputs at once: the gradients' names by input."""
     floats = [i for i, r in enumerate(cotangents) if r is not None]
     if len(floats) == 1:
         of = model.graph.output[floats[0]].name
-        proto, autodiff = backward_model(model, of, [x], registry, seed="input")
+        proto, autodiff = backward_model(model, of, list(wrt), registry, seed="input")
         seed = {autodiff.seed_name: cotangents[floats[0]]}
     else:
-        proto, autodiff = backward_model(scalarize(model, cotangents), LOSS, [x], registry)
+        proto, autodiff = backward_model(scalarize(model, cotangents), LOSS, list(wrt), registry)
         seed = {}
-    return proto, autodiff.gradient_names[x], seed
+    return proto, {x: autodiff.gradient_names[x] for x in wrt}, seed
 
 
 def _ad(model, feeds, x, cotangents, registry, backends) -> tuple[np.ndarray, str, dict]:
     """The backward graph's VJP for ``x``, the backend that ran it (the first of ``backends``
     that loads and runs it) and every output of that graph by name."""
     proto, gradient_name, seed = backward_graph(model, x, cotangents, registry)
+    outputs, backend = _run_backward(proto, {**feeds, **seed}, backends)
+    named = dict(zip((o.name for o in proto.graph.output), outputs))
+    return named[gradient_name], backend, named
+
+
+def _run_backward(proto: onnx.ModelProto, feeds, backends) -> tuple[list[np.ndarray], str]:
+    """(outputs, runtime) of a backward graph on the first of ``backends`` that loads and runs it."""
     failures = []
     for backend in backends:
         try:
@@ -413,13 +437,38 @@ def _ad(model, feeds, x, cotangents, registry, backends) -> tuple[np.ndarray, st
             failures.append(f"the backward graph does not run on {backend}: {error}")
             continue
         try:
-            outputs = evaluate({**feeds, **seed})
+            return evaluate(feeds), backend
         except Exception as error:  # noqa: BLE001 - say which runtime failed
             failures.append(f"running the backward graph on {backend}: {one_line(error)}")
-            continue
-        named = dict(zip((o.name for o in proto.graph.output), outputs))
-        return named[gradient_name], backend, named
     raise RuntimeError("; ".join(failures))
+
+
+def _symbolic(forward: _Forward, gradients: Mapping[str, _Gradient], results: dict, registry) -> None:
+    """Set ``Result.symbolic`` of the judged inputs: :func:`~onnx_autodiff.conformance.symbolic.recheck`
+    of the model each backward graph came from (the case's, or its exporter-style form), against
+    that model's forward outputs on the case's runtime."""
+    groups: dict[int, list[str]] = {}
+    for x, gradient in gradients.items():
+        groups.setdefault(id(gradient.model), []).append(x)
+    for xs in groups.values():
+        first = gradients[xs[0]]
+        outputs = forward.outputs
+        if first.model is not forward.model:
+            try:
+                outputs = Evaluator(first.model, backends=(forward.backend,))(first.feeds)
+            except Exception as error:  # noqa: BLE001 - it ran in the retry; say so if not now
+                for x in xs:
+                    results[x].symbolic, results[x].symbolic_message = "fail", one_line(error)
+                continue
+        checks = recheck(
+            first.model, first.feeds, {x: gradients[x].ad for x in xs}, forward_backend=forward.backend,
+            outputs=outputs,
+            build=lambda model, wrt: backward_graphs(model, wrt, forward.cotangents, registry),
+            run=lambda proto, feeds: _run_backward(proto, feeds, forward.backward_backends),
+            tolerance=lambda value: TOLERANCES.get(value.dtype, TOLERANCES[np.dtype(np.float32)]),
+            describe=one_line)
+        for x, check in checks.items():
+            results[x].symbolic, results[x].symbolic_message = check.outcome, check.message
 
 
 def _same_forward(named: Mapping[str, np.ndarray], model, first, f32: float) -> bool:

@@ -85,7 +85,7 @@ def run_case_order2(case: Case, registry=None, budget: float = DEFAULT_BUDGET, s
                                   message=f"first order: {one_line(error)}",
                                   seconds=time.perf_counter() - started))
             continue
-        for r in run_case(second, registry, budget, seed, **options):
+        for r in run_case(second, registry, budget, seed, symbolic=False, **options):
             results.append(dataclasses.replace(r, case=case.name, input=x if r.input in ("*", x) else r.input))
     return results
 

@@ -13,13 +13,14 @@ import numpy as np
 import onnx
 
 from onnx_autodiff.conformance.judge import STATUSES, Result
+from onnx_autodiff.conformance.symbolic import NEEDS_STATIC, SYMBOLIC_OUTCOMES
 from onnx_autodiff.files import write_atomically
 
 _CASE_PRECEDENCE = ("error", "fail", "no-rule", "refused", "pass", "oracle-skip", "not-differentiable")
 """A case's status is the first of these among its inputs' statuses."""
 
 _COLUMNS = ("pass", "fail", "no-rule", "not-differentiable", "refused", "oracle-skip", "error")
-SHORT = {"not-differentiable": "not-diff", "oracle-skip": "skip"}
+SHORT = {"not-differentiable": "not-diff", "oracle-skip": "skip", "needs-static": "static"}
 """Short status names for narrow columns."""
 _PROBLEMS = ("fail", "error", "refused", "no-rule")
 
@@ -30,8 +31,16 @@ def case_status(results: Sequence[Result]) -> str:
     return next(s for s in _CASE_PRECEDENCE if s in statuses)
 
 
+def case_symbolic(results: Sequence[Result]) -> str:
+    """A case's outcome on symbolic dimensions: "fail" if an input's is, else "needs-static" if an
+    input's is, else "pass" if an input's is; "" when no input was re-checked."""
+    outcomes = {r.symbolic for r in results}
+    return next((o for o in ("fail", "needs-static", "pass") if o in outcomes), "")
+
+
 def summarize(results: Sequence[Result]) -> list[dict]:
-    """One row per op type: cases per status (each case counted once) and the worst error."""
+    """One row per op type: cases per status (each case counted once), cases per outcome on
+    symbolic dimensions (``symbolic_pass``, ...) and the worst error."""
     by_case: dict[str, list[Result]] = {}
     for r in results:
         by_case.setdefault(r.case, []).append(r)
@@ -39,8 +48,10 @@ def summarize(results: Sequence[Result]) -> list[dict]:
     for case_results in by_case.values():
         op = case_results[0].op
         row = rows.setdefault(op, {"op": op, "cases": 0, **{s: 0 for s in STATUSES}, "constants": 0,
-                                   "worst_error": None})
+                                   **{_symbolic_key(o): 0 for o in SYMBOLIC_OUTCOMES}, "worst_error": None})
         row["cases"] += 1
+        if case_symbolic(case_results):
+            row[_symbolic_key(case_symbolic(case_results))] += 1
         row[case_status(case_results)] += 1
         row["constants"] += case_status(case_results) == "pass" and any(r.constants or r.defaults for r in case_results)
         for r in case_results:
@@ -51,27 +62,34 @@ def summarize(results: Sequence[Result]) -> list[dict]:
     return [rows[op] for op in sorted(rows)]
 
 
+def _symbolic_key(outcome: str) -> str:
+    return "symbolic_" + outcome.replace("-", "_")
+
+
 def totals(results: Sequence[Result]) -> dict:
     """Cases and checks per status; ``eligible`` cases (all but not-differentiable), the percent
     of them that pass, ``constants``: passing cases whose backward graph needed run-time inputs
     fed as constants, and ``defaults``: passing cases whose model needed its default attributes
-    written out to pass onnx.checker."""
+    written out to pass onnx.checker; ``symbolic``: cases per outcome on symbolic dimensions."""
     by_case: dict[str, list[Result]] = {}
     for r in results:
         by_case.setdefault(r.case, []).append(r)
     cases = {s: 0 for s in STATUSES}
     checks = {s: 0 for s in STATUSES}
     constants = defaults = 0
+    symbolic = dict.fromkeys(SYMBOLIC_OUTCOMES, 0)
     for case_results in by_case.values():
         status = case_status(case_results)
         cases[status] += 1
+        if case_symbolic(case_results):
+            symbolic[case_symbolic(case_results)] += 1
         constants += status == "pass" and any(r.constants for r in case_results)
         defaults += status == "pass" and any(r.defaults for r in case_results)
     for r in results:
         checks[r.status] += 1
     eligible = len(by_case) - cases["not-differentiable"]
     return {"cases": cases, "checks": checks, "case_count": len(by_case), "check_count": len(results),
-            "eligible": eligible, "constants": constants, "defaults": defaults,
+            "eligible": eligible, "constants": constants, "defaults": defaults, "symbolic": symbolic,
             "pass_percent": round(100 * cases["pass"] / eligible, 2) if eligible else 0.0}
 
 
@@ -85,6 +103,14 @@ def eligible_line(summary: Mapping) -> str:
             f"{fed} = {summary['pass_percent']:.1f}%")
 
 
+def symbolic_line(summary: Mapping) -> str:
+    """One line: the cases re-checked on symbolic dimensions and how many pass, fail and cannot run
+    their forward model so."""
+    counts = summary.get("symbolic") or dict.fromkeys(SYMBOLIC_OUTCOMES, 0)
+    return (f"symbolic dimensions, {sum(counts.values())} cases re-checked: pass {counts['pass']}, "
+            f"fail {counts['fail']}, {NEEDS_STATIC} {counts['needs-static']}")
+
+
 def fmt_error(value) -> str:
     """An error ratio as printed: three significant digits, "inf", or "-" when there is none."""
     if value is None:
@@ -95,10 +121,11 @@ def fmt_error(value) -> str:
 def format_table(rows: Sequence[dict], markdown: bool = False) -> str:
     """The per-op summary as aligned text, or as a Markdown table. Column ``pass*``: passing
     cases checked exporter-style, run-time inputs fed as constants or default attributes written
-    out (counted in ``pass`` too)."""
-    header = ["op", "cases", *(SHORT.get(c, c) for c in _COLUMNS), "pass*", "worst error"]
+    out (counted in ``pass`` too). Columns ``sym ...``: cases per outcome on symbolic dimensions."""
+    header = ["op", "cases", *(SHORT.get(c, c) for c in _COLUMNS), "pass*",
+              *(f"sym {SHORT.get(o, o)}" for o in SYMBOLIC_OUTCOMES), "worst error"]
     body = [[r["op"], str(r["cases"]), *(str(r[c]) for c in _COLUMNS), str(r.get("constants", 0)),
-             fmt_error(r["worst_error"])] for r in rows]
+             *(str(r.get(_symbolic_key(o), 0)) for o in SYMBOLIC_OUTCOMES), fmt_error(r["worst_error"])] for r in rows]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in body]
@@ -149,7 +176,8 @@ def write_reports(path: str | Path, results: Sequence[Result], meta: Mapping, ve
     md = _header(document["versions"], rows, summary, meta, second_order=verdicts is not None)
     if verdicts is not None:
         md += _second_order_section(verdicts)
-    md += _problems_section(results) + _exporter_style_section(results) + _skips_section(results)
+    md += (_problems_section(results) + _exporter_style_section(results) + _needs_static_section(results)
+           + _skips_section(results))
     md_path, json_path = base.with_name(base.name + ".md"), base.with_name(base.name + ".json")
     write_atomically(md_path, "\n".join(md).encode())
     write_atomically(json_path, (json.dumps(document, indent=1, default=str) + "\n").encode())
@@ -177,6 +205,8 @@ def _header(installed: Mapping, rows: Sequence[dict], summary: Mapping, meta: Ma
         "",
         f"**{eligible_line(summary)}**",
         "",
+        f"**{symbolic_line(summary)}**",
+        "",
         f"**{summary['case_count']} cases**: "
         + ", ".join(f"{s} {n}" for s, n in summary["cases"].items() if n),
         "",
@@ -190,6 +220,12 @@ def _header(installed: Mapping, rows: Sequence[dict], summary: Mapping, meta: Ma
         "Slice axes, ...) is fed at run time in the backend data, they ran with those inputs (every "
         "input not checked) as initializers; or onnx.checker rejected the model until the schema's "
         "default attributes were written out (onnx's shape inference reads other defaults).",
+        "",
+        "Columns sym pass / sym fail / sym static: each case whose inputs passed or failed is re-checked "
+        "with every graph-input dimension a distinct name (value shapes inferred again): its backward "
+        "graph must pass onnx.checker (full check) and strict shape inference, run, and give the static "
+        f"VJP within the same tolerance; \"{NEEDS_STATIC}\" (static): onnx's inference or the runtime "
+        "refuses the symbolic forward model, or it computes other outputs.",
         "",
     ]
 
@@ -212,15 +248,30 @@ def _second_order_section(verdicts: Sequence[dict]) -> list[str]:
 
 
 def _problems_section(results: Sequence[Result]) -> list[str]:
-    problems = [r for r in results if r.status in _PROBLEMS]
+    problems = [r for r in results if r.status in _PROBLEMS or r.symbolic == "fail"]
     if not problems:
         return []
     md = ["## Failures, errors, refusals and missing rules", ""]
     for r in problems:
-        error = f" (error {fmt_error(r.error)})" if r.error is not None else ""
         fed = " ⚑" if r.constants or r.defaults else ""
-        md.append(f"- **{r.status}**{fed} `{r.case}` input `{r.input}`{error}: {r.message}".rstrip(": "))
+        if r.status in _PROBLEMS:
+            error = f" (error {fmt_error(r.error)})" if r.error is not None else ""
+            md.append(f"- **{r.status}**{fed} `{r.case}` input `{r.input}`{error}: {r.message}".rstrip(": "))
+        if r.symbolic == "fail":
+            md.append(f"- **symbolic fail**{fed} `{r.case}` input `{r.input}`: {r.symbolic_message}")
     return md + [""]
+
+
+def _needs_static_section(results: Sequence[Result]) -> list[str]:
+    """One line per case whose forward model cannot run on symbolic dimensions, and why."""
+    seen = {}
+    for r in results:
+        if r.symbolic == "needs-static":
+            seen.setdefault(r.case, r.symbolic_message)
+    if not seen:
+        return []
+    return ([f"## Symbolic dimensions: {NEEDS_STATIC}", ""]
+            + [f"- `{case}`: {message.removeprefix(NEEDS_STATIC + ': ')}" for case, message in seen.items()] + [""])
 
 
 def _exporter_style_section(results: Sequence[Result]) -> list[str]:

@@ -17,6 +17,13 @@ Statuses, per case and input:
 ``oracle-skip``         no trustworthy reference value (random op, no element checkable, ...)
 ``error``               the pass crashed, produced an invalid graph, or onnxruntime cannot run it
 
+Symbolic dimensions. Each input that passed or failed is checked again on
+:func:`~onnx_autodiff.conformance.symbolic.symbolic_model` of the model it was judged on (every
+graph-input dimension a name): its backward graph must pass onnx.checker (full check) and strict
+shape inference, run, and give the static VJP within the same tolerance (``Result.symbolic``:
+pass, fail, or needs-static when onnx's inference or the runtime refuses the symbolic forward
+model). A symbolic failure fails the sweep; ``--no-symbolic`` skips the re-check.
+
 Exporter-style retry. The backend data feeds at run time some inputs that exporters write as
 initializers or Constant nodes (Resize scales/sizes/roi, Slice starts/ends/axes/steps, Pad axes,
 Col2Im shapes, DFT axis, ...), and rules that need them as constants refuse. When a rule refuses
@@ -34,7 +41,7 @@ checked against onnxruntime's own function by float32 differences (a weak check,
 message).
 
 Command line: ``onnx-autodiff conformance [--op OP ...] [--case NAME ...] [--jobs N]
-[--report PATH] [--limit N] [--references [FILE] | --save-references FILE]`` (also
+[--report PATH] [--limit N] [--no-symbolic] [--references [FILE] | --save-references FILE]`` (also
 ``python -m onnx_autodiff.conformance.runner``).
 
 Stored references. The oracle's answers depend only on the case, the seed and the onnx version
@@ -53,6 +60,7 @@ the case collection (from the repository root; about 15 minutes on 2 cores)::
 
 The parts: :mod:`~onnx_autodiff.conformance.cases` (collecting and selecting cases),
 :mod:`~.judge` (one case: prepare, forward, backward with the retry, oracle, verdict),
+:mod:`~.symbolic` (the re-check on symbolic dimensions),
 :mod:`~.order2` (second order), :mod:`~.references` (stored references), :mod:`~.sweep` (many
 cases in worker processes), :mod:`~.report` (summaries, Markdown and JSON reports) and
 :mod:`~.cli` (the command line). This module is their public face.

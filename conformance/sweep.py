@@ -24,9 +24,12 @@ def _work(index: int) -> tuple[list[Result], dict]:
     try:
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
-            check = run_case_order2 if state.get("order", 1) == 2 else run_case
-            results = check(case, state["registry"], state["budget"], state.get("seed", 0),
-                            references=state.get("references"), record=record)
+            options = {"references": state.get("references"), "record": record}
+            if state.get("order", 1) == 2:
+                check = run_case_order2
+            else:
+                check, options["symbolic"] = run_case, state["symbolic"](case)
+            results = check(case, state["registry"], state["budget"], state.get("seed", 0), **options)
             return results, record or {}
     except Exception as error:  # noqa: BLE001 - one broken case must not stop the sweep
         return [Result(case.name, case.op, case.kind, "*", "error", message=one_line(error))], {}
@@ -56,18 +59,21 @@ def run_cases(
     save: References | None = None,
     seed: int = 0,
     order: int = 1,
+    symbolic: bool | Callable[[Case], bool] = True,
 ) -> list[Result]:
     """Run :func:`run_case` over ``cases`` (in ``jobs`` processes); results in case order.
 
     ``progress(done, total, results_of_that_case)`` is called after each case. ``references``:
     compare with stored oracle answers where they exist; ``save``: run the live oracle on every
-    candidate input and put its answers into that :class:`References`.
+    candidate input and put its answers into that :class:`References`. ``symbolic``: re-check the
+    judged inputs on symbolic dimensions (first order), in every case or where ``symbolic(case)``.
     """
     from onnx_autodiff.rules import default_registry
 
     _quiet_onnxruntime()
     _WORKER.update(cases=list(cases), registry=registry if registry is not None else default_registry(), budget=budget,
-                   references=references, record=save is not None, seed=seed, order=order)
+                   references=references, record=save is not None, seed=seed, order=order,
+                   symbolic=symbolic if callable(symbolic) else (lambda case: symbolic))
     by_index: dict[int, list[Result]] = {}
 
     def done(i: int, outcome: tuple[list[Result], dict]) -> None:

@@ -11,6 +11,7 @@ from onnx import helper, numpy_helper
 from onnx_autodiff.conformance import check_vjp
 from onnx_autodiff.conformance.check import ad_vjp, backward_model
 from onnx_autodiff.conformance.oracle import Evaluator, random_cotangents
+from onnx_autodiff.conformance.symbolic import symbolic_model
 from onnx_autodiff.passes.rewrite_rules.webgpu import dropout_tables
 from onnx_autodiff.toolkit import proto_graphs
 
@@ -112,34 +113,6 @@ def assert_gradients(
     if symbolic:
         _assert_symbolic_gradients(model, feeds, wrt, result.ad, registry, seed, atol, rtol, ad_backends)
     return result
-
-
-def symbolic_model(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` whose graph inputs' every dimension is a distinct name, its outputs'
-    and value_info's shapes cleared and inferred again from those; an output inference leaves
-    without a shape keeps its declared rank, each dimension a name (as exporters declare)."""
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    graph = copy.graph
-    initialized = {t.name for t in graph.initializer}
-    for info in graph.input:
-        if info.name in initialized or not info.type.HasField("tensor_type"):
-            continue
-        for k, dim in enumerate(info.type.tensor_type.shape.dim):
-            dim.Clear()
-            dim.dim_param = f"{info.name}_d{k}"
-    del graph.value_info[:]
-    declared = {}
-    for info in graph.output:
-        if info.type.HasField("tensor_type") and info.type.tensor_type.HasField("shape"):
-            declared[info.name] = len(info.type.tensor_type.shape.dim)
-            info.type.tensor_type.ClearField("shape")
-    inferred = onnx.shape_inference.infer_shapes(copy, strict_mode=False, data_prop=True)
-    for info in inferred.graph.output:
-        if info.name in declared and not info.type.tensor_type.HasField("shape"):
-            info.type.tensor_type.shape.dim.extend(
-                onnx.TensorShapeProto.Dimension(dim_param=f"{info.name}_d{k}") for k in range(declared[info.name]))
-    return inferred
 
 
 def _assert_symbolic_gradients(model, feeds, wrt, static_ad, registry, seed, atol, rtol, backends):
