@@ -39,7 +39,9 @@ class FoldPass(ir.passes.InPlacePass):
             return ir.passes.PassResult(model, modified=False)
         folder = Folder(input_size_limit=self.limit, output_size_limit=self.limit, should_fold=self.should_fold,
                         graphs=self.graphs)
-        holders = [node for graph in self.graphs(model) for node in graph if subgraphs(node)]
+        graphs = self.graphs(model)
+        nested = len(graphs) > 1 + len(model.functions)  # (else no node holds a subgraph: no walk)
+        holders = [node for graph in graphs for node in graph if subgraphs(node)] if nested else []
         result = folder(model)
         for node in holders:
             if node.graph is None:  # an If the folder replaced by its taken branch: the other
