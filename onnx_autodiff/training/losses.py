@@ -24,7 +24,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from onnx_autodiff.errors import OpsetTooOldError, TrainingError, UnknownValueError
+from onnx_autodiff.errors import TrainingError, TrainingOpsetError, UnknownValueError
 from onnx_autodiff.passes.opsets import default_opset
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, shapes
 from onnx_autodiff.training.values import dim_value, fresh_value, shape_text
@@ -42,11 +42,6 @@ class LossSpec:
     # what attaching the loss found, the same for each model it is attached to:
     notes: list[str] = dataclasses.field(default_factory=list)  # each logged once
     class_axis: int | None = 1  # the scored output's axis that integer labels index (None: no accuracy)
-
-
-class LossOpsetError(TrainingError, OpsetTooOldError):
-    """A loss needs a newer default-domain opset than the model imports: an OpsetTooOldError too, so
-    that generate_artifacts converts the model where its upgrade_opset allows, as it does for a rule."""
 
 
 @dataclasses.dataclass
@@ -87,7 +82,7 @@ class _Attachment:
 
     def need_opset(self, loss: str, opset: int, why: str) -> None:
         if self.op.opset < opset:
-            raise LossOpsetError(f"{loss} uses {why}, which needs opset >= {opset}; convert the model", opset)
+            raise TrainingOpsetError(f"{loss} uses {why}, which needs opset >= {opset}; convert the model", opset)
 
 
 _BUILTINS: dict[str, Callable[[_Attachment, ir.Value], tuple[ir.Value, list[ir.Value]]]] = {}
