@@ -255,7 +255,7 @@ class _Geometry:
         why = f"auto_pad={self.auto_pad} on spatial sizes of '{X.name}' known only at run time"
         shapes.require_opset(op, 11, why)
         reach = self.extent([1] * self.ns)
-        size = _spatial_sizes(op, X, self.ns)
+        size = shapes.shape_between(op, X, 2, self.ns + 2)
         offset = op.Mod(op.Sub(size, [1]), np.array(self.strides, np.int64))
         total = op.Sub(np.array(reach, np.int64) - 1, offset)
         if any(st > r for st, r in zip(self.strides, reach)):  # strides past the window: may be < 0
@@ -291,13 +291,6 @@ class _RunTimePads(NamedTuple):
     def of_tensor(self, op):
         """The Pad input for a tensor with batch and channel axes before the spatial ones."""
         return op.Concat([0, 0], self.begin, [0, 0], self.end, axis=0)
-
-
-def _spatial_sizes(op, x: ir.Value, ns: int):
-    """x's spatial extents (axes 2 on) as a 1-D int64 value."""
-    if op.opset >= 15:
-        return op.Shape(x, start=2)
-    return op.Slice(op.Shape(x), [2], [ns + 2])
 
 
 def _batch_as_channels(op, x, group: int, ns: int):
@@ -357,7 +350,7 @@ def _cut_to(op, transpose, g: _Geometry, like):
                                  f"'{like.name}', known only at run time (Slice)")
     ns = g.ns
     reach = g.extent([1] * ns)
-    size = _spatial_sizes(op, like, ns)
+    size = shapes.shape_between(op, like, 2, ns + 2)
     if isinstance(g.pads, _RunTimePads):
         begin, starts, ends = [0] * ns, g.pads.begin, op.Add(g.pads.begin, size)
         tail = [max(0, st - r) for st, r in zip(g.strides, reach)]
@@ -471,7 +464,7 @@ def _conv_transpose_dx_to_shape(op, dY, W, g: _Geometry, X, out: list[int], out_
     ns = g.ns
     strides = np.array(g.strides, np.int64)
     constant = np.array(g.extent([1] * ns)) + np.array(out_pad) - np.array(out) - strides
-    size = _spatial_sizes(op, X, ns)
+    size = shapes.shape_between(op, X, 2, ns + 2)
     g.pads = _RunTimePads.split(op, op.Add(op.Mul(size, strides), constant.astype(np.int64)), g.auto_pad)
     dX = op.Conv(op.Pad(dY, g.pads.of_tensor(op)), W, strides=g.strides, dilations=g.dilations,
                  group=g.group)
@@ -525,7 +518,7 @@ def _average_pool_at_run_time(op, node, dY, g: _Geometry):
     static form, from ones of X's sizes (one plane) made at run time."""
     X, ns = node.inputs[0], g.ns
     window = _pool_window(op, g, X, dY)
-    ones = shapes.fill_like(op, dY, 1.0, op.Concat([1, 1], _spatial_sizes(op, X, ns), axis=0))
+    ones = shapes.fill_like(op, dY, 1.0, op.Concat([1, 1], shapes.shape_between(op, X, 2, ns + 2), axis=0))
     pooled = op.AveragePool(ones, **{k: shapes.attr(node, k) for k in node.attributes})
     # In-bounds taps: with ceil_mode the end pads grow by a stride less one, enough for the last
     # window, and the windows the pool drops (starting in the end pad) are cut.

@@ -31,9 +31,7 @@ def _dims(op, x, start: int, end: int):
         return []
     if known is not None and all(isinstance(d, int) for d in known[start:end]):
         return list(known[start:end])
-    if op.opset >= 15:
-        return op.Shape(x, start=start, end=end)
-    return op.Slice(op.Shape(x), [start], [end])
+    return shapes.shape_between(op, x, start, end)
 
 
 def _scalar_extent(op, x, axis: int):

@@ -82,6 +82,14 @@ def extent(op: OpBuilder, x: ir.Value, axis: int):
     return op.Slice(op.Shape(x), [axis], [axis + 1])
 
 
+def shape_between(op: OpBuilder, x: ir.Value, start: int, end: int) -> ir.Value:
+    """x's dimensions start:end, a 1-D int64 value computed at run time (Shape's own start and
+    end from opset 15)."""
+    if op.opset >= 15:
+        return op.Shape(x, start=start, end=end)
+    return op.Slice(op.Shape(x), [start], [end])
+
+
 def shape_from(op: OpBuilder, *parts):
     """An int64 shape from ints and 1-element int64 values (a list when all are ints)."""
     if all(isinstance(p, int) for p in parts):
