@@ -31,9 +31,9 @@ process so that its peak RSS is its own:
   MatMul's B [K, N], as the TorchScript exporter and optimum write them: the quantizer skips the
   ``MatMul(x, Transpose(W))`` of an optimize=False export), saved with external data as
   ``model_q4.onnx``; then the artifacts (the options above), the Trainer and the merged model of
-  that file twice: as the command line reads it by default (its MatMulNBits kernels in the train
-  models), and with ``--quantize-format dequantizelinear`` (its weights read through
-  DequantizeLinear, as ``--quantize-base int4`` stores a float base by default);
+  that file twice: as the command line reads it by default (its weights read through
+  DequantizeLinear in the train models, as ``--quantize-base int4`` stores a float base), and with
+  ``--quantize-format matmulnbits`` (its MatMulNBits kernels, which keep a pre-packed copy);
 - PyTorch + peft eager (unless ``--no-torch``): the same weights (same seed), the same LoRA config
   and initial A, the same batches and AdamW steps; its losses against ours.
 
@@ -88,24 +88,26 @@ def rss_mb() -> float:
 def artifacts_argv(args, folder: str, base: str = "float") -> list[str]:
     """The ``onnx-autodiff artifacts`` command of the artifacts phase of ``base`` (see
     :data:`BASES`): its options are built here alone."""
-    sources = {"reread": "merged-quantized.onnx", "shipped": "model_q4.onnx", "shipped-read": "model_q4.onnx"}
+    sources = {"reread": "merged-quantized.onnx", "shipped": "model_q4.onnx", "shipped-kernels": "model_q4.onnx"}
     source = os.path.join(folder, sources.get(base, "model.onnx"))
     argv = [sys.executable, "-m", "onnx_autodiff", "artifacts", source, "-o",
             os.path.join(folder, base_files(base)[0]), "--loss", "none", "--optimizer", "adamw", "--lr", str(LR),
             "--weight-decay", "0.01", "--lora", str(RANK), "--lora-targets", *(f"*{t}*" for t in TARGETS)]
     if base == "quantized":
         argv += ["--quantize-base", args.quantize_base, "--quantize-format", args.quantize_format]
-    elif base in ("reread", "shipped-read"):
+    elif base == "reread":
         argv += ["--quantize-format", "dequantizelinear"]
+    elif base == "shipped-kernels":
+        argv += ["--quantize-format", "matmulnbits"]
     return argv
 
 
 # the bases trained: the float export; its base quantized at build time (--quantize-base); and, for
 # a MatMulNBits base, the merged export in that form (a model_q4.onnx as shipped) trained with its
 # weights read through DequantizeLinear (--quantize-format dequantizelinear); and the float export
-# quantized by onnxruntime's MatMulNBitsQuantizer, a file as shipped (--shipped-int4), read by its
-# kernels and read through DequantizeLinear
-BASES = ("float", "quantized", "reread", "shipped", "shipped-read")
+# quantized by onnxruntime's MatMulNBitsQuantizer, a file as shipped (--shipped-int4), read as the
+# command line reads it by default (through DequantizeLinear) and by its kernels
+BASES = ("float", "quantized", "reread", "shipped", "shipped-kernels")
 
 
 def base_files(base: str) -> tuple[str, str, str]:
@@ -113,7 +115,7 @@ def base_files(base: str) -> tuple[str, str, str]:
     return {"float": ("artifacts", "merged.onnx", ""), "quantized": ("artifacts-quantized", "merged-quantized.onnx", "-quantized"),
             "reread": ("artifacts-reread", "merged-reread.onnx", "-reread"),
             "shipped": ("artifacts-shipped", "merged-shipped.onnx", "-shipped"),
-            "shipped-read": ("artifacts-shipped-read", "merged-shipped-read.onnx", "-shipped-read")}[base]
+            "shipped-kernels": ("artifacts-shipped-kernels", "merged-shipped-kernels.onnx", "-shipped-kernels")}[base]
 
 
 def batches(args, vocab: int) -> list[dict[str, np.ndarray]]:
@@ -357,7 +359,7 @@ def main(argv=None) -> int:
                 results[name] = json.load(stream)
         rows.append([label, f"{seconds:.1f}", f"{peak:.0f}", "" if disk is None else f"{disk_mb(folder, disk):.0f}",
                      name if name in ("train", "torch", "train-quantized", "train-reread", "train-shipped",
-                                                 "train-shipped-read") and not code else None])
+                                                 "train-shipped-kernels") and not code else None])
         if code or not name:  # the phases' own output is warnings (torch's registry, onnxruntime's folding)
             print(f"{label}: exit {code}\n  " + text.replace("\n", "\n  "))
         return not code
@@ -387,7 +389,8 @@ def main(argv=None) -> int:
         if ok and args.shipped_int4:
             ok = phase("onnxruntime MatMulNBitsQuantizer: model_q4.onnx (int4, blocks of 32)",
                        [*me, *common, "--phase=ship"], "ship", "model_q4.onnx")
-            for base, how in (("shipped", "MatMulNBits kernels"), ("shipped-read", "--quantize-format dequantizelinear")):
+            for base, how in (("shipped", "read through DequantizeLinear, the default"),
+                              ("shipped-kernels", "--quantize-format matmulnbits: its kernels")):
                 directory, merged, suffix = base_files(base)
                 ok = ok and (phase(f"onnx-autodiff artifacts --lora on model_q4.onnx ({how})",
                                    artifacts_argv(args, folder, base), None, directory)
@@ -456,7 +459,8 @@ def main(argv=None) -> int:
             if "train" in results:
                 steps = r["steps_peak_mb"] / results["train"]["steps_peak_mb"]
                 print(f"  peak RSS of the steps: {steps:.2f}x the float base's")
-        for suffix, how in (("-shipped", "its MatMulNBits kernels"), ("-shipped-read", "read through DequantizeLinear")):
+        for suffix, how in (("-shipped", "read through DequantizeLinear (the default)"),
+                            ("-shipped-kernels", "its MatMulNBits kernels (--quantize-format matmulnbits)")):
             if f"train{suffix}" not in results:
                 continue
             r, ship = results[f"train{suffix}"], results["ship"]
@@ -472,9 +476,9 @@ def main(argv=None) -> int:
             if "train" in results:
                 steps = r["steps_peak_mb"] / results["train"]["steps_peak_mb"]
                 print(f"  peak RSS of the steps: {steps:.2f}x the float base's")
-        if "train-shipped" in results and "train-shipped-read" in results:  # the same file, the same adapters
-            error = max(abs(a - b) / abs(b) for a, b in zip(results["train-shipped-read"]["losses"],
-                                                            results["train-shipped"]["losses"]))
+        if "train-shipped" in results and "train-shipped-kernels" in results:  # the same file, the same adapters
+            error = max(abs(a - b) / abs(b) for a, b in zip(results["train-shipped"]["losses"],
+                                                            results["train-shipped-kernels"]["losses"]))
             print(f"  the losses read through DequantizeLinear against the kernels': {error:.1e}")
             code |= error > 1e-4
         if "torch" in results:

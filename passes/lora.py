@@ -56,12 +56,12 @@ class LoraConfig:
     GroupNormalization, RMSNormalization).
 
     quantize_base: store the frozen base weights of the products quantized (QLoRA: "int4",
-    "int8", "float16"), read as quantize_format says ("dequantizelinear" when None). A model's
-    own MatMulNBits bases stay MatMulNBits, the fast kernel, unless quantize_format is
-    "dequantizelinear": the train models then read those weights through DequantizeLinear in
-    standard operators (:func:`~onnx_autodiff.passes.quantize.nbits_read_as_dequantizelinear`),
-    holding them once where onnxruntime's kernel holds a pre-packed copy beside them, for a
-    dequantization at each read; the inference model keeps its MatMulNBits.
+    "int8", "float16"). quantize_format: how the train models read quantized bases, the ones
+    stored so and a model's own MatMulNBits alike: "dequantizelinear" (when None) in standard
+    operators (:func:`~onnx_autodiff.passes.quantize.nbits_read_as_dequantizelinear` for a
+    model's own), holding each weight once where onnxruntime's kernel holds a pre-packed copy
+    beside it, for a dequantization at each read; or "matmulnbits", the kernel. The inference
+    model keeps a model's own MatMulNBits either way.
     """
 
     rank: int
@@ -79,9 +79,6 @@ class LoraConfig:
     def __post_init__(self) -> None:
         if self.quantize_base is not None:
             self.quantization  # noqa: B018 - checks the options
-        elif self.quantize_format == "matmulnbits":
-            raise TrainingError("quantize_format 'matmulnbits' needs quantize_base (a model's own MatMulNBits "
-                                "weights are read by the kernel already)")
         elif self.quantize_format is not None and self.quantize_format not in FORMATS:
             raise TrainingError(f"quantize_format must be one of {', '.join(FORMATS)}, not {self.quantize_format!r}")
         if isinstance(self.rank, bool) or not isinstance(self.rank, (int, np.integer)) or self.rank < 1:
@@ -106,7 +103,7 @@ class LoraConfig:
     @property
     def reads_nbits_as_dequantizelinear(self) -> bool:
         """Whether the train models read the model's MatMulNBits weights through DequantizeLinear."""
-        return self.quantize_format == "dequantizelinear"
+        return self.quantize_format != "matmulnbits"
 
     @property
     def scale(self) -> float:
@@ -196,7 +193,7 @@ class LoraPass(ir.passes.InPlacePass):
                 self._adapt(graph, op, namer, node, a, b, dtype)
         if config.reads_nbits_as_dequantizelinear:  # after the adapters: they record the model's own form
             stored, self.nbits_kept = nbits_read_as_dequantizelinear(graph)
-            if not stored and not self.nbits_kept and config.quantization is None:
+            if not stored and not self.nbits_kept and config.quantization is None and config.quantize_format == "dequantizelinear":
                 raise TrainingError("quantize_format 'dequantizelinear' without quantize_base reads a model's "
                                     "MatMulNBits weights through DequantizeLinear; this model has none")
             record_kept(model, stored)
@@ -457,8 +454,8 @@ def unmerged(proto: onnx.ModelProto, layout: Mapping) -> onnx.ModelProto:
     if proto.functions:
         proto = onnx.inliner.inline_local_functions(proto)
     recorded = [Adapter(**a) for a in layout["adapters"]]
-    config = LoraConfig(rank=layout["rank"], alpha=layout["alpha"], seed=layout["seed"],
-                        targets=[glob.escape(a.weight) for a in recorded])
+    config = LoraConfig(rank=layout["rank"], alpha=layout["alpha"], seed=layout["seed"],  # the kernels kept
+                        targets=[glob.escape(a.weight) for a in recorded], quantize_format="matmulnbits")
     model = from_proto(proto)
     lora = adapt(model, config)
     if lora.adapters != recorded:

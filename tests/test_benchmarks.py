@@ -139,20 +139,25 @@ def test_llama_lora_trains_quantized_bases_at_a_toy_size(tmp_path, capsys):
 
 
 def test_llama_lora_trains_a_shipped_matmulnbits_file_at_a_toy_size(tmp_path, capsys):
-    """--shipped-int4: the export quantized by onnxruntime's MatMulNBitsQuantizer trains by its kernels and
-    read through DequantizeLinear, the same losses, falling, and the merged models' losses are merge_cost's."""
+    """--shipped-int4: the export quantized by onnxruntime's MatMulNBitsQuantizer trains read through
+    DequantizeLinear (the command line's default) and by its kernels (--quantize-format matmulnbits),
+    the same losses, falling, and the merged models' losses are merge_cost's."""
     for name in ("torch", "transformers", "onnxscript"):
         pytest.importorskip(name)
     bench = load("llama_lora")
     assert bench.main(["--tiny", "--layers", "1", "--steps", "3", "--seq", "8", "--dir", str(tmp_path), "--no-torch",
-                       "--shipped-int4"]) == 0
+                       "--shipped-int4", "--keep"]) == 0
     out = capsys.readouterr().out
     rows = table_rows(out)
     assert len(rows) == 11, rows
     assert all(float(rows[label]["peak RSS of the steps MB"]) > 0 for label in rows if label.startswith("Trainer"))
-    float_base, kernels, read = ([float(x) for x in line.split()[1:4]] for line in re.findall(r"^  losses .*$", out, re.MULTILINE))
+    float_base, read, kernels = ([float(x) for x in line.split()[1:4]] for line in re.findall(r"^  losses .*$", out, re.MULTILINE))
     assert kernels[-1] < kernels[0] and read == pytest.approx(kernels, rel=1e-5)
     assert "8 MatMulNBits" in out and len(re.findall(r"merged model: loss .* \(against merge_cost", out)) == 2
+    (folder,) = tmp_path.glob("onnx-autodiff-llama-*")
+    ops = {base: {n.op_type for n in onnx.load(folder / base / "training_model.onnx", load_external_data=False).graph.node}
+           for base in ("artifacts-shipped", "artifacts-shipped-kernels")}
+    assert "MatMulNBits" not in ops["artifacts-shipped"] and "MatMulNBits" in ops["artifacts-shipped-kernels"]
 
 
 @pytest.mark.slow

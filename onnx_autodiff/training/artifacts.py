@@ -750,6 +750,10 @@ def _group_limit(target: str | None) -> int | None:
 # Targets whose kernels lack a forward op's training mode: the train models compute it in standard
 # ops (onnxruntime-web's WebGPU BatchNormalization: "trainingMode is not supported yet").
 FORWARD_LOWERED = frozenset({"webgpu"})
+# Targets whose train models keep a model's own MatMulNBits in the kernel unless told otherwise:
+# onnxruntime-web runs that kernel on WebGPU; elsewhere the default reads those weights through
+# DequantizeLinear, which holds them once (the kernel keeps a pre-packed copy beside them).
+NBITS_KERNEL = frozenset({"webgpu"})
 FROZEN_IN_PLACE = 1 << 18  # bytes: a frozen weight this large is read where it is stored, never copied transposed
 _GEMM_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.DOUBLE})
 
@@ -1140,7 +1144,7 @@ def _generate_artifacts(model, requires_grad, frozen_params, loss, optimizer, op
         requires_grad = [n for n in requires_grad if n in named or n not in set(frozen_params)]
     if lora is not None:
         extra = [requires_grad] if isinstance(requires_grad, str) else list(requires_grad or [])
-        injected = source.adapt(lora, extra, upgrade_opset)
+        injected = source.adapt(lora, extra, upgrade_opset, target)
         frozen = {frozen_params} if isinstance(frozen_params, str) else set(frozen_params or [])
         adapters = [name for a in injected.adapters for name in (a.A, a.B)]
         requires_grad = list(dict.fromkeys([*adapters, *(n for n in injected.extra if n not in frozen), *extra]))
@@ -1289,11 +1293,12 @@ class _Source:
             chosen.extend(f for f in found if f not in chosen)
         return chosen
 
-    def adapt(self, lora, trained: list[str], upgrade: bool) -> LoraPass:
+    def adapt(self, lora, trained: list[str], upgrade: bool, target: str | None) -> LoraPass:
         """Adds the adapters of ``lora`` to the model to train; where their base is stored anew,
         the inference model stores it as the train model does."""
         if self.model is None:
             self.model = from_proto(self.proto, self.base_dir)
+        lora = self._nbits_read_by_default(lora, upgrade, target)
         inference_reason = self._upgrade_for(lora, upgrade)
         injected = adapt(self.model, lora, trained=trained)
         if injected.quantized:
@@ -1303,6 +1308,17 @@ class _Source:
                 self._convert(self.inference, inference_reason)
             quantize_bases(self.inference, lora.quantization, injected.quantized)
         return injected
+
+    def _nbits_read_by_default(self, lora, upgrade: bool, target: str | None):
+        """``lora`` with the kernel chosen for the model's own MatMulNBits where its quantize_format
+        is left to the default and DequantizeLinear is not the default's form: on a target of
+        :data:`NBITS_KERNEL`, or where reading so needs a newer opset and ``upgrade`` is off
+        (the model as it is)."""
+        if not isinstance(lora, LoraConfig) or lora.quantize_format is not None or lora.quantize_base is not None:
+            return lora
+        if target in NBITS_KERNEL or (not upgrade and _default_opset(self.proto) < INT4_OPSET):
+            return dataclasses.replace(lora, quantize_format="matmulnbits")
+        return lora
 
     def _upgrade_for(self, lora, upgrade: bool) -> str | None:
         """Converts the model to train to the opset that ``lora``'s quantized base needs (int4 read

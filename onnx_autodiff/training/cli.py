@@ -74,10 +74,10 @@ def add_generation_arguments(parser) -> list[str]:
                             help="QLoRA: store the frozen MatMul/Gemm weights quantized (int4 blocked, int8 per "
                                  "channel) or in float16; the adapters train in float"),
         parser.add_argument("--quantize-format", choices=FORMATS,
-                            help="how the quantized base is read: standard DequantizeLinear (default; int4 needs "
-                                 "opset 21, converted) or onnxruntime's com.microsoft.MatMulNBits kernel. Given as "
-                                 "dequantizelinear, a model's own MatMulNBits weights are read so in training too: "
-                                 "held once (the kernel keeps a pre-packed copy), dequantized at each read"),
+                            help="how the train models read a quantized base, stored so by --quantize-base or the "
+                                 "model's own MatMulNBits: standard DequantizeLinear (default; int4 needs opset 21, "
+                                 "converted; each weight held once, dequantized at each read) or onnxruntime's "
+                                 "com.microsoft.MatMulNBits kernel (which keeps a pre-packed copy of its weights)"),
         parser.add_argument("--quantize-block", type=int, choices=BLOCK_SIZES, metavar="SIZE",
                             help="int4 block size along the reduction axis (default 32)"),
         parser.add_argument("--quantize-asymmetric", action="store_true",
@@ -155,9 +155,6 @@ def _lora_config(args, usage_error) -> LoraConfig | None:
     try:
         if args.quantize_base is None and (args.quantize_block or args.quantize_asymmetric):
             raise usage_error("--quantize-block and --quantize-asymmetric need --quantize-base")
-        if args.quantize_base is None and args.quantize_format == "matmulnbits":
-            raise usage_error("--quantize-format matmulnbits needs --quantize-base (a model's own MatMulNBits "
-                              "weights are read by the kernel already)")
         return LoraConfig(rank=args.lora, alpha=args.lora_alpha, targets=args.lora_targets,
                           dropout=args.lora_dropout or 0.0, quantize_base=args.quantize_base,
                           quantize_format=args.quantize_format,

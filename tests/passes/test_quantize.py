@@ -192,8 +192,6 @@ def test_the_command_line_quantizes_the_base_and_notes_the_frozen_weights(tmp_pa
     onnx.save(artifacts.inference_model, quantized_model)
     assert main(["params", str(quantized_model)]) == 0
     assert "W1 " in capsys.readouterr().out.split("quantized weight (4-bit MatMulNBits)")[0]
-    assert main(["artifacts", str(path), "-o", str(tmp_path / "x"), "--lora", "2", "--quantize-format", "matmulnbits"]) == 2
-    assert "--quantize-format matmulnbits needs --quantize-base" in capsys.readouterr().err
     assert main(["artifacts", str(path), "-o", str(tmp_path / "x"), "--lora", "2", "--quantize-block", "16"]) == 2
     assert "--quantize-block and --quantize-asymmetric need --quantize-base" in capsys.readouterr().err
     assert main(["artifacts", str(path), "-o", str(tmp_path / "x"), "--lora", "2", "--quantize-format", "dequantizelinear"]) == 1
@@ -477,10 +475,11 @@ def test_matmulnbits_that_standard_operators_cannot_read_as_stored_stay():
 
 @pytest.mark.parametrize("bits,zero_points", [(4, False), (4, True), (8, False)])
 def test_a_models_matmulnbits_trained_through_dequantizelinear(bits, zero_points, tmp_path):
-    """LoRA on a model's own MatMulNBits base with quantize_format="dequantizelinear": the train and
-    eval models read the weights through DequantizeLinear (from the input's data file, as stored),
-    the inference model keeps its MatMulNBits; the steps, the evaluation and both exports are
-    those of the artifacts that keep the kernel."""
+    """LoRA on a model's own MatMulNBits base, by default (or quantize_format="dequantizelinear"):
+    the train and eval models read the weights through DequantizeLinear (from the input's data
+    file, as stored), the inference model keeps its MatMulNBits; the steps, the evaluation and both
+    exports are those of the artifacts that keep the kernel (quantize_format="matmulnbits"). The
+    kernel stays by default where the model's opset is kept (upgrade_opset=False) and on WebGPU."""
     from onnx_autodiff.training import Trainer, generate_artifacts
 
     rng = np.random.default_rng(bits)
@@ -492,9 +491,14 @@ def test_a_models_matmulnbits_trained_through_dequantizelinear(bits, zero_points
     onnx.save_model(proto, path, save_as_external_data=True, location="q4.bin", size_threshold=0)
     batch = {"x": rng.standard_normal((2, 3, 64)).astype(np.float32), "labels": rng.standard_normal((2, 3, 24)).astype(np.float32)}
     options = {"loss": "mse", "optimizer": "adamw", "optimizer_options": {"lr": 1e-2}}
-    kernel = generate_artifacts(path, **options, lora=LoraConfig(rank=4))
-    standard = generate_artifacts(path, **options, lora=LoraConfig(rank=4, quantize_format="dequantizelinear"))
+    kernel = generate_artifacts(path, **options, lora=LoraConfig(rank=4, quantize_format="matmulnbits"))
+    standard = generate_artifacts(path, **options, lora=LoraConfig(rank=4))
     ops = lambda m: {n.op_type for n in m.graph.node}  # noqa: E731
+    explicit = generate_artifacts(path, **options, lora=LoraConfig(rank=4, quantize_format="dequantizelinear"))
+    assert explicit.train_model == standard.train_model
+    for kept in (generate_artifacts(path, **options, lora=LoraConfig(rank=4), upgrade_opset=False),
+                 generate_artifacts(path, **options, lora=LoraConfig(rank=4), target="webgpu")):
+        assert "MatMulNBits" in ops(kept.train_model) and kept.layout["lora"]["quantize_format"] == "matmulnbits"
     assert "MatMulNBits" in ops(kernel.train_model) and "MatMulNBits" not in ops(standard.train_model) | ops(standard.eval_model)
     assert "MatMulNBits" in ops(standard.inference_model) and standard.layout["lora"]["adapters"] == kernel.layout["lora"]["adapters"]
     data = next(t for t in standard.train_model.graph.initializer if t.name == "B")
