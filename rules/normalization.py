@@ -232,24 +232,27 @@ def group_normalization(op, node, dY):
     """
     X, scale, bias = node.inputs
     groups = shapes.attr(node, "num_groups")
-    d = shapes.dims(X)
-    channels = d[1] if d is not None and len(d) > 1 else None
-    if not isinstance(channels, int) and op.opset >= 21:
+    r = shapes.known_rank(X)
+    if not groups or r < 2:
+        raise RuleError(f"GroupNormalization needs num_groups (here {groups}) and an input of rank 2 or more "
+                        f"(input '{X.name}' has rank {r})")
+    channels = shapes.dims(X)[1]
+    if not isinstance(channels, int) and op.opset >= 21:  # scale holds one value per channel
         channels = (shapes.static_shape(scale) or (None,))[0]
-    if not groups or not isinstance(channels, int) or channels % groups:
-        raise RuleError(
-            f"GroupNormalization needs a static channel count divisible by num_groups={groups}; "
-            f"input '{X.name}' has shape {d}"
-        )
+    if isinstance(channels, int) and channels % groups:
+        raise RuleError(f"GroupNormalization needs a channel count divisible by num_groups={groups}; "
+                        f"input '{X.name}' has {channels}")
+    # channels per group: static when the channel count is, else computed from it at run time
+    size = channels // groups if isinstance(channels, int) else op.Div(shapes.extent(op, X, 1), [groups])
     per_channel = op.opset >= 21
     work = _work_dtype(X, shapes.attr(node, "stash_type", 1) if per_channel else None)
     # work in the view (N, G, C/G, spatial): statistics over axes 2, 3
-    view = [0, groups, channels // groups, -1]
+    view = shapes.shape_from(op, 0, groups, size, -1)
     xg = op.Reshape(_cast(op, X, work), view)
     dyg = op.Reshape(_cast(op, dY, work), view)
     xc, inv = _moments(op, xg, [2, 3], shapes.attr(node, "epsilon", 1e-5))
     xhat = op.Mul(xc, inv)
-    scale_view = [1, groups, channels // groups if per_channel else 1, 1]
+    scale_view = shapes.shape_from(op, 1, groups, size if per_channel else 1, 1)
     g = op.Mul(dyg, op.Reshape(_cast(op, scale, work), scale_view))
     dx = op.Reshape(_standardize_backward(op, g, xhat, inv, [2, 3]), op.Shape(X))
     summed = [0, 3] if per_channel else [0, 2, 3]

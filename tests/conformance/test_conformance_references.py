@@ -74,13 +74,6 @@ _SYMBOLIC_GAPS: dict[str, list[str]] = {
         "test_basic_deform_conv_with_padding", "test_basic_deform_conv_without_padding",
         "test_deform_conv_with_mask_bias", "test_deform_conv_with_multiple_offset_groups",
     ],
-    "the DFT rule needs the input's rank and last dimension static": [
-        "test_dft", "test_dft_axis", "test_dft_axis_opset19", "test_dft_inverse", "test_dft_inverse_opset19",
-        "test_dft_irfft", "test_dft_irfft_opset19", "test_dft_opset19", "test_dft_rfft", "test_dft_rfft_opset19",
-    ],
-    "GroupNormalization's rule needs a static channel count": [
-        "test_group_normalization_epsilon", "test_group_normalization_example",
-    ],
     "LinearAttention without a scale needs the query's last dimension static": [
         "test_linear_attention_decode_step", "test_linear_attention_delta", "test_linear_attention_fp16",
         "test_linear_attention_gated", "test_linear_attention_gated_delta",
@@ -92,9 +85,6 @@ _SYMBOLIC_GAPS: dict[str, list[str]] = {
     "Resize keep_aspect_ratio_policy not_larger/not_smaller needs the resized lengths of 'X' static": [
         "test_resize_downsample_sizes_nearest_not_larger", "test_resize_downsample_sizes_nearest_not_smaller",
         "test_resize_upsample_sizes_nearest_not_larger", "test_resize_upsample_sizes_nearest_not_smaller",
-    ],
-    "the STFT rule needs the signal's shape static": [
-        "test_stft", "test_stft_with_window",
     ],
     "PRelu with a per-channel slope: the backward graph's Reshape fails on onnxruntime on symbolic inputs": [
         "pytorch-converted/test_PReLU_1d_multiparam", "pytorch-converted/test_PReLU_2d_multiparam",

@@ -304,6 +304,17 @@ def test_group_normalization_symbolic_batch(opset):
     assert_gradients_via(model, reference, feeds, list(feeds))
 
 
+@pytest.mark.usefixtures("accept_deprecated_group_norm")
+@pytest.mark.parametrize("opset", [18, 21])
+def test_group_normalization_symbolic_channels(opset):
+    """No static channel count (X's nor, from opset 21, scale's): channels per group at run time."""
+    params = ["G"] if opset < 21 else ["C"]
+    model, reference, feeds = group_norm_models(
+        (2, 6, 2, 2), 3, opset, shapes={"X": ["N", "C", "H", "W"], "scale": params, "bias": params}
+    )
+    assert_gradients_via(model, reference, feeds, list(feeds))
+
+
 # LpNormalization
 
 

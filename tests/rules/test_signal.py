@@ -20,9 +20,7 @@ def _session(model):
 
 def check(model, feeds, wrt, constants=()):
     """Finite differences, then the backward graph runs on onnxruntime; returns (seed, grads)."""
-    # symbolic=False: the DFT and STFT gradients read the signal's rank and its last dimension (real
-    # or complex) while they build
-    result = assert_gradients(model, feeds, wrt, symbolic=False)
+    result = assert_gradients(model, feeds, wrt)
     for name in wrt:
         assert np.any(result.fd[name] != 0)
     y = _session(model).run(None, feeds)[0]
@@ -205,6 +203,25 @@ def test_stft_symbolic_signal():
     model, feeds = stft_model(signal, 3, window, shapes={"signal": ["N", "L", 1]})
     set_output_shape(model, ["N", "F", 4, 2])
     check(model, feeds, list(feeds))
+
+
+def test_stft_run_time_frame_length():
+    """frame_length fed at run time: the frame positions and their overlap-add (a scatter-add, the
+    count of overlapping frames being unknown) are computed in the graph."""
+    signal = f32(2, 16, 1)
+    step = helper.make_node("Constant", [], ["step"], value=helper.make_tensor("s", 7, [], [3]))
+    node = helper.make_node("STFT", ["signal", "step", "", "fl"], ["out0"])
+    torch = pytest.importorskip("torch")
+    for M in (4, 7):
+        feeds = {"signal": signal, "fl": np.array(M, np.int64)}
+        model = make_model([step, node], feeds, ["out0"], opset=17)
+        set_output_shape(model, [2, "F", "K", 2])
+        proto, autodiff = backward_model(model, "out0", ["signal"], seed="input")
+        seed = f32(*_session(model).run(None, feeds)[0].shape)
+        grad = _session(proto).run([autodiff.gradient_names["signal"]], {**feeds, autodiff.seed_name: seed})[0]
+        t = torch.tensor(signal, dtype=torch.float64, requires_grad=True)
+        torch_stft(torch, t, 3, None, M, 1).backward(torch.tensor(seed, dtype=torch.float64))
+        np.testing.assert_allclose(grad, t.grad.numpy(), rtol=1e-4, atol=1e-4)
 
 
 def test_stft_run_time_step_is_refused():
