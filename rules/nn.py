@@ -7,6 +7,7 @@ strides and dilations swapped.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -200,7 +201,9 @@ def _padded(op, shape, r):
 
 class _Geometry:
     """A convolution's spatial attributes, with auto_pad turned into explicit pads (ints, or
-    :class:`_RunTimePads` where only X's sizes at run time decide them)."""
+    :class:`_RunTimePads` where only the sizes at run time decide them). ``kernel`` is None where
+    only W's shape at run time tells the kernel's size (no kernel_shape, W's spatial extents
+    symbolic): the forward takes that, so the gradients compute it (:meth:`kernel_size`)."""
 
     def __init__(self, node: ir.Node, X: ir.Value, W: ir.Value | None):
         w_dims = None if W is None else shapes.dims(W)
@@ -216,10 +219,8 @@ class _Geometry:
             kernel = list(w_dims[2:])
         if kernel is None and W is None:
             raise RuleError("the node has no kernel_shape")
-        if kernel is None:
-            raise RuleError(f"the spatial shape of the kernel '{W.name}' is unknown: give the node "
-                            "kernel_shape or W a static shape")
-        self.kernel = list(kernel)
+        self.kernel = None if kernel is None else list(kernel)
+        self.W = W
         self.group = shapes.attr(node, "group", 1)
         self.strides = shapes.attr(node, "strides", [1] * ns)
         self.dilations = shapes.attr(node, "dilations", [1] * ns)
@@ -241,7 +242,7 @@ class _Geometry:
         :class:`_RunTimePads` computed from Shape(X)."""
         if not self.auto_pad.startswith("SAME"):
             return
-        if self.spatial is None and any(st != 1 for st in self.strides):
+        if self.kernel is None or (self.spatial is None and any(st != 1 for st in self.strides)):
             self.pads = self._same_pads_at_run_time(op, X)
             return
         spatial = self.spatial or [1] * self.ns
@@ -254,25 +255,51 @@ class _Geometry:
         # total = (ceil(S/st) - 1)·st + reach - S = reach - 1 - (S - 1) mod st, at least 0
         why = f"auto_pad={self.auto_pad} on spatial sizes of '{X.name}' known only at run time"
         shapes.require_opset(op, 11, why)
-        reach = self.extent([1] * self.ns)
+        span = self.span(op)
         size = shapes.shape_between(op, X, 2, self.ns + 2)
         offset = op.Mod(op.Sub(size, [1]), np.array(self.strides, np.int64))
-        total = op.Sub(np.array(reach, np.int64) - 1, offset)
-        if any(st > r for st, r in zip(self.strides, reach)):  # strides past the window: may be < 0
-            # (int64 Max from opset 12; Where before, rather than converting the model)
-            total = op.Max(total, [0]) if op.opset >= 12 else op.Where(op.Less(total, [0]), [0], total)
+        total = op.Sub(span, offset)
+        # (negative where a stride passes the window)
+        if any(st > r for st, r in zip(self.strides, self.least_reach())):
+            total = _at_least_zero(op, total)
         return _RunTimePads.split(op, total, self.auto_pad)
 
     def extent(self, windows: list[int]) -> list[int]:
-        """How far ``windows`` windows per axis reach, from the first tap to the last."""
+        """How far ``windows`` windows per axis reach, from the first tap to the last (the kernel's
+        size known)."""
         return [(n - 1) * st + d * (k - 1) + 1
                 for n, st, d, k in zip(windows, self.strides, self.dilations, self.kernel)]
+
+    def kernel_size(self, op):
+        """The kernel's spatial extents: ints, or an int64 vector read from Shape(W) at run time."""
+        if self.kernel is not None:
+            return self.kernel
+        shapes.require_opset(op, 10, f"a convolution's gradient with the kernel '{self.W.name}' of a "
+                                     "size known only at run time (Slice)")
+        return shapes.shape_between(op, self.W, 2, self.ns + 2)
+
+    def span(self, op):
+        """d·(k − 1) per axis, from a window's first tap to its last (its reach less one): ints, or
+        an int64 vector computed from the kernel's size at run time."""
+        if self.kernel is not None:
+            return [d * (k - 1) for d, k in zip(self.dilations, self.kernel)]
+        return op.Mul(op.Sub(self.kernel_size(op), [1]), np.array(self.dilations, np.int64))
+
+    def least_reach(self) -> list[int]:
+        """One window's reach per axis, or where only the run knows the kernel, its least (one tap)."""
+        return self.extent([1] * self.ns) if self.kernel is not None else [1] * self.ns
 
     def same_pads(self, totals: list[int]) -> None:
         """Split total paddings the auto_pad way: SAME_UPPER puts the odd one at the end."""
         small = [t // 2 for t in totals]
         big = [t - t // 2 for t in totals]
         self.pads = small + big if self.auto_pad == "SAME_UPPER" else big + small
+
+
+def _at_least_zero(op, total: ir.Value) -> ir.Value:
+    """max(total, 0) for an int64 value (int64 Max from opset 12; Where before, rather than
+    converting the model)."""
+    return op.Max(total, [0]) if op.opset >= 12 else op.Where(op.Less(total, [0]), [0], total)
 
 
 class _RunTimePads(NamedTuple):
@@ -319,16 +346,17 @@ def _kernel_grad(op, x, dy, g: _Geometry, x_like: ir.Value, dy_like: ir.Value):
     kern = op.Transpose(dy, perm=_spatial_perm([1, 0], ns))
     dw = op.Conv(xin, kern, strides=g.dilations, dilations=g.strides, pads=pads, group=g.group)
     dw = op.Transpose(dw, perm=_spatial_perm([1, 0], ns))
-    if _kernel_grad_taps(g, x_like, dy_like) == g.kernel:
+    taps = _kernel_grad_taps(g, x_like, dy_like)
+    if taps is not None and taps == g.kernel:
         return dw
     # The Conv may produce extra taps past the kernel's end (they touch no output).
-    return op.slice(dw, [0] * ns, g.kernel, range(2, ns + 2))
+    return op.slice(dw, [0] * ns, g.kernel_size(op), range(2, ns + 2))
 
 
 def _kernel_grad_taps(g: _Geometry, x_like, dy_like) -> list[int] | None:
-    """The size of _kernel_grad's Conv output per axis, when the shapes are static."""
+    """The size of _kernel_grad's Conv output per axis, when the shapes and pads are static."""
     x_dims, dy_dims = shapes.dims(x_like), shapes.dims(dy_like)
-    if x_dims is None or dy_dims is None:
+    if x_dims is None or dy_dims is None or isinstance(g.pads, _RunTimePads):
         return None
     spatial = list(zip(x_dims[2:], dy_dims[2:]))
     if not all(isinstance(s, int) and isinstance(o, int) for s, o in spatial):
@@ -349,11 +377,12 @@ def _cut_to(op, transpose, g: _Geometry, like):
     shapes.require_opset(op, 10, f"the gradient of a strided window op on the spatial sizes of "
                                  f"'{like.name}', known only at run time (Slice)")
     ns = g.ns
-    reach = g.extent([1] * ns)
     size = shapes.shape_between(op, like, 2, ns + 2)
     if isinstance(g.pads, _RunTimePads):
         begin, starts, ends = [0] * ns, g.pads.begin, op.Add(g.pads.begin, size)
-        tail = [max(0, st - r) for st, r in zip(g.strides, reach)]
+        # (with the kernel's size known only at run time, what the least reach needs: the cut
+        # drops any extra)
+        tail = [max(0, st - r) for st, r in zip(g.strides, g.least_reach())]
     else:
         begin, starts, ends = g.pads[:ns], [0] * ns, size
         tail = [max(0, st - 1 - e) for st, e in zip(g.strides, g.pads[ns:])]
@@ -369,7 +398,7 @@ def conv(op, node, dY):
     g = _Geometry(node, X, W)
     g.resolve_same(op, X)
     common = dict(strides=g.strides, dilations=g.dilations, group=g.group)
-    if g.spatial is not None:
+    if g.spatial is not None and g.kernel is not None:
         # Windows that do not reach X's end leave a tail that output_padding restores.
         out_pad = [
             (s + b + e - d * (k - 1) - 1) % st
@@ -403,7 +432,8 @@ def _kernel_grad_by_columns(op, x, dy, g: _Geometry, y):
     stay under their limits; else None.
     """
     x_dims, y_dims = shapes.static_shape(x), shapes.static_shape(y)
-    if g.group != 1 or x_dims is None or y_dims is None or op.opset < 11 or x.dtype not in _EINSUM_TYPES:
+    if (g.group != 1 or g.kernel is None or x_dims is None or y_dims is None or op.opset < 11
+            or x.dtype not in _EINSUM_TYPES):
         return None
     (n, c, *_), (_, m, *out) = x_dims, y_dims
     taps, positions = int(np.prod(g.kernel)), int(np.prod(out))
@@ -425,9 +455,11 @@ def conv_transpose(op, node, dY):
     g = _Geometry(node, X, W)
     ns = g.ns
     output_shape = shapes.attr(node, "output_shape")
-    if output_shape is not None and g.spatial is None:
-        dX = _conv_transpose_dx_to_shape(op, dY, W, g, X, output_shape[-ns:],
-                                         shapes.attr(node, "output_padding", [0] * ns))
+    sized = output_shape is not None or g.auto_pad.startswith("SAME")  # pads that sizes decide
+    if sized and (g.kernel is None or (output_shape is not None and g.spatial is None)):
+        out = None if output_shape is None else output_shape[-ns:]
+        out_pad = shapes.attr(node, "output_padding", [0] * ns)
+        dX = _conv_transpose_dx_at_run_time(op, dY, W, g, X, out, out_pad)
     else:
         if g.auto_pad.startswith("SAME") or output_shape is not None:
             # Without output_shape the total does not depend on X's sizes: any will do.
@@ -454,21 +486,42 @@ def conv_transpose(op, node, dY):
     return grads
 
 
-def _conv_transpose_dx_to_shape(op, dY, W, g: _Geometry, X, out: list[int], out_pad: list[int]):
-    """ConvTranspose's dX where output_shape fixes Y's sizes O and X's sizes S are known only at run
-    time: the total padding (S − 1)·stride + reach + output_padding − O, split the auto_pad way
-    (NOTSET as SAME_LOWER), becomes g's run-time pads, around dY; the Conv adjoint then yields
-    S + ⌊output_padding / stride⌋ positions."""
-    shapes.require_opset(op, 11, f"ConvTranspose's gradient with output_shape and the spatial sizes "
-                                 f"of '{X.name}' known only at run time (Pad)")
+def _conv_transpose_dx_at_run_time(op, dY, W, g: _Geometry, X, out: list[int] | None, out_pad: list[int]):
+    """ConvTranspose's dX where output_shape or auto_pad=SAME_* fixes Y's sizes O and the pads
+    follow from sizes known only at run time (X's S, with output_shape; the kernel's, either way):
+    the total padding (S − 1)·stride + reach + output_padding − O, O = output_shape or S·stride
+    (SAME_*, where S cancels), split the auto_pad way (NOTSET as SAME_LOWER), becomes g's run-time
+    pads, around dY; the Conv adjoint then yields S + ⌊output_padding / stride⌋ positions. Where
+    the total may be negative (Y asks for more than the transpose makes: zeros, as onnxruntime
+    takes the total at least 0), it is 0 and the extra positions are cut."""
+    shapes.require_opset(op, 11, f"ConvTranspose's gradient with pads decided by the spatial sizes of "
+                                 f"'{X.name}' or '{W.name}', known only at run time (Pad)")
     ns = g.ns
     strides = np.array(g.strides, np.int64)
-    constant = np.array(g.extent([1] * ns)) + np.array(out_pad) - np.array(out) - strides
-    size = shapes.shape_between(op, X, 2, ns + 2)
-    g.pads = _RunTimePads.split(op, op.Add(op.Mul(size, strides), constant.astype(np.int64)), g.auto_pad)
+    span = g.span(op)
+    known = np.array(out_pad, np.int64) + 1 - strides  # the terms known before run time, and the others
+    at_run_time = []
+    if isinstance(span, list):
+        known += span
+    else:
+        at_run_time.append(span)
+    size = None
+    if out is not None:
+        known -= np.array(out, np.int64)
+        size = shapes.shape_between(op, X, 2, ns + 2)
+        at_run_time.append(op.Mul(size, strides))
+    total = known
+    for term in at_run_time:
+        total = op.Add(term, total)
+    # (without output_shape the total is reach + output_padding − stride, which the least reach bounds)
+    short = out is not None or any(st > r + p for st, r, p in zip(g.strides, g.least_reach(), out_pad))
+    if short:
+        total = _at_least_zero(op, total)
+    g.pads = _RunTimePads.split(op, total, g.auto_pad)
     dX = op.Conv(op.Pad(dY, g.pads.of_tensor(op)), W, strides=g.strides, dilations=g.dilations,
                  group=g.group)
-    if any(p >= st for p, st in zip(out_pad, g.strides)):
+    if short or any(p >= st for p, st in zip(out_pad, g.strides)):
+        size = size if size is not None else shapes.shape_between(op, X, 2, ns + 2)
         dX = op.Slice(dX, [0] * ns, size, list(range(2, ns + 2)))
     return dX
 
@@ -770,42 +823,43 @@ def deform_conv(op, node, dY):
     X, W, offset = node.inputs[:3]
     B = node.inputs[3] if len(node.inputs) > 3 else None
     mask = node.inputs[4] if len(node.inputs) > 4 else None
-    x_dims, w_dims = shapes.dims(X), shapes.static_shape(W)
-    if x_dims is None or len(x_dims) != 4 or not all(isinstance(d, int) for d in x_dims[2:]):
-        raise RuleError(f"DeformConv's gradient supports 2-D images of static height and width only "
-                        f"(the input '{X.name}' has shape {x_dims})")
-    if w_dims is None:
-        raise RuleError(f"DeformConv's gradient needs the kernel '{W.name}' to have a static shape")
+    if shapes.rank(X) != 4:
+        raise RuleError(f"DeformConv's gradient supports 2-D images only (the input '{X.name}' has shape "
+                        f"{shapes.dims(X)})")
     g = _Geometry(node, X, W)
-    (H, Wd), (kh, kw), group = x_dims[2:], g.kernel, g.group
-    G = shapes.attr(node, "offset_group", 1)
-    oh, ow = [(s + b + e - d * (k - 1) - 1) // st + 1 for s, b, e, d, k, st in
-              zip((H, Wd), g.pads[:2], g.pads[2:], g.dilations, g.kernel, g.strides)]
-    K, L = kh * kw, oh * ow
-    # Sampling positions without offsets, (K, L) flattened as (1, 1, 1, K·L).
-    rows = np.arange(oh) * g.strides[0] - g.pads[0]
-    cols_ = np.arange(ow) * g.strides[1] - g.pads[1]
-    base_y = np.add.outer(np.repeat(np.arange(kh) * g.dilations[0], kw), np.repeat(rows, ow))
-    base_x = np.add.outer(np.tile(np.arange(kw) * g.dilations[1], kh), np.tile(cols_, oh))
-    off_y, off_x = op.split(op.reshape(offset, [0, G, K, 2, L]), [1, 1], axis=3)
-    py, px = (op.Add(op.reshape(off, [0, G, 1, K * L]),
-                     op.const(base.reshape(1, 1, 1, -1), like=X))
+    group, G = g.group, shapes.attr(node, "offset_group", 1)
+    # Sizes are ints where static, else 1-element int64 values read at run time.
+    H, Wd = shapes.extent(op, X, 2), shapes.extent(op, X, 3)
+    kh, kw = g.kernel or (shapes.extent(op, W, 2), shapes.extent(op, W, 3))
+    if all(isinstance(v, int) for v in (H, Wd, kh, kw)):
+        oh, ow = [(s + b + e - d * (k - 1) - 1) // st + 1 for s, b, e, d, k, st in
+                  zip((H, Wd), g.pads[:2], g.pads[2:], g.dilations, (kh, kw), g.strides)]
+    else:  # (the offsets have the output's sizes)
+        oh, ow = shapes.extent(op, offset, 2), shapes.extent(op, offset, 3)
+    K, L = _product(op, kh, kw), _product(op, oh, ow)
+    KL = _product(op, K, L)
+    base_y, base_x = _deform_base_positions(op, g, kh, kw, oh, ow, X)
+    off_y, off_x = op.split(op.reshape(offset, shapes.shape_from(op, 0, G, K, 2, L)), [1, 1], axis=3)
+    py, px = (op.Add(op.reshape(off, shapes.shape_from(op, 0, G, 1, KL)),
+                     base if isinstance(base, ir.Value) else op.const(base, like=X))
               for off, base in ((off_y, base_y), (off_x, base_x)))
     y0, x0 = op.Floor(py), op.Floor(px)
     ly, lx = op.Sub(py, y0), op.Sub(px, x0)
     hy, hx = op.Sub(1.0, ly), op.Sub(1.0, lx)
     y1, x1 = op.Add(y0, 1.0), op.Add(x0, 1.0)
-    if isinstance(x_dims[1], int):
-        per_group = op.const([1, 1, x_dims[1] // G, 1])
+    C = shapes.extent(op, X, 1)
+    if isinstance(C, int):
+        per_group = op.const([1, 1, C // G, 1])
     else:
-        per_group = op.Concat([1, 1], op.Div(op.Slice(op.Shape(X), [1], [2]), [G]), [1], axis=0)
-    planes = op.reshape(X, [0, G, -1, H * Wd])  # (N, G, C/G, H·W)
+        per_group = op.Concat([1, 1], op.Div(C, [G]), [1], axis=0)
+    planes = op.reshape(X, shapes.shape_from(op, 0, G, -1, _product(op, H, Wd)))  # (N, G, C/G, H·W)
+    y_last, x_last = _last_index(op, H, X), _last_index(op, Wd, X)
+    width = float(Wd) if isinstance(Wd, int) else op.CastLike(Wd, X)
 
     def corner(yc, xc):
-        inside = op.And(op.And(op.GreaterOrEqual(yc, 0.0), op.LessOrEqual(yc, float(H - 1))),
-                        op.And(op.GreaterOrEqual(xc, 0.0), op.LessOrEqual(xc, float(Wd - 1))))
-        flat = op.Add(op.Mul(op.Clip(yc, 0.0, float(H - 1)), float(Wd)),
-                      op.Clip(xc, 0.0, float(Wd - 1)))
+        inside = op.And(op.And(op.GreaterOrEqual(yc, 0.0), op.LessOrEqual(yc, y_last)),
+                        op.And(op.GreaterOrEqual(xc, 0.0), op.LessOrEqual(xc, x_last)))
+        flat = op.Add(op.Mul(op.Clip(yc, 0.0, y_last), width), op.Clip(xc, 0.0, x_last))
         index = op.Expand(op.Cast(flat, to=int(ir.DataType.INT64)), per_group)
         valid = op.CastLike(inside, X)
         return index, valid, op.Mul(op.GatherElements(planes, index, axis=3), valid)
@@ -814,15 +868,17 @@ def deform_conv(op, node, dY):
     (i10, m10, v10), (i11, m11, v11) = corner(y1, x0), corner(y1, x1)
     weights = [op.Mul(hy, hx), op.Mul(hy, lx), op.Mul(ly, hx), op.Mul(ly, lx)]
     sampled = op.Sum(*(op.Mul(w, v) for w, v in zip(weights, (v00, v01, v10, v11))))
-    m = None if mask is None else op.reshape(mask, [0, G, 1, K * L])
+    m = None if mask is None else op.reshape(mask, shapes.shape_from(op, 0, G, 1, KL))
     columns = sampled if m is None else op.Mul(sampled, m)
     # The convolution proper is a batched matmul per group: (C/group·K) columns, L positions.
-    col_r = op.reshape(columns, [0, group, -1, L])
-    dy_r = op.reshape(dY, [0, group, -1, L])
-    w_r = op.reshape(W, [group, -1, int(np.prod(w_dims[1:]))])
-    d_cols = op.reshape(op.MatMul(op.Transpose(w_r, perm=[0, 2, 1]), dy_r), [0, G, -1, K * L])
+    col_r = op.reshape(columns, shapes.shape_from(op, 0, group, -1, L))
+    dy_r = op.reshape(dY, shapes.shape_from(op, 0, group, -1, L))
+    w_r = op.reshape(W, shapes.shape_from(op, group, -1, _product(op, shapes.extent(op, W, 1), K)))
+    d_cols = op.MatMul(op.Transpose(w_r, perm=[0, 2, 1]), dy_r)
+    d_cols = op.reshape(d_cols, shapes.shape_from(op, 0, G, -1, KL))
     dW = op.reduce_sum(op.MatMul(dy_r, op.Transpose(col_r, perm=[0, 1, 3, 2])), [0], False)
-    grads = {"W": op.reshape(dW, w_dims)}
+    w_dims = shapes.static_shape(W)
+    grads = {"W": op.reshape(dW, w_dims) if w_dims is not None else op.Reshape(dW, op.Shape(W))}
     if B is not None:
         grads["B"] = op.reduce_sum(dY, [0, 2, 3], keepdims=False)
     if m is not None:
@@ -835,7 +891,43 @@ def deform_conv(op, node, dY):
     grads["X"] = op.Reshape(dX, op.Shape(X))
     slope_y = op.Add(op.Mul(hx, op.Sub(v10, v00)), op.Mul(lx, op.Sub(v11, v01)))
     slope_x = op.Add(op.Mul(hy, op.Sub(v01, v00)), op.Mul(ly, op.Sub(v11, v10)))
-    d_py, d_px = (op.reshape(op.reduce_sum(op.Mul(d_cols, s), [2]), [0, G, K, 1, L])
+    d_py, d_px = (op.reshape(op.reduce_sum(op.Mul(d_cols, s), [2]), shapes.shape_from(op, 0, G, K, 1, L))
                   for s in (slope_y, slope_x))
     grads["offset"] = op.Reshape(op.Concat(d_py, d_px, axis=3), op.Shape(offset))
     return grads
+
+
+def _product(op, *sizes):
+    """The product of sizes given as ints or 1-element int64 values: an int when all are ints."""
+    known = int(np.prod([s for s in sizes if isinstance(s, int)]))
+    values = [s for s in sizes if not isinstance(s, int)]
+    if not values:
+        return known
+    product = functools.reduce(op.Mul, values)
+    return product if known == 1 else op.Mul(product, [known])
+
+
+def _last_index(op, size, like: ir.Value):
+    """size − 1 as Clip's bound: a float, or a scalar of like's dtype computed at run time."""
+    if isinstance(size, int):
+        return float(size - 1)
+    return op.CastLike(op.squeeze(op.Sub(size, [1]), [0]), like)
+
+
+def _deform_base_positions(op, g: _Geometry, kh, kw, oh, ow, like: ir.Value):
+    """Where DeformConv's taps sample without offsets, y and x, each (1, 1, 1, K·L): tap k = (i, j)
+    of output position l = (r, c) at (r·stride − pad + i·dilation, c·stride − pad + j·dilation).
+    numpy arrays where the sizes are ints; else values of like's dtype computed at run time, the
+    indices from CumSum over ones of the sizes (no Range: it takes scalars)."""
+    (sy, sx), (di, dj), (py, px) = g.strides, g.dilations, g.pads[:2]
+    if all(isinstance(v, int) for v in (kh, kw, oh, ow)):
+        rows, cols = np.arange(oh) * sy - py, np.arange(ow) * sx - px
+        base_y = np.add.outer(np.repeat(np.arange(kh) * di, kw), np.repeat(rows, ow))
+        base_x = np.add.outer(np.tile(np.arange(kw) * dj, kh), np.tile(cols, oh))
+        return base_y.reshape(1, 1, 1, -1), base_x.reshape(1, 1, 1, -1)
+    ones = op.ConstantOfShape(shapes.shape_from(op, kh, kw, oh, ow),
+                              value=ir.Tensor(np.array([1], np.int64)))
+    i, j, r, c = (op.CumSum(ones, axis, exclusive=1) for axis in range(4))
+    base_y = op.Add(op.Mul(i, [di]), op.Sub(op.Mul(r, [sy]), [py]))
+    base_x = op.Add(op.Mul(j, [dj]), op.Sub(op.Mul(c, [sx]), [px]))
+    return tuple(op.CastLike(op.Reshape(base, [1, 1, 1, -1]), like) for base in (base_y, base_x))

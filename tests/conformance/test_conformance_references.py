@@ -55,25 +55,6 @@ _SYMBOLIC_GAPS: dict[str, list[str]] = {
         "test_attention_3d_gqa_with_past_and_present", "test_attention_3d_local_window", "test_attention_3d_scaled",
         "test_attention_3d_softcap", "test_attention_3d_transpose_verification",
     ],
-    "the Conv rule refuses a kernel 'weight' of unknown spatial shape (no kernel_shape in the expanded body)": [
-        "test_causal_conv_with_state_b1_c1_degenerate_expanded", "test_causal_conv_with_state_basic_expanded",
-        "test_causal_conv_with_state_decode_step_expanded", "test_causal_conv_with_state_fp16_expanded",
-        "test_causal_conv_with_state_kernel_size_one_expanded",
-        "test_causal_conv_with_state_short_input_no_past_state_expanded", "test_causal_conv_with_state_silu_expanded",
-        "test_causal_conv_with_state_silu_fp16_expanded", "test_causal_conv_with_state_silu_with_past_state_expanded",
-        "test_causal_conv_with_state_swish_alias_expanded",
-        "test_causal_conv_with_state_with_bias_and_past_state_expanded",
-        "test_causal_conv_with_state_with_bias_expanded", "test_causal_conv_with_state_with_past_state_expanded",
-    ],
-    "the ConvTranspose rule refuses a kernel 'W' of unknown spatial shape": [
-        "test_convtranspose", "test_convtranspose_1d", "test_convtranspose_3d", "test_convtranspose_autopad_same",
-        "test_convtranspose_dilations", "test_convtranspose_group_2", "test_convtranspose_group_2_image_3",
-        "test_convtranspose_output_shape", "test_convtranspose_pad", "test_convtranspose_pads",
-    ],
-    "DeformConv's rule needs static image height and width": [
-        "test_basic_deform_conv_with_padding", "test_basic_deform_conv_without_padding",
-        "test_deform_conv_with_mask_bias", "test_deform_conv_with_multiple_offset_groups",
-    ],
     "LinearAttention without a scale needs the query's last dimension static": [
         "test_linear_attention_decode_step", "test_linear_attention_delta", "test_linear_attention_fp16",
         "test_linear_attention_gated", "test_linear_attention_gated_delta",

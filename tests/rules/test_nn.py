@@ -311,13 +311,6 @@ def test_conv_old_opsets(opset):
     check("Conv", inputs, opset=opset, **attrs)
 
 
-def test_conv_kernel_of_unknown_size_refused_by_name():
-    x, w = f32(1, 2, 5, 5), f32(2, 2, 3, 3)
-    model = op_model("Conv", {"X": x, "W": w}, auto_pad="SAME_UPPER", shapes={"W": [2, 2, "K", "K"]})
-    with pytest.raises(RuleError, match="kernel 'W' is unknown"):
-        backward_model(model, "out0", ["X"], seed="input")
-
-
 # ConvTranspose
 
 CONV_T_CASES = {
@@ -627,6 +620,43 @@ def test_conv_run_time_sizes(case):
     feeds = [{"X": f32(*size)} for size in sizes]
     model = op_model(op_type, {"X": feeds[0]["X"], "W": w, "B": b}, opset=opset, shapes=SYMBOLIC,
                      initializers={"W": w, "B": b}, **attrs)
+    check_two_sizes(model, feeds, ["X", "W"], weak_bound=0.1)
+
+
+RUN_TIME_KERNEL_CASES = {
+    # name: (op type, attributes, opset, (X shape, W shape) pairs); no kernel_shape, as in
+    # CausalConvWithState's function body, so only W's shape at run time tells the kernel's size
+    "conv_causal_depthwise_1d": ("Conv", dict(group=3), 18, [((1, 3, 6), (3, 1, 3)), ((2, 3, 4), (3, 1, 1))]),
+    "conv_pads_dilations_group": ("Conv", dict(group=2, strides=[1, 2], dilations=[2, 1], pads=[1, 0, 0, 2]),
+                                  11, [((1, 4, 6, 5), (2, 2, 2, 3)), ((2, 4, 7, 4), (2, 2, 3, 1))]),
+    "conv_same_upper": ("Conv", dict(strides=[2, 1], auto_pad="SAME_UPPER"), 18,
+                        [((1, 2, 5, 4), (3, 2, 3, 2)), ((1, 2, 4, 5), (3, 2, 2, 3))]),
+    # the second kernel 1x1, under the strides: the total padding is clamped at 0
+    "conv_same_lower_long_stride": ("Conv", dict(strides=[3, 2], auto_pad="SAME_LOWER"), 11,
+                                    [((1, 1, 5, 4), (2, 1, 2, 2)), ((1, 1, 4, 5), (2, 1, 1, 1))]),
+    # opset 9: converted to 10 for Slice with run-time ends
+    "conv_t_pads_output_padding": ("ConvTranspose", dict(strides=[3, 2], pads=[1, 0, 2, 1],
+                                                         output_padding=[1, 1]), 9,
+                                   [((1, 2, 3, 3), (2, 1, 3, 2)), ((1, 2, 2, 4), (2, 1, 2, 3))]),
+    # the second kernel is narrower than the stride along the last axis: the total padding is 0
+    "conv_t_same_upper_group": ("ConvTranspose", dict(group=2, strides=[2, 2], auto_pad="SAME_UPPER"), 18,
+                                [((1, 2, 3, 3), (2, 1, 3, 2)), ((1, 2, 2, 3), (2, 1, 2, 1))]),
+    # the second kernel is too small for output_shape along the last axis: Y ends in zeros
+    "conv_t_output_shape": ("ConvTranspose", dict(strides=[2, 2], output_shape=[6, 7]), 11,
+                            [((1, 1, 3, 3), (1, 2, 3, 3)), ((1, 1, 3, 3), (1, 2, 2, 2))]),
+}
+
+
+@pytest.mark.parametrize("case", list(RUN_TIME_KERNEL_CASES))
+def test_conv_run_time_kernel_sizes(case):
+    """X's and W's every extent known only at run time: one backward graph at two kernel sizes."""
+    op_type, attrs, opset, sizes = RUN_TIME_KERNEL_CASES[case]
+    feeds = [{"X": f32(*x_shape), "W": f32(*w_shape)} for x_shape, w_shape in sizes]
+    symbolic = {name: [f"{name}{i}" for i in range(len(sizes[0][0]))] for name in ("X", "W", "out0")}
+    node = onnx.helper.make_node(op_type, ["X", "W"], ["out0"], **attrs)
+    # (onnx's inference leaves Y without a rank when it does not know the kernel's size)
+    model = make_model([node], feeds[0], ["out0"], shapes=symbolic, opset=opset,
+                       output_shapes={"out0": symbolic["out0"]})
     check_two_sizes(model, feeds, ["X", "W"], weak_bound=0.1)
 
 

@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 from onnx.reference import ReferenceEvaluator
 
-from helpers import assert_valid_model, op_model, rng
+from helpers import assert_valid_model, make_model, op_model, rng
 from onnx_autodiff.conformance import check_vjp
 from onnx_autodiff.conformance.check import backward_model
 from onnx_autodiff.errors import RuleError
@@ -433,8 +433,10 @@ DEFORM_CASES = {
 }
 
 
-def deform_inputs(case, bias=True, mask=True):
+def deform_inputs(case, bias=True, mask=True, sizes=None):
+    """The case's inputs, or with ``sizes`` (X shape, W shape) its attributes at other sizes."""
     x_shape, w_shape, attrs, scale = DEFORM_CASES[case]
+    x_shape, w_shape = sizes or (x_shape, w_shape)
     kh, kw = w_shape[2:]
     pads, st = attrs.get("pads", [0] * 4), attrs.get("strides", [1, 1])
     dil = attrs.get("dilations", [1, 1])
@@ -476,6 +478,24 @@ def test_deform_conv_symbolic_batch():
     inputs, attrs = deform_inputs("batch")
     sym = {k: ["N", *v.shape[1:]] for k, v in inputs.items() if k in ("X", "offset", "mask")}
     deform_check(inputs, attrs, shapes=sym)
+
+
+@pytest.mark.parametrize("case,sizes", [("strides_dil_pads", ((2, 2, 4, 6), (2, 1, 3, 1))),
+                                        ("offset_groups", ((1, 2, 4, 3), (4, 2, 1, 2)))])
+def test_deform_conv_run_time_sizes(case, sizes):
+    """Every extent known only at run time (image, kernel, output): one backward graph, valid, at
+    two sizes."""
+    inputs, attrs = deform_inputs(case)
+    feeds = {k: v for k, v in inputs.items() if k}
+    symbolic = {k: [f"{k}{i}" for i in range(v.ndim)] for k, v in feeds.items()}
+    node = onnx.helper.make_node("DeformConv", list(feeds), ["out0"], **attrs)
+    # (onnx's inference leaves Y without a rank when it does not know the kernel's size)
+    model = make_model([node], feeds, ["out0"], shapes=symbolic, opset=19,
+                       output_shapes={"out0": ["N", "M", "OH", "OW"]})
+    built = backward_model(model, "out0", list(feeds), seed="input")
+    assert_valid_model(built[0])
+    for given in (feeds, deform_inputs(case, sizes=sizes)[0]):
+        check_numpy(model, given, list(given), lambda **kw: deform_conv_np(**kw, **attrs), built=built)
 
 
 def test_deform_conv_numpy_forward_matches_reference():
