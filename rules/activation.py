@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from onnx_autodiff.rules.math import gate, needs_opset7, scale_where, select
 from onnx_autodiff.rules.registry import rule
 from onnx_autodiff.toolkit import shapes
@@ -47,21 +49,36 @@ def prelu(op, node, dY):
     }
 
 
-def _channel_slope_axis(node) -> int | None:
-    """The axis of X whose extent is the only match for a 1-D slope that does not broadcast.
+_RUN_TIME = "run time"
+
+
+def _channel_slope_axis(node) -> int | str | None:
+    """The axis of X whose extent is the only match for a 1-D slope that does not broadcast;
+    _RUN_TIME when X's symbolic extents leave the axis open until run time; None when it broadcasts.
 
     Models converted from opset 6 keep PRelu's older per-channel slope [C] against X [N, C, ...];
-    runtimes that accept them (the reference evaluator) apply it along the one axis of extent C.
+    runtimes that accept them (the reference evaluator) broadcast the slope when they can and
+    otherwise apply it along the one axis of extent C.
     """
     X, slope = node.inputs
     x_dims, s_dims = shapes.dims(X), shapes.dims(slope)
-    if x_dims is None or s_dims is None or len(s_dims) != 1 or not x_dims:
+    if x_dims is None or s_dims is None or len(s_dims) != 1 or len(x_dims) < 2:
         return None
     c, last = s_dims[0], x_dims[-1]
-    if not isinstance(c, int) or c == 1 or not isinstance(last, int) or last == c:
+    if not isinstance(c, int) or c == 1 or last == c:
         return None
     matches = [k for k, d in enumerate(x_dims) if d == c]
-    return matches[0] if len(matches) == 1 else None
+    if isinstance(last, int) and len(matches) == 1:
+        return matches[0]
+    return _RUN_TIME if not all(isinstance(d, int) for d in x_dims) else None
+
+
+def _channel_mask(op, X, c: int, r: int):
+    """The axis of X a slope [C] applies along, as a bool [r] one-hot found at run time: the last
+    when its extent is C (numpy's broadcast), else the one of extent C."""
+    matching = op.Equal(op.Shape(X), [c])
+    last_matches = op.Slice(matching, [r - 1], [r])
+    return op.And(matching, op.Or(op.Not(last_matches), op.const(np.arange(r) == r - 1)))
 
 
 @rule("PRelu", differentiable=("X", "slope"), since=7, when=lambda n: _channel_slope_axis(n) is not None)
@@ -69,12 +86,20 @@ def prelu_per_channel(op, node, dY):
     """Y = X for X > 0, slope·X otherwise, a slope [C] applied along X's one axis of extent C"""
     X, slope = node.inputs
     axis, r = _channel_slope_axis(node), shapes.rank(X)
-    shaped = op.Reshape(slope, [-1 if k == axis else 1 for k in range(r)])
+    if axis == _RUN_TIME:
+        shapes.require_opset(op, 13, "PRelu's per-channel slope along an axis found at run time (ReduceSum's axes)")
+        c = shapes.dims(slope)[0]
+        along = _channel_mask(op, X, c, r)
+        shaped = op.Reshape(slope, op.Where(along, [c], [1]))
+        others = op.Reshape(op.NonZero(op.Not(along)), [-1])
+    else:
+        shaped = op.Reshape(slope, [-1 if k == axis else 1 for k in range(r)])
+        others = [k for k in range(r) if k != axis]
     up = _positive(op, X)
     d_slope = gate(op, op.Not(up), op.Mul(dY, X))
     return {
         "X": scale_where(op, up, dY, 1.0, shaped),
-        "slope": op.reduce_sum(d_slope, [k for k in range(r) if k != axis], keepdims=False),
+        "slope": op.reduce_sum(d_slope, others, keepdims=False),
     }
 
 

@@ -30,7 +30,7 @@ from onnx_autodiff.errors import RuleError
 from onnx_autodiff.rules.registry import rule
 from onnx_autodiff.toolkit import shapes
 
-INT64 = int(ir.DataType.INT64)
+INT64, FLOAT = int(ir.DataType.INT64), int(ir.DataType.FLOAT)
 
 # Resize / Upsample
 
@@ -127,6 +127,7 @@ def _given(node, index: int):
 
 
 _DIM = "dim"
+_OUT, _COMMON = "out", "common"  # (in a plan's spec) the output's length; keep_aspect_ratio_policy's scale
 
 
 def _entries(value, X, count: int) -> list:
@@ -219,17 +220,16 @@ def _resize_plan(node, opset: int) -> list[tuple[int, object]]:
         policy = shapes.attr(node, "keep_aspect_ratio_policy", "stretch")
         if policy not in ("stretch", "not_larger", "not_smaller"):
             raise RuleError(f"Resize keep_aspect_ratio_policy={policy!r} is not supported")
-        if policy != "stretch" and not all(isinstance(g, int) for g in given + lengths):
-            raise RuleError(f"Resize keep_aspect_ratio_policy={policy!r}: the gradient needs the sizes and "
-                            f"the resized lengths of '{X.name}' static (one scale for all axes decides both)")
         static = [isinstance(g, int) and n is not None for g, n in zip(given, lengths)]
         ratios = [float(g) / n if s else None for g, n, s in zip(given, lengths, static)]
         if policy == "stretch":
             outs, scale_of = [g if s else None for g, s in zip(given, static)], ratios
-        else:
+        elif all(static):
             common = min(ratios) if policy == "not_larger" else max(ratios)
             scale_of = [common] * k
             outs = [int(common * n + 0.5) for n in lengths]
+        else:  # one scale for all resized axes, known at run time: every axis's W is built in the graph
+            given, same, static = _kept_aspect_entries(node, policy, ctm, axes), [False] * k, [False] * k
     else:
         given = _entries(scales, X, k) if isinstance(scales, ir.Value) else [float(s) for s in scales]
         given = [g if isinstance(g, float) else None for g in given]
@@ -242,7 +242,7 @@ def _resize_plan(node, opset: int) -> list[tuple[int, object]]:
         if same[i] and ctm != "tf_crop_and_resize":
             continue  # identity along this axis, whatever its size
         if not static[i] or runtime_roi:
-            plan.append((axis, (i, k, given[i], sizes is not None)))
+            plan.append((axis, (i, k, given[i], sizes is not None and given[i] != _COMMON)))
             continue
         if isinstance(out_dims[axis], int):  # dY's shape decides W's rows when it is known
             outs[i] = out_dims[axis]
@@ -258,6 +258,34 @@ def _resize_plan(node, opset: int) -> list[tuple[int, object]]:
     return plan
 
 
+def _kept_aspect_entries(node, policy: str, ctm: str, axes: list[int]) -> list:
+    """The entries of :func:`_runtime_matrix`'s specs for a Resize that keeps the aspect ratio over
+    run-time lengths: (_OUT, axis), the output's length, where the coordinates follow from the
+    lengths alone; _COMMON, the one scale computed in the graph, where they follow from the scale
+    alone (not the output's length, which rounds scale·length where a Resize by a scale floors it)."""
+    if not shapes.attr(node, "antialias", 0):
+        if ctm in ("align_corners", "tf_crop_and_resize"):
+            return [(_OUT, a) for a in axes]
+        if ctm in ("half_pixel", "asymmetric") and not shapes.attr(node, "exclude_outside", 0):
+            return [_COMMON] * len(axes)
+    raise RuleError(f"Resize keep_aspect_ratio_policy={policy!r} over run-time lengths of '{node.inputs[0].name}': "
+                    f"the gradient supports coordinate_transformation_mode align_corners, tf_crop_and_resize, "
+                    f"half_pixel and asymmetric (the last two without exclude_outside), without antialias; "
+                    f"give the resized axes static lengths for the others")
+
+
+def _common_scale(op, node):
+    """keep_aspect_ratio_policy's one scale, as the runtimes compute it (float32): the least
+    (not_larger) or the greatest (not_smaller) of sizes / length over the resized axes; shape [1]."""
+    X = node.inputs[0]
+    r = shapes.rank(X)
+    axes = [shapes.normalize_axis(a, r) for a in shapes.attr(node, "axes", list(range(r)))]
+    lengths = op.Gather(op.Shape(X), op.const(np.array(axes, np.int64)))
+    ratios = op.Div(op.Cast(node.inputs[3], to=FLOAT), op.Cast(lengths, to=FLOAT))
+    least = shapes.attr(node, "keep_aspect_ratio_policy") == "not_larger"
+    return op.reduce("ReduceMin" if least else "ReduceMax", ratios, None)
+
+
 # What the forward's Resize does to a whole tensor and not to one axis's identity matrix.
 _TENSOR_ATTRIBUTES = frozenset({"axes", "keep_aspect_ratio_policy", "extrapolation_value", "scales"})
 
@@ -269,7 +297,8 @@ def _runtime_matrix(op, node, axis: int, spec, transposed: bool, like):
 
     W depends on shapes only, so the gradient stays linear in dY (differentiable again). ``spec``:
     (the axis's index i in 'axes', their count k, its scale or size where known before run time (a
-    number, or (_DIM, j): X's length along j; else None), whether 'sizes' is given)."""
+    number, or (_DIM, j): X's length along j, or (_OUT, j): the output's; _COMMON: the one scale of
+    keep_aspect_ratio_policy; else None), whether it resizes by size)."""
     i, k, entry, by_size = spec
     X = node.inputs[0]
     shapes.require_opset(op, 9, f"{node.op_type}'s gradient over a length or scale known at run time (EyeLike)")
@@ -284,9 +313,15 @@ def _runtime_matrix(op, node, axis: int, spec, transposed: bool, like):
         return op.Gather(node.inputs[index], op.const(np.array([j], np.int64)))
 
     legacy = node.op_type == "Upsample" or op.opset < 11
-    if by_size:
-        if isinstance(entry, tuple):  # another axis's length
-            size = _extent(op, X, entry[1])
+    if entry == _COMMON:
+        # The output's round(scale·n) rows may be one more than a Resize by the scale gives
+        # (floor(scale·n)): the identity extended by n copies of its last row, which clamping at the
+        # edge reads anyway, gives enough of them; cut to the output's length below.
+        eye = op.Pad(eye, shapes.shape_from(op, 0, 0, *pair(n, 0)), mode="edge")
+        resize_by = op.Concat(*pair(_common_scale(op, node), op.const(np.array([1.0], np.float32))), axis=0)
+    elif by_size:
+        if isinstance(entry, tuple):  # another axis's length, or the output's
+            size = _extent(op, X if entry[0] == _DIM else node.outputs[0], entry[1])
         else:
             size = entry if isinstance(entry, int) else element(3, i)
         resize_by = shapes.shape_from(op, *pair(size, n))
@@ -308,6 +343,9 @@ def _runtime_matrix(op, node, axis: int, spec, transposed: bool, like):
         scales = resize_by if not by_size else op.const(np.zeros(0, np.float32)) if op.opset < 13 else None
         W = op.Resize(eye, roi, scales, resize_by if by_size else None, **attributes)
     W.dtype = like.dtype
+    if entry == _COMMON:
+        rows = _extent(op, node.outputs[0], axis)
+        W = op.Slice(W, [0], [rows] if isinstance(rows, int) else rows, [1 if transposed else 0])
     return W
 
 
@@ -594,10 +632,7 @@ def affine_grid(op, node, dgrid):
     elif out is not None and all(isinstance(d, int) for d in out[1:-1]):
         spatial = list(out[1:-1])
     if spatial is None:
-        length = shapes.static_shape(given)
-        if length is None:
-            raise RuleError(f"AffineGrid: the gradient needs the length of 'size' ('{given.name}') static")
-        D = length[0] - 2
+        D = _spatial_rank(theta, given, node.outputs[0])
     else:
         D = len(spatial)
         if align and 1 in spatial:
@@ -611,6 +646,19 @@ def affine_grid(op, node, dgrid):
         mesh = np.meshgrid(*axes, indexing="ij")  # (z,) y, x over the spatial axes in order
         base = op.const(np.stack([m.ravel() for m in reversed(mesh)] + [np.ones(mesh[0].size)], axis=1), like=like)
     return {"theta": op.MatMul(flat, base)}
+
+
+def _spatial_rank(theta, size, grid) -> int:
+    """D, the number of spatial axes, from whichever shape tells it: 'size' holds D + 2 entries,
+    theta is (N, D, D + 1), the grid (N, *spatial, D)."""
+    length, t, g = shapes.dims(size), shapes.dims(theta), shapes.dims(grid)
+    for shape, axis, excess in ((length, 0, 2), (t, 1, 0), (t, 2, 1), (g, -1, 0)):
+        if shape and isinstance(shape[axis], int):
+            return shape[axis] - excess
+    if g is not None:
+        return len(g) - 2
+    raise RuleError(f"AffineGrid: the gradient needs the number of spatial axes (the length of 'size' "
+                    f"('{size.name}'), theta's shape or the grid's rank); run shape inference")
 
 
 def _runtime_base(op, size, D: int, align: bool, like):

@@ -56,22 +56,27 @@ def causal_conv_with_state(op, node, *dYs):
     """Y = act(depthwise causal Conv1d of [past_state ⊕ X]), present_state = its last k−1 steps."""
     X, W, B, past = _padded(node.inputs, 4)
     act = _activation(node)
-    w = shapes.dims(W)
-    if w is None or not isinstance(w[0], int) or not isinstance(w[2], int):
-        raise RuleError("CausalConvWithState needs the weight's channels and kernel size known statically "
-                        "(they give the Conv's group and kernel_shape); run shape inference")
+    # The channel count is the Conv's group, an attribute (as in ONNX's function body for the op): any
+    # of the weight, input, state or bias may tell it. The kernel size may be left to the run.
+    counts = [d[axis] for v, axis in ((W, 0), (X, 1), (past, 1), (B, 0))
+              if (d := shapes.dims(v)) and isinstance(d[axis], int)]
+    if not counts:
+        raise RuleError("CausalConvWithState needs the channel count known statically (it gives the Conv's "
+                        "group); run shape inference")
     if X.dtype is None:
         raise RuleError("CausalConvWithState needs the input's element type; run shape inference")
-    channels, k = w[0], w[2]
+    channels, k = counts[0], shapes.dims(W)[2] if shapes.rank(W) == 3 else None
+    kernel = {"kernel_shape": [k]} if isinstance(k, int) else {}
 
     def build(f):
         if past is None:
-            zeros = f.ConstantOfShape(shapes.shape_from(f, shapes.extent(f, X, 0), channels, k - 1),
+            steps = k - 1 if isinstance(k, int) else f.Sub(shapes.extent(f, W, 2), [1])  # the state's length
+            zeros = f.ConstantOfShape(shapes.shape_from(f, shapes.extent(f, X, 0), channels, steps),
                                       value=ir.Tensor(np.zeros(1, X.dtype.numpy())))
             P = f.Concat(zeros, X, axis=2)
         else:
             P = f.Concat(past, X, axis=2)
-        Y = f.Conv(P, W, B, group=channels, kernel_shape=[k])
+        Y = f.Conv(P, W, B, group=channels, **kernel)
         if act != "none":
             Y = f.Mul(Y, f.Sigmoid(Y))
         length = shapes.extent(f, X, 2)
@@ -125,11 +130,12 @@ def linear_attention(op, node, *dYs):
             # beta's last axis is kv_num_heads or 1: [T, B, Hkv|1, 1]
             scanned.append(f.Transpose(f.Reshape(cast(beta), [0, 0, -1, 1]), perm=[1, 0, 2, 3]))
         scale = shapes.attr(node, "scale", 0.0)
-        if not scale:
+        if not scale:  # 1/sqrt(head size)
             dk = shapes.dims(q)
-            if dk is None or not isinstance(dk[2], int):
-                raise RuleError("LinearAttention without a scale needs the query's last dimension known statically")
-            scale = 1.0 / float(np.sqrt(dk[2] // hq))
+            if dk is not None and isinstance(dk[2], int):
+                scale = 1.0 / float(np.sqrt(dk[2] // hq))
+            else:  # the head size is qs's last extent, known at run time only
+                scale = f.Reciprocal(f.Sqrt(f.Cast(shapes.extent(f, qs, 4), to=int(compute))))
         if past is not None:
             S0 = cast(past)
         else:
@@ -137,9 +143,13 @@ def linear_attention(op, node, *dYs):
             dv_ = f.Slice(f.Shape(vs), [3], [4])
             S0 = f.ConstantOfShape(f.Concat(f.Slice(f.Shape(ks), [1], [3]), dk_, dv_, axis=0),
                                    value=ir.Tensor(np.zeros(1, np.float32)))
-        step = _step(op, scale, gated, delta)
+        # A run-time scale multiplies the scanned outputs after the Scan: the products are the same.
+        static_scale = isinstance(scale, float)
+        step = _step(op, scale if static_scale else None, gated, delta)
         S, outs = f.Scan(S0, *scanned, body=step, num_scan_inputs=len(scanned), _outputs=2)
         S.dtype, outs.dtype = compute, compute
+        if not static_scale:
+            outs = f.Mul(outs, scale)
         Y = f.Reshape(f.Transpose(outs, perm=[1, 0, 2, 3, 4]), [0, 0, -1])  # [B, T, Hq·dv]
         Y = Y if q.dtype == compute else f.Cast(Y, to=int(q.dtype))
         S = S if state_dtype == compute else f.Cast(S, to=int(state_dtype))
@@ -149,7 +159,8 @@ def linear_attention(op, node, *dYs):
 
 
 def _step(op, scale, gated, delta):
-    """One time step as a Scan body: (S; q, k, v[, a][, β]) -> (S', o)."""
+    """One time step as a Scan body: (S; q, k, v[, a][, β]) -> (S', o), o scaled by ``scale`` unless
+    it is None (a scale known at run time only, applied by the caller)."""
     body = op.child()
     f32 = ir.TensorType(ir.DataType.FLOAT)
 
@@ -170,7 +181,9 @@ def _step(op, scale, gated, delta):
         retrieved = body.MatMul(body.Transpose(k_col, perm=[0, 1, 3, 2]), S)
         u = body.Mul(body.unsqueeze(b, [-1]), body.Sub(u, retrieved))
     S_next = body.Add(S, body.MatMul(k_col, u))
-    o = body.Mul(body.MatMul(q, S_next), float(scale))      # [B, Hkv, G, dv]: the group shares S
+    o = body.MatMul(q, S_next)                               # [B, Hkv, G, dv]: the group shares S
+    if scale is not None:
+        o = body.Mul(o, float(scale))
     graph = body.graph(inputs, [S_next, o], name="linear_attention_step")
     for out, rank in zip(graph.outputs, (4, 4)):
         out.type, out.shape = f32, ir.Shape([None] * rank)

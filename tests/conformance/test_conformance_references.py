@@ -26,10 +26,6 @@ ALLOWED_FAILURES: dict[tuple[str, str], str] = {
 # why → the cases whose re-check on symbolic dimensions fails (the static check passes): rules that
 # refuse, or build an invalid graph, when the extents are unknown. Remove a case as soon as it passes.
 _SYMBOLIC_GAPS: dict[str, list[str]] = {
-    "AffineGrid's rule refuses a run-time 'size' of unknown length": [
-        "test_affine_grid_2d", "test_affine_grid_2d_align_corners", "test_affine_grid_3d",
-        "test_affine_grid_3d_align_corners",
-    ],
     "Attention's backward graph fails onnx.checker (full check) on symbolic inputs: a Mul of incompatible dimensions": [
         "test_attention_23_fullymasked_qk_matmul_output_mode3_zero",
         "test_attention_24_fullymasked_qk_matmul_output_mode3_zero",
@@ -54,22 +50,6 @@ _SYMBOLIC_GAPS: dict[str, list[str]] = {
         "test_attention_3d_gqa_causal", "test_attention_3d_gqa_scaled", "test_attention_3d_gqa_softcap",
         "test_attention_3d_gqa_with_past_and_present", "test_attention_3d_local_window", "test_attention_3d_scaled",
         "test_attention_3d_softcap", "test_attention_3d_transpose_verification",
-    ],
-    "LinearAttention without a scale needs the query's last dimension static": [
-        "test_linear_attention_decode_step", "test_linear_attention_delta", "test_linear_attention_fp16",
-        "test_linear_attention_gated", "test_linear_attention_gated_delta",
-        "test_linear_attention_gated_delta_beta_scalar", "test_linear_attention_gated_delta_gqa",
-        "test_linear_attention_gated_delta_mqa", "test_linear_attention_gated_per_head_decay",
-        "test_linear_attention_linear", "test_linear_attention_linear_t1_no_past",
-        "test_linear_attention_no_past_explicit_zeros", "test_linear_attention_prefill_with_past",
-    ],
-    "Resize keep_aspect_ratio_policy not_larger/not_smaller needs the resized lengths of 'X' static": [
-        "test_resize_downsample_sizes_nearest_not_larger", "test_resize_downsample_sizes_nearest_not_smaller",
-        "test_resize_upsample_sizes_nearest_not_larger", "test_resize_upsample_sizes_nearest_not_smaller",
-    ],
-    "PRelu with a per-channel slope: the backward graph's Reshape fails on onnxruntime on symbolic inputs": [
-        "pytorch-converted/test_PReLU_1d_multiparam", "pytorch-converted/test_PReLU_2d_multiparam",
-        "pytorch-converted/test_PReLU_3d_multiparam",
     ],
 }
 ALLOWED_SYMBOLIC_FAILURES = {case: why for why, names in _SYMBOLIC_GAPS.items() for case in names}

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from onnx import helper
 
-from helpers import assert_gradients, make_model, op_model, rng
+from helpers import assert_gradients, make_model, op_model, rng, symbolic_model
 from onnx_autodiff.conformance import fd_vjp
 from onnx_autodiff.conformance.check import ad_vjp, compare
 from test_math import assert_matches_numpy, away_from, erf64
@@ -70,6 +70,17 @@ def test_prelu_symbolic_batch():
     assert_gradients(model, {"X": x, "slope": slope}, ["X", "slope"])
 
 
+@pytest.mark.parametrize("shape_x", [(2, 3, 4), (4, 3, 4)])
+def test_prelu_slope_held_on_symbolic_extents(shape_x):
+    """A slope [4] held as an initializer against X of symbolic extents: the rule finds at run time
+    that it broadcasts along X's last axis (numpy's broadcast, as onnxruntime runs it), even where
+    another axis has its extent too."""
+    x = x_away([0.0], shape_x)
+    slope = R.uniform(0.1, 0.5, (4,)).astype(np.float32)
+    model = op_model("PRelu", {"X": x, "slope": slope}, opset=13, initializers={"slope": slope})
+    assert_gradients(model, {"X": x}, ["X", "slope"])
+
+
 @pytest.mark.parametrize("opset", [7, 13])
 @pytest.mark.parametrize("shape_x", [(2, 3, 4), (2, 3), (2, 3, 4, 5)])
 def test_prelu_per_channel_slope_of_converted_opset6_models(opset, shape_x):
@@ -85,6 +96,12 @@ def test_prelu_per_channel_slope_of_converted_opset6_models(opset, shape_x):
     for name in ("X", "slope"):
         assert fd.details[name].counts()["checked"] > 0
         assert compare(ad[name], fd.details[name], 1e-4, 1e-3) <= 1, (name, ad[name], fd[name])
+    # X's extents symbolic, the slope an initializer (as converted models hold it): the slope's axis
+    # is found at run time
+    held = op_model("PRelu", feeds, opset=opset, initializers={"slope": slope})
+    symbolic = ad_vjp(symbolic_model(held), {"X": x}, ["X", "slope"], cotangents, backends=("reference",))
+    for name in ("X", "slope"):
+        np.testing.assert_allclose(symbolic[name], ad[name], rtol=1e-6, atol=1e-6, err_msg=name)
 
 
 def gelu64(x, approximate):

@@ -372,10 +372,30 @@ def test_resize_symbolic_backward_differentiates_again():
         np.testing.assert_allclose(got, forward.run(None, {"X": v})[0], atol=1e-5)
 
 
-def test_resize_symbolic_keep_aspect_ratio_refused():
-    """One scale for all resized axes, from their run-time lengths: refused with what it needs."""
-    model, _ = resize_model(dict(mode="linear", axes=[2, 3], keep_aspect_ratio_policy="not_larger"),
-                            sizes=[7, 3], sym=["N", "C", "H", 5])
+@pytest.mark.parametrize("policy,mode,ctm,extra", [
+    ("not_smaller", "nearest", "half_pixel", {}),  # W rounds 4·1.75 up to 9: one row more than floor
+    ("not_larger", "linear", "asymmetric", {}),
+    ("not_smaller", "cubic", "half_pixel", {}),
+    ("not_larger", "nearest", "align_corners", {}),
+    ("not_larger", "cubic", "align_corners", {"exclude_outside": 1}),
+    ("not_smaller", "linear", "tf_crop_and_resize", {}),
+])
+def test_resize_symbolic_keep_aspect_ratio(policy, mode, ctm, extra):
+    """One scale for all resized axes, from their run-time lengths: computed in the graph (or, for
+    coordinates from the lengths alone, the output's lengths read); one graph at two sizes."""
+    attrs = dict(mode=mode, coordinate_transformation_mode=ctm, axes=[2, 3], keep_aspect_ratio_policy=policy, **extra)
+    roi = [0.15, 0.2, 0.85, 1.13] if ctm == "tf_crop_and_resize" else None
+    model, _ = resize_model(attrs, sizes=[7, 3], roi=roi, sym=NCHW)
+    assert_vjp_at_sizes(model, [{"X": _x(1, 2, 4, 5)}, {"X": _x(2, 1, 3, 6)}], "jacobian")
+
+
+@pytest.mark.parametrize("attrs", [dict(coordinate_transformation_mode="half_pixel_symmetric"),
+                                   dict(antialias=1), dict(mode="cubic", exclude_outside=1)])
+def test_resize_symbolic_keep_aspect_ratio_refused(attrs):
+    """Coordinates that need both the common scale and the output's length (or a filter clipped at
+    the input's edge) over run-time lengths: refused with what it needs."""
+    attrs = dict(dict(mode="linear", axes=[2, 3], keep_aspect_ratio_policy="not_larger"), **attrs)
+    model, _ = resize_model(attrs, sizes=[7, 3], sym=["N", "C", "H", 5])
     with pytest.raises(AutodiffError, match="keep_aspect_ratio_policy.*static"):
         backward_model(model, "Y", ["X"])
 
@@ -581,6 +601,16 @@ def test_affine_grid_runtime_size(d, align):
     feeds = [{"theta": theta, "X": _x(2, 1, *range(3, 3 + d))},
              {"theta": theta[:1], "X": _x(1, 1, *range(4, 2, -1), *[2] * (d - 2))}]
     assert_vjp_at_sizes(model, feeds, wrt=("theta",))
+
+
+@pytest.mark.parametrize("size,align", [([2, 3, 4, 5], 0), ([2, 2, 3, 4, 2], 1)])
+def test_affine_grid_size_fed(size, align):
+    """'size' fed at run time (as the backend cases feed it); on symbolic dimensions, where neither
+    its length nor theta's shape is known, the grid's rank gives the number of spatial axes."""
+    d = len(size) - 2
+    feeds = {"theta": R.standard_normal((2, d, d + 1)).astype(np.float32), "size": np.array(size, np.int64)}
+    model = op_model("AffineGrid", feeds, align_corners=align, opset=20)
+    assert_gradients(model, feeds, ["theta"])
 
 
 def test_affine_grid_refuses_degenerate():
