@@ -17,8 +17,11 @@ from onnx_autodiff.rules import GradRegistry
 LOSS = "onnx_autodiff_check_loss"
 
 
-def scalarize(model: onnx.ModelProto, cotangents: Sequence[np.ndarray | None]) -> onnx.ModelProto:
-    """A copy of ``model`` whose only output is Σ_k ⟨out_k, r_k⟩ over the float outputs."""
+def scalarize(model: onnx.ModelProto, cotangents: Sequence[np.ndarray | None], fed: bool = False) -> onnx.ModelProto:
+    """A copy of ``model`` whose only output is Σ_k ⟨out_k, r_k⟩ over the float outputs; with ``fed``
+    the r_k are inputs (:func:`cotangent_feeds`) whose every dimension is a name, for a model with
+    symbolic inputs: there a constant's extents would meet the outputs' inferred ones, which some
+    inference functions get wrong (Attention-23's read a symbolic extent as 0)."""
     scalar = onnx.ModelProto()
     scalar.CopyFrom(model)
     graph = scalar.graph
@@ -27,9 +30,13 @@ def scalarize(model: onnx.ModelProto, cotangents: Sequence[np.ndarray | None]) -
         if r is None:
             continue
         names = [f"{LOSS}_r{k}", f"{LOSS}_m{k}", f"{LOSS}_s{k}"]
+        if fed:
+            graph.input.append(helper.make_tensor_value_info(
+                names[0], helper.np_dtype_to_tensor_dtype(r.dtype), [f"{names[0]}_d{j}" for j in range(r.ndim)]))
+        else:
+            graph.node.append(helper.make_node("Constant", [], [names[0]], value=numpy_helper.from_array(r)))
         graph.node.extend(
             [
-                helper.make_node("Constant", [], [names[0]], value=numpy_helper.from_array(r)),
                 helper.make_node("Mul", [out.name, names[0]], [names[1]]),
                 helper.make_node("ReduceSum", [names[1]], [names[2]], keepdims=0),
             ]
@@ -40,6 +47,16 @@ def scalarize(model: onnx.ModelProto, cotangents: Sequence[np.ndarray | None]) -
     del graph.output[:]
     graph.output.append(helper.make_tensor_value_info(LOSS, elem_type, []))
     return scalar
+
+
+def cotangent_feeds(cotangents: Sequence[np.ndarray | None]) -> dict[str, np.ndarray]:
+    """The inputs of ``scalarize(..., fed=True)``."""
+    return {f"{LOSS}_r{k}": r for k, r in enumerate(cotangents) if r is not None}
+
+
+def symbolic_inputs(model: onnx.ModelProto) -> bool:
+    """Whether some graph input of ``model`` has a named dimension."""
+    return any(d.HasField("dim_param") for i in model.graph.input for d in i.type.tensor_type.shape.dim)
 
 
 def backward_model(
@@ -74,8 +91,9 @@ def ad_vjp(
         proto, autodiff = backward_model(model, of, wrt, registry, seed="input")
         extra = {autodiff.seed_name: cotangents[floats[0]]}
     else:
-        proto, autodiff = backward_model(scalarize(model, cotangents), LOSS, wrt, registry)
-        extra = {}
+        fed = symbolic_inputs(model)
+        proto, autodiff = backward_model(scalarize(model, cotangents, fed), LOSS, wrt, registry)
+        extra = cotangent_feeds(cotangents) if fed else {}
     outputs = [o.name for o in proto.graph.output]
     results = Evaluator(proto, backends=tuple(backends))({**feeds, **extra})
     named = dict(zip(outputs, results))

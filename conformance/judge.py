@@ -15,7 +15,8 @@ import onnx
 from onnx import numpy_helper
 
 from onnx_autodiff.conformance.cases import CHECKED_ELEM_TYPES, Case, elem_type
-from onnx_autodiff.conformance.check import LOSS, WEAK_TOLERANCE, backward_model, compare_elements, scalarize
+from onnx_autodiff.conformance.check import (LOSS, WEAK_TOLERANCE, backward_model, compare_elements, cotangent_feeds,
+                                             scalarize, symbolic_inputs)
 from onnx_autodiff.conformance.oracle import BACKENDS, Evaluator, OracleResult, cotangents_for, fd_vjp, usable
 from onnx_autodiff.modelfile import from_proto
 from onnx_autodiff.conformance.references import References, StoredOracle, case_fingerprint, is_stale
@@ -413,8 +414,9 @@ def backward_graphs(model: onnx.ModelProto, wrt: Sequence[str], cotangents,
         proto, autodiff = backward_model(model, of, list(wrt), registry, seed="input")
         seed = {autodiff.seed_name: cotangents[floats[0]]}
     else:
-        proto, autodiff = backward_model(scalarize(model, cotangents), LOSS, list(wrt), registry)
-        seed = {}
+        fed = symbolic_inputs(model)
+        proto, autodiff = backward_model(scalarize(model, cotangents, fed), LOSS, list(wrt), registry)
+        seed = cotangent_feeds(cotangents) if fed else {}
     return proto, {x: autodiff.gradient_names[x] for x in wrt}, seed
 
 

@@ -36,13 +36,20 @@ def symbolic_model(model: onnx.ModelProto) -> onnx.ModelProto:
     declared = {}
     for info in graph.output:
         if info.type.HasField("tensor_type") and info.type.tensor_type.HasField("shape"):
-            declared[info.name] = len(info.type.tensor_type.shape.dim)
+            declared[info.name] = list(info.type.tensor_type.shape.dim)
             info.type.tensor_type.ClearField("shape")
     inferred = onnx.shape_inference.infer_shapes(copy, strict_mode=False, data_prop=True)
     for info in inferred.graph.output:
-        if info.name in declared and not info.type.tensor_type.HasField("shape"):
+        if info.name not in declared:
+            continue
+        if not info.type.tensor_type.HasField("shape"):
             info.type.tensor_type.shape.dim.extend(
-                onnx.TensorShapeProto.Dimension(dim_param=f"{info.name}_d{k}") for k in range(declared[info.name]))
+                onnx.TensorShapeProto.Dimension(dim_param=f"{info.name}_d{k}") for k in range(len(declared[info.name])))
+        # an extent the static model contradicts is a name: some inference functions read a symbolic
+        # extent as 0 (Attention-23's: Y's hidden size, the scores' key length)
+        for k, (dim, static) in enumerate(zip(info.type.tensor_type.shape.dim, declared[info.name])):
+            if dim.HasField("dim_value") and static.HasField("dim_value") and dim.dim_value != static.dim_value:
+                dim.dim_param = f"{info.name}_d{k}"
     return inferred
 
 

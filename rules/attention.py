@@ -87,6 +87,17 @@ def attention(op, node, *dys):
             for unused in outs[1:3]:
                 unused.name = ""
         P = outs[3]
+    # onnx's inference gives the scores a wrong key extent unless _keys_inferred (0 where symbolic),
+    # and every value computed from them would inherit it: they are viewed in the computed shape then.
+    scores_shape = None
+    if not _keys_inferred(V, past_k, r):
+        keys = total if total is not None else _total(op, K4, past_k, Kp)
+        scores_shape = shapes.shape_from(op, shapes.shape_between(op, Q4, 0, 3), keys)
+
+    def as_scores(x):
+        return x if scores_shape is None else op.Reshape(x, scores_shape)
+
+    P = as_scores(P)
 
     scale = shapes.attr(node, "scale")
     if scale is None:
@@ -124,7 +135,8 @@ def attention(op, node, *dys):
         if Q.dtype is None:
             raise RuleError("Attention with qk_matmul_output_mode=2 needs Q's element type; run shape inference")
         lowest = op.const(np.finfo(Q.dtype.numpy()).min, dtype=Q.dtype)
-        dS = add(dS, gate(op, op.Greater(to_groups(node.outputs[3]), lowest), dqkg))
+        scores = to_groups(as_scores(node.outputs[3]))
+        dS = add(dS, gate(op, op.Greater(scores, lowest), dqkg))
     dT = add(dS, dqkg) if mode == 1 else dS
     if dT is not None and softcap:
         S0 = op.Mul(op.MatMul(Qg, op.Transpose(Kp, perm=[0, 1, 3, 2])), scale)
@@ -160,6 +172,15 @@ def _total(op, K4, past_k, Kp):
     if k is not None and past is not None and isinstance(k[2], int) and isinstance(past[2], int):
         return k[2] + past[2]
     return shapes.extent(op, Kp, 2)
+
+
+def _keys_inferred(V, past_k, r):
+    """Whether onnx's Attention inference gives the scores (qk_matmul_output) their true key
+    extent: it reads V's sequence extent as a number (0 where symbolic) and adds past_key's only
+    where both are known."""
+    seq = (shapes.dims(V) or (None,) * r)[r - 2]
+    past = (shapes.dims(past_k) or (None,) * 4)[2] if past_k is not None else 0
+    return isinstance(seq, int) and isinstance(past, int)
 
 
 def _pad_mask(op, mask, total):

@@ -176,12 +176,30 @@ def _take_inferred(value: ir.Value, kind: onnx.TypeProto, shape: ir.Shape | None
         shape = _refined(value, shape)
         changed = shape is not None
     elif overwrite is Overwrite.SHAPE:
+        shape = _named_kept(value, shape)
         changed = shape is not None and (value.shape is None or value.shape != shape)
     else:
         changed = shape is not None and value.shape is None
     if changed:
         value.shape = shape
     return changed
+
+
+def _named_kept(value: ir.Value, found: ir.Shape | None) -> ir.Shape | None:
+    """``found``, but where it has the extent 0 for a dimension the value names, that name: some of
+    onnx's inference functions read a symbolic extent as 0 (Attention-23's: Y's hidden size, the
+    scores' key length), and a seed declared with it would refuse every real one."""
+    if found is None or value.shape is None or len(found) != len(value.shape):
+        return found
+    old = value.shape.dims
+    if not any(_zero_for_name(d, o) for d, o in zip(found.dims, old)):
+        return found
+    return ir.Shape([o if _zero_for_name(d, o) else d
+                     for d, o in zip(found.dims, old)])
+
+
+def _zero_for_name(found, old) -> bool:
+    return isinstance(found, int) and found == 0 and isinstance(old, ir.SymbolicDim) and bool(old.value)
 
 
 def complete_shapes(graph: ir.Graph, opsets: dict[str, int]) -> int:

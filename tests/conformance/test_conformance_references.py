@@ -26,31 +26,7 @@ ALLOWED_FAILURES: dict[tuple[str, str], str] = {
 # why → the cases whose re-check on symbolic dimensions fails (the static check passes): rules that
 # refuse, or build an invalid graph, when the extents are unknown. Remove a case as soon as it passes.
 _SYMBOLIC_GAPS: dict[str, list[str]] = {
-    "Attention's backward graph fails onnx.checker (full check) on symbolic inputs: a Mul of incompatible dimensions": [
-        "test_attention_23_fullymasked_qk_matmul_output_mode3_zero",
-        "test_attention_24_fullymasked_qk_matmul_output_mode3_zero",
-        "test_attention_24_qk_matmul_output_mode3_softmax_precision",
-        "test_attention_3d_diff_heads_with_past_and_present", "test_attention_3d_with_past_and_present",
-        "test_attention_3d_with_past_and_present_qk_matmul", "test_attention_3d_with_past_and_present_qk_matmul_bias",
-        "test_attention_3d_with_past_and_present_qk_matmul_softcap",
-        "test_attention_3d_with_past_and_present_qk_matmul_softmax",
-        "test_attention_4d_with_past_and_present_qk_matmul", "test_attention_4d_with_past_and_present_qk_matmul_bias",
-        "test_attention_4d_with_past_and_present_qk_matmul_bias_3d_mask",
-        "test_attention_4d_with_past_and_present_qk_matmul_bias_3d_mask_causal",
-        "test_attention_4d_with_past_and_present_qk_matmul_bias_4d_mask",
-        "test_attention_4d_with_past_and_present_qk_matmul_bias_4d_mask_causal", "test_attention_4d_with_qk_matmul",
-        "test_attention_4d_with_qk_matmul_bias", "test_attention_4d_with_qk_matmul_softcap",
-        "test_attention_4d_with_qk_matmul_softmax", "test_attention_local_window_gqa_rank4_mask",
-    ],
-    "Attention's backward graph fails onnx.checker (full check) on symbolic inputs: a Reshape target of 0 with a -1": [
-        "test_attention_3d", "test_attention_3d_attn_mask", "test_attention_3d_causal",
-        "test_attention_3d_diff_heads_sizes", "test_attention_3d_diff_heads_sizes_attn_mask",
-        "test_attention_3d_diff_heads_sizes_causal", "test_attention_3d_diff_heads_sizes_scaled",
-        "test_attention_3d_diff_heads_sizes_softcap", "test_attention_3d_gqa", "test_attention_3d_gqa_attn_mask",
-        "test_attention_3d_gqa_causal", "test_attention_3d_gqa_scaled", "test_attention_3d_gqa_softcap",
-        "test_attention_3d_gqa_with_past_and_present", "test_attention_3d_local_window", "test_attention_3d_scaled",
-        "test_attention_3d_softcap", "test_attention_3d_transpose_verification",
-    ],
+    # Empty: every case whose forward takes symbolic dimensions passes on them.
 }
 ALLOWED_SYMBOLIC_FAILURES = {case: why for why, names in _SYMBOLIC_GAPS.items() for case in names}
 

@@ -83,8 +83,7 @@ def test_attention_bool_mask_with_fully_masked_row():
 def test_attention_3d(hq, hkv):
     d = 2
     inputs = {"Q": f32(2, 3, hq * d), "K": f32(2, 4, hkv * d), "V": f32(2, 4, hkv * 3)}
-    check("Attention", inputs, ["Q", "K", "V"], q_num_heads=hq, kv_num_heads=hkv, is_causal=1,
-          symbolic=False)  # symbolic: onnx's Attention-23 inference gives a symbolic head size or key length the extent 0
+    check("Attention", inputs, ["Q", "K", "V"], q_num_heads=hq, kv_num_heads=hkv, is_causal=1)
 
 
 @pytest.mark.parametrize("causal", [0, 1])
@@ -97,7 +96,7 @@ def test_attention_past_kv_3d_grouped():
     inputs = {"Q": f32(2, 2, 8), "K": f32(2, 2, 2), "V": f32(2, 2, 2),
               "": None, "past_key": f32(2, 1, 3, 2), "past_value": f32(2, 1, 3, 2)}
     check("Attention", inputs, ["Q", "K", "V", "past_key", "past_value"], n_outputs=3,
-          q_num_heads=4, kv_num_heads=1, is_causal=1, symbolic=False)  # symbolic: onnx's Attention-23 inference gives a symbolic head size or key length the extent 0
+          q_num_heads=4, kv_num_heads=1, is_causal=1)
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2, 3])
@@ -105,13 +104,31 @@ def test_attention_qk_output(mode):
     """Every output carries a gradient (the oracle sums ⟨out_k, r_k⟩ over all four)."""
     inputs = {**qkv(4, 2), "attn_mask": f32(3, 4)}
     check("Attention", inputs, ["Q", "K", "V", "attn_mask"], n_outputs=4, qk_matmul_output_mode=mode,
-          softcap=2.5, symbolic=False)  # symbolic: onnx's Attention-23 inference gives a symbolic head size or key length the extent 0
+          softcap=2.5)
 
 
 def test_attention_symbolic_batch():
     inputs = {**qkv(), "attn_mask": f32(1, 1, 3, 4)}
     shapes = {"Q": ["N", 2, 3, 4], "K": ["N", 2, 4, 4], "V": ["N", 2, 4, 4]}
     check("Attention", inputs, ["Q", "K", "V", "attn_mask"], shapes=shapes, is_causal=1)
+
+
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2)])
+def test_attention_3d_symbolic_sequences(hq, hkv):
+    """Sequence lengths symbolic, hidden sizes static, as exporters declare them: onnx's inference
+    gives the recomputed probabilities the key extent 0, which the rule must not carry into its
+    reshapes (onnxruntime refused the backward graph)."""
+    inputs = {"Q": f32(2, 3, hq * 2), "K": f32(2, 4, hkv * 2), "V": f32(2, 4, hkv * 3), "attn_mask": f32(3, 4)}
+    shapes = {"Q": ["N", "S", hq * 2], "K": ["N", "T", hkv * 2], "V": ["N", "T", hkv * 3], "attn_mask": ["S", "T"]}
+    check("Attention", inputs, list(inputs), shapes=shapes, q_num_heads=hq, kv_num_heads=hkv, softcap=2.0)
+
+
+def test_attention_past_kv_symbolic_sequences():
+    """Past and new key lengths symbolic, grouped heads: the probabilities' key extent is computed."""
+    inputs = {**qkv(4, 2, skv=2), "attn_mask": f32(3, 5), "past_key": f32(2, 2, 3, 4), "past_value": f32(2, 2, 3, 4)}
+    shapes = {"Q": ["N", 4, "S", 4], "K": ["N", 2, "T", 4], "V": ["N", 2, "T", 4], "attn_mask": ["S", "P"],
+              "past_key": ["N", 2, "R", 4], "past_value": ["N", 2, "R", 4]}
+    check("Attention", inputs, list(inputs), n_outputs=3, shapes=shapes, is_causal=1)
 
 
 def test_attention_unknown_head_size():
@@ -240,7 +257,7 @@ def test_attention_qk_output_mode2_masked_scores_are_constant():
     inputs = {**qkv(skv=2), "attn_mask": f32(2, 1, 3, 5), "past_key": f32(2, 2, 3, 4),
               "past_value": f32(2, 2, 3, 4)}
     _, _, result = check("Attention", inputs, list(inputs), n_outputs=4, is_causal=1,
-                         qk_matmul_output_mode=2, symbolic=False)  # symbolic: onnx's Attention-23 inference gives a symbolic head size or key length the extent 0
+                         qk_matmul_output_mode=2)
     assert np.all(result.ad["attn_mask"][..., 0, 4] == 0)  # query 0 sees keys j <= 0 + 3 (past)
 
 
