@@ -21,7 +21,7 @@ __all__ = [
 _FAMILIES = (
     "math", "activation", "nn", "spatial", "tensor", "sequence", "indexing", "reduction", "normalization",
     "losses", "linalg", "attention", "streaming", "signal", "ml", "recurrent", "control_flow", "nondiff",
-    "decomposed", "quantized",
+    "decomposed", "quantized", "qdq",
 )
 
 
