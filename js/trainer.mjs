@@ -2,11 +2,12 @@
 // and in the browser (onnxruntime-web), which pass their `ort` in. The train-step model takes
 // [batch, parameters, optimiser state, buffers, lr, step, coefficients] and returns [loss, new
 // parameters, new state, new buffers]; artifacts.json names them ("train": batch, carry [key,
-// input, output], reads, scalars, coefficients, loss). Parameters and state stay onnxruntime
-// tensors from step to step: the outputs of step k are the inputs of step k + 1. The coefficients
-// (Adam's bias corrections, AdamW's decay) are scalars computed here in float64 from lr and the
-// step, as artifacts.json's expressions say, and fed in the input's type (float32 for a float32
-// model): the models hold no float64, which onnxruntime-web's builds cannot run.
+// input, output], reads, scalars, coefficients, loss: docs/artifacts.md describes the format,
+// artifacts.schema.json is its JSON Schema, which validate.mjs checks). Parameters and state stay
+// onnxruntime tensors from step to step: the outputs of step k are the inputs of step k + 1. The
+// coefficients (Adam's bias corrections, AdamW's decay) are scalars computed here in float64 from
+// lr and the step, as artifacts.json's expressions say, and fed in the input's type (float32 for a
+// float32 model): the models hold no float64, which onnxruntime-web's builds cannot run.
 
 import { parse, serialize } from "./safetensors.mjs";
 

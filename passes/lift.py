@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import onnx
@@ -79,6 +79,10 @@ class LiftedWeight:
 
     def to_json(self) -> dict:
         return {"initializer": self.initializer, "sites": [site.to_json() for site in self.sites]}
+
+    @classmethod
+    def from_json(cls, entry: dict) -> LiftedWeight:
+        return cls(entry["initializer"], tuple(map(ConstantSite.from_json, entry["sites"])))
 
 
 @dataclasses.dataclass
@@ -234,15 +238,15 @@ def _replace_constant(found: _Found, init: ir.Value) -> None:
     graph.remove(node, safe=True)
 
 
-def write_back(graph: onnx.GraphProto, lifted: list[dict], values: dict[str, np.ndarray]) -> None:
+def write_back(graph: onnx.GraphProto, lifted: Sequence[LiftedWeight], values: dict[str, np.ndarray]) -> None:
     """Sets the Constant nodes of a model as its producer stored it (``graph``, a GraphProto) to
-    the ``values`` of the initializers lifted from them (``lifted``: :meth:`LiftedWeight.to_json`
-    entries), in the attribute each had (``value`` or ``value_floats``) and its dtype."""
-    for entry in lifted:
-        value = values.get(entry["initializer"])
+    the ``values`` of the initializers ``lifted`` from them, in the attribute each had (``value``
+    or ``value_floats``) and its dtype."""
+    for weight in lifted:
+        value = values.get(weight.initializer)
         if value is None:
             continue
-        for site in map(ConstantSite.from_json, entry["sites"]):
+        for site in weight.sites:
             node = _site_node(graph, site)
             attribute = node.attribute[0]
             if attribute.name == "value":
@@ -255,11 +259,11 @@ def write_back(graph: onnx.GraphProto, lifted: list[dict], values: dict[str, np.
                 attribute.floats.extend(np.asarray(value, np.float32).reshape(-1).tolist())
 
 
-def lifted_in(proto: onnx.ModelProto, lifted: list[dict], names) -> onnx.ModelProto:
-    """``proto`` with the weights among ``names`` (lifted initializers, :meth:`LiftedWeight.to_json`
-    entries in ``lifted``) as initializers again, the other Constant nodes as they are: for a pass
-    that needs a weight stored as an initializer (LoRA's adapters beside their base)."""
-    outputs = {site["output"] for entry in lifted if entry["initializer"] in names for site in entry["sites"]}
+def lifted_in(proto: onnx.ModelProto, lifted: Sequence[LiftedWeight], names) -> onnx.ModelProto:
+    """``proto`` with the weights among ``names`` (initializers ``lifted`` from Constant nodes) as
+    initializers again, the other Constant nodes as they are: for a pass that needs a weight
+    stored as an initializer (LoRA's adapters beside their base)."""
+    outputs = {site.output for weight in lifted if weight.initializer in names for site in weight.sites}
     if not outputs:
         return proto
     model = ir.from_proto(proto)
@@ -267,14 +271,14 @@ def lifted_in(proto: onnx.ModelProto, lifted: list[dict], names) -> onnx.ModelPr
     return ir.to_proto(model)
 
 
-def read_back(graph: onnx.GraphProto, lifted: list[dict], names) -> dict[str, np.ndarray]:
+def read_back(graph: onnx.GraphProto, lifted: Sequence[LiftedWeight], names) -> dict[str, np.ndarray]:
     """The values of the lifted initializers among ``names`` as the Constant nodes of ``graph``
     hold them (each from its first site; :func:`write_back`'s reverse)."""
     found = {}
-    for entry in lifted:
-        if entry["initializer"] in names:
-            attribute = _site_node(graph, ConstantSite.from_json(entry["sites"][0])).attribute[0]
-            found[entry["initializer"]] = onnx.numpy_helper.to_array(attribute.t) if attribute.name == "value" else \
+    for weight in lifted:
+        if weight.initializer in names:
+            attribute = _site_node(graph, weight.sites[0]).attribute[0]
+            found[weight.initializer] = onnx.numpy_helper.to_array(attribute.t) if attribute.name == "value" else \
                 np.asarray(attribute.f if attribute.name == "value_float" else list(attribute.floats), np.float32)
     return found
 

@@ -448,16 +448,16 @@ def adapt(model: ir.Model, config: LoraConfig, trained: Sequence[str] = ()) -> L
     return lora
 
 
-def unmerged(proto: onnx.ModelProto, layout: Mapping) -> onnx.ModelProto:
-    """``proto`` (the forward model) with the adapters that ``layout`` (the artifacts' "lora" entry)
-    records, without dropout; their values are the initial ones until the caller replaces them."""
+def unmerged(proto: onnx.ModelProto, config: LoraConfig, recorded: Sequence[Adapter]) -> onnx.ModelProto:
+    """``proto`` (the forward model) with the ``recorded`` adapters, added as ``config`` (the
+    artifacts' record) adds them, without dropout; their values are the initial ones until the
+    caller replaces them."""
     if proto.functions:
         proto = onnx.inliner.inline_local_functions(proto)
-    recorded = [Adapter(**a) for a in layout["adapters"]]
-    config = LoraConfig(rank=layout["rank"], alpha=layout["alpha"], seed=layout["seed"],  # the kernels kept
+    config = LoraConfig(rank=config.rank, alpha=config.alpha, seed=config.seed,  # the kernels kept
                         targets=[glob.escape(a.weight) for a in recorded], quantize_format="matmulnbits")
     model = from_proto(proto)
     lora = adapt(model, config)
-    if lora.adapters != recorded:
+    if lora.adapters != list(recorded):
         raise TrainingError("the inference model's adapters differ from those the artifacts recorded (a bug, please report)")
     return to_proto(model)

@@ -417,3 +417,29 @@ def test_a_nonfinite_micro_batch_raises_or_skips_its_step_as_in_python(batch, tm
     assert js["skipped"][:2] == [skipping.step_count, skipping.skipped_steps] == [0, 1]
     np.testing.assert_array_equal(np.array(js["skipped"][2], np.float32).reshape(skipping.parameters()["W1"].shape),
                                   skipping.parameters()["W1"])
+
+
+def test_artifacts_json_matches_the_schema_in_node(artifacts_dir, tmp_path):
+    """js/validate.mjs (ajv) finds every artifacts.json of the JS tests' kinds valid against
+    js/artifacts.schema.json, the schema the Python manifest generates, and names what breaks it."""
+    from onnx_autodiff.passes.lora import LoraConfig
+
+    kinds = {
+        "accumulation, clipping": dict(optimizer="adamw", gradient_accumulation=True, max_grad_norm=1.0),
+        "webgpu lora with dropout": dict(lora=LoraConfig(rank=2, dropout=0.25), target="webgpu",
+                                         gradient_accumulation=True),
+    }
+    directories = [artifacts_dir]
+    for i, options in enumerate(kinds.values()):
+        directories.append(tmp_path / f"artifacts{i}")
+        save_artifacts(generate_artifacts(logits_model(), loss="cross_entropy", **options), str(directories[-1]))
+    result = subprocess.run(["node", str(JS / "validate.mjs"), *map(str, directories)], capture_output=True, text=True,
+                            check=False, timeout=60)
+    assert result.returncode == 0 and f"{len(directories)} of {len(directories)} match" in result.stdout, result.stdout
+    layout = json.loads((directories[-1] / "artifacts.json").read_text())
+    assert layout["format"] == 3 and "lora" in layout
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**layout, "train": {**layout["train"], "carry": [["W1", "W1"]]}}))
+    result = subprocess.run(["node", str(JS / "validate.mjs"), str(bad)], capture_output=True, text=True, check=False,
+                            timeout=60)
+    assert result.returncode == 1 and "/train/carry/0 must NOT have fewer than 3 items" in result.stdout, result.stdout

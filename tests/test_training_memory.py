@@ -4,6 +4,8 @@ frozen weights are read where they are stored and held once."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -115,7 +117,8 @@ def test_artifacts_without_the_kept_flag_use_spare_buffers():
     """Artifacts saved before the models carried their own "kept" flag still train, the old way."""
     artifacts = generate_artifacts(mlp(), optimizer="adam", optimizer_options={"lr": 0.01})
     old = generate_artifacts(mlp(), optimizer="adam", optimizer_options={"lr": 0.01})
-    flag = old.layout["train"].pop("kept")
+    flag = old.manifest.train.kept
+    old.manifest = dataclasses.replace(old.manifest, train=dataclasses.replace(old.manifest.train, kept=None))
     outputs = [o for o in old.train_model.graph.output if o.name != flag]
     del old.train_model.graph.output[:]
     old.train_model.graph.output.extend(outputs)

@@ -28,13 +28,10 @@ onnxruntime's inference build, so everything here is built from standard ONNX op
 
 from onnx_autodiff.errors import BatchError, TrainingError
 from onnx_autodiff.passes.lora import LoraConfig
-from onnx_autodiff.training.artifacts import (
-    FORMAT_VERSION,
-    TrainingArtifacts,
-    generate_artifacts,
-)
+from onnx_autodiff.training.artifacts import TrainingArtifacts, generate_artifacts
 from onnx_autodiff.training.cli import add_arguments, run, run_training_demo
 from onnx_autodiff.training.losses import LOSSES
+from onnx_autodiff.training.manifest import FORMAT_VERSION, Manifest
 from onnx_autodiff.training.optimizers import (
     OPTIMIZERS,
     SGD,
@@ -45,7 +42,7 @@ from onnx_autodiff.training.optimizers import (
 from onnx_autodiff.training.trainer import Trainer, default_providers
 
 __all__ = [
-    "FORMAT_VERSION", "LOSSES", "OPTIMIZERS", "SGD", "Adam", "AdamW", "BatchError", "LoraConfig", "Trainer", "TrainingArtifacts",
+    "FORMAT_VERSION", "LOSSES", "Manifest", "OPTIMIZERS", "SGD", "Adam", "AdamW", "BatchError", "LoraConfig", "Trainer", "TrainingArtifacts",
     "TrainingError", "add_arguments", "default_providers", "generate_artifacts", "make_optimizer", "run",
     "run_training_demo",
 ]

@@ -6,7 +6,7 @@ peft (``PeftModel.from_pretrained(base, directory)``) reads ``adapter_config.jso
 in the base model peft wraps). Ours are ``A`` [in, r] and ``B`` [r, out] in the orientation
 ``X @ W_eff``, the module's product: peft's are their transposes, whether the file stores the
 weight as the module does or transposed. The module names are the ones parameter recovery found
-in the export (``layout["modules"]``); :func:`peft_modules` maps them onto the peft model's.
+in the export (the manifest's ``modules``); :func:`peft_modules` maps them onto the peft model's.
 
 onnxruntime's multi-LoRA feeds an adapter's tensors, by name, to graph inputs of the model
 (``RunOptions.add_active_adapter``). :func:`adapter_input_model` makes the adapters such inputs,
@@ -17,6 +17,7 @@ symbolic rank; the scale alpha/r is left to the adapter file (:func:`onnx_adapte
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -27,6 +28,8 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnx_autodiff.errors import TrainingError, names_summary
+from onnx_autodiff.passes.lora import Adapter
+from onnx_autodiff.training.manifest import LoraRecord, Manifest
 
 PEFT_PREFIX = "base_model.model."
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -35,51 +38,51 @@ RANK_DIM = "lora_rank"  # the symbolic rank of the adapter inputs
 _WEIGHT = ".weight"
 
 
-def lora_layout(layout: Mapping, what: str) -> Mapping:
-    """The artifacts' "lora" entry, or a TrainingError saying that ``what`` needs adapters."""
-    lora = layout.get("lora")
-    if not lora or not lora.get("adapters"):
+def lora_record(manifest: Manifest, what: str) -> LoraRecord:
+    """The artifacts' LoRA record, or a TrainingError saying that ``what`` needs adapters."""
+    lora = manifest.lora
+    if not lora or not lora.adapters:
         raise TrainingError(f"{what} needs LoRA adapters: generate the artifacts with lora=LoraConfig(rank=...) "
                             "(on the command line --lora RANK)")
     return lora
 
 
-def default_strip(layout: Mapping) -> str:
+def default_strip(manifest: Manifest) -> str:
     """The wrapper's attribute that every module parameter lies under (``lm.`` of a module whose
     forward calls ``self.lm``, a transformers model), when removing it leaves names of submodules'
     parameters; else "" (the names as they are)."""
-    names = [n for entry in layout.get("modules", ()) for n in (entry["name"], *entry["aliases"])]
+    names = [n for module in manifest.modules or () for n in (module.name, *module.aliases)]
     firsts = {n.split(".", 1)[0] for n in names}
     if len(firsts) != 1 or not all(n.count(".") >= 2 for n in names):
         return ""
     return f"{firsts.pop()}."
 
 
-def peft_modules(layout: Mapping, strip: str | None = None) -> list[tuple[Mapping, str, bool]]:
-    """Each adapter of ``layout`` with the name of its module in the model peft wraps (the module
+def peft_modules(manifest: Manifest, strip: str | None = None) -> list[tuple[Adapter, str, bool]]:
+    """Each adapter of ``manifest`` with the name of its module in the model peft wraps (the module
     parameter's name less ``.weight`` and less ``strip``; None: :func:`default_strip`) and whether
     the module multiplies by its weight as it is (GPT-2's Conv1D: peft's ``fan_in_fan_out``)
     rather than transposed (``nn.Linear``)."""
-    lora = lora_layout(layout, "a peft adapter")
-    strip = default_strip(layout) if strip is None else strip
-    by_initializer = {entry["initializer"]: entry for entry in layout.get("modules", ())}
-    unnamed = [a["weight"] for a in lora["adapters"] if a["weight"] not in by_initializer]
+    lora = lora_record(manifest, "a peft adapter")
+    strip = default_strip(manifest) if strip is None else strip
+    by_initializer = {module.initializer: module for module in manifest.modules or ()}
+    unnamed = [a.weight for a in lora.adapters if a.weight not in by_initializer]
     if unnamed:
         raise TrainingError(f"the LoRA adapters of {names_summary(unnamed)} have no module name: a peft adapter names "
                             "each module, and only a model exported from PyTorch records them (parameter recovery "
                             "found none for these weights); save_onnx_adapter() writes adapters by tensor name")
     found = []
-    for adapter in lora["adapters"]:
-        entry = by_initializer[adapter["weight"]]
-        name = entry["name"]
+    for adapter in lora.adapters:
+        parameter = by_initializer[adapter.weight]
+        name = parameter.name
         if not name.endswith(_WEIGHT):
-            raise TrainingError(f"the LoRA adapter of '{adapter['weight']}' adapts the module parameter '{name}', which is "
+            raise TrainingError(f"the LoRA adapter of '{adapter.weight}' adapts the module parameter '{name}', which is "
                                 "no module's 'weight': peft adapts a module's weight")
         module = name[: -len(_WEIGHT)]
         if not module.startswith(strip) or len(module) == len(strip):
             raise TrainingError(f"the module name '{module}' does not start with strip='{strip}': give the prefix of "
                                 "the exported module's names that the model peft wraps lacks ('' keeps them as they are)")
-        found.append((adapter, module[len(strip):], entry["transposed"] == adapter["transposed"]))
+        found.append((adapter, module[len(strip):], parameter.transposed == adapter.transposed))
     return found
 
 
@@ -87,12 +90,12 @@ def _peft_key(prefix: str, module: str, part: str) -> str:
     return f"{prefix}{module}.lora_{part}.weight"
 
 
-def _target_modules(layout: Mapping, strip: str, modules: Sequence[str]) -> list[str]:
+def _target_modules(manifest: Manifest, strip: str, modules: Sequence[str]) -> list[str]:
     """peft's ``target_modules``: the leaf names (``q_proj``) when they select exactly ``modules``
     among the exported module's weights, else the full module names."""
     leaves = sorted({m.rsplit(".", 1)[-1] for m in modules})
-    weights = {entry["name"][len(strip): -len(_WEIGHT)] for entry in layout.get("modules", ())
-               if entry["name"].startswith(strip) and entry["name"].endswith(_WEIGHT)}
+    weights = {p.name[len(strip): -len(_WEIGHT)] for p in manifest.modules or ()
+               if p.name.startswith(strip) and p.name.endswith(_WEIGHT)}
     selected = {w for w in weights if any(w == leaf or w.endswith(f".{leaf}") for leaf in leaves)}
     return leaves if selected == set(modules) else sorted(modules)
 
@@ -101,12 +104,12 @@ def _alpha_text(alpha: float) -> int | float:
     return int(alpha) if float(alpha).is_integer() else float(alpha)
 
 
-def checked_for_peft(layout: Mapping, strip: str | None = None) -> list[tuple[Mapping, str, bool]]:
+def checked_for_peft(manifest: Manifest, strip: str | None = None) -> list[tuple[Adapter, str, bool]]:
     """:func:`peft_modules`, after checking that the artifacts train the adapters alone (a peft
     LoRA adapter of bias "none" holds nothing else)."""
-    found = peft_modules(layout, strip)
-    adapters = {n for a in layout["lora"]["adapters"] for n in (a["A"], a["B"])}
-    extra = [p for p in layout["params"] if p not in adapters]
+    found = peft_modules(manifest, strip)
+    adapters = set(manifest.lora.tensors)
+    extra = [p for p in manifest.params if p not in adapters]
     if extra:
         raise TrainingError(f"the artifacts also train {names_summary(extra)} (train_biases, train_norms or requires_grad), "
                             "which a peft LoRA adapter does not hold: its model would differ from the trained one; "
@@ -114,20 +117,20 @@ def checked_for_peft(layout: Mapping, strip: str | None = None) -> list[tuple[Ma
     return found
 
 
-def peft_adapter(layout: Mapping, values: Mapping[str, np.ndarray], strip: str | None = None,
+def peft_adapter(manifest: Manifest, values: Mapping[str, np.ndarray], strip: str | None = None,
                  prefix: str = PEFT_PREFIX, config: Mapping | None = None) -> tuple[dict, dict[str, np.ndarray]]:
     """The ``adapter_config.json`` entries and the ``adapter_model.safetensors`` arrays of the
     adapters' ``values`` (by our names); ``config`` adds or replaces entries (task_type,
     base_model_name_or_path, ...)."""
-    found = checked_for_peft(layout, strip)
-    strip = default_strip(layout) if strip is None else strip
-    lora = layout["lora"]
+    found = checked_for_peft(manifest, strip)
+    strip = default_strip(manifest) if strip is None else strip
+    lora_config = manifest.lora.config
     arrays = {}
     for adapter, module, _ in found:
-        arrays[_peft_key(prefix, module, "A")] = np.ascontiguousarray(values[adapter["A"]].T)
-        arrays[_peft_key(prefix, module, "B")] = np.ascontiguousarray(values[adapter["B"]].T)
+        arrays[_peft_key(prefix, module, "A")] = np.ascontiguousarray(values[adapter.A].T)
+        arrays[_peft_key(prefix, module, "B")] = np.ascontiguousarray(values[adapter.B].T)
     modules = [module for _, module, _ in found]
-    rank = int(lora["rank"])
+    rank = int(lora_config.rank)
     entries = {
         "peft_type": "LORA",
         "task_type": None,
@@ -135,9 +138,9 @@ def peft_adapter(layout: Mapping, values: Mapping[str, np.ndarray], strip: str |
         "revision": None,
         "inference_mode": True,
         "r": rank,
-        "lora_alpha": _alpha_text(rank if lora["alpha"] is None else lora["alpha"]),
-        "lora_dropout": float(lora.get("dropout", 0.0)),
-        "target_modules": _target_modules(layout, strip, modules),
+        "lora_alpha": _alpha_text(rank if lora_config.alpha is None else lora_config.alpha),
+        "lora_dropout": float(lora_config.dropout),
+        "target_modules": _target_modules(manifest, strip, modules),
         "bias": "none",
         "fan_in_fan_out": all(as_is for _, _, as_is in found),
         "modules_to_save": None,
@@ -186,12 +189,12 @@ _UNSUPPORTED = {"use_dora": "DoRA (use_dora)", "lora_bias": "a bias on lora_B (l
                 "modules_to_save": "modules_to_save", "alora_invocation_tokens": "aLoRA (alora_invocation_tokens)"}
 
 
-def peft_values(layout: Mapping, checkpoint: Mapping[str, np.ndarray], directory: str | os.PathLike,
+def peft_values(manifest: Manifest, checkpoint: Mapping[str, np.ndarray], directory: str | os.PathLike,
                 strip: str | None = None, prefix: str = PEFT_PREFIX) -> dict[str, np.ndarray]:
     """Our adapters' values (by our names, in the checkpoint's dtypes) from the peft adapter in
     ``directory``, every key, shape, the rank and the scale checked first."""
-    lora = lora_layout(layout, "loading a peft adapter")
-    found = peft_modules(layout, strip)
+    lora = lora_record(manifest, "loading a peft adapter")
+    found = peft_modules(manifest, strip)
     config, arrays = read_peft_adapter(directory)
     where = os.fspath(directory)
     if config.get("peft_type") != "LORA":
@@ -204,31 +207,31 @@ def peft_values(layout: Mapping, checkpoint: Mapping[str, np.ndarray], directory
     r, alpha = config.get("r"), config.get("lora_alpha")
     if not isinstance(r, int) or isinstance(r, bool) or r < 1 or not isinstance(alpha, (int, float)) or alpha <= 0:
         raise TrainingError(f"{where}: {PEFT_CONFIG} has r={r!r} and lora_alpha={alpha!r}, not a positive rank and alpha")
-    rank, scale = int(lora["rank"]), float(lora["scale"])
+    rank, scale = int(lora.config.rank), float(lora.scale)
     if r != rank and not config.get("rank_pattern"):
         raise TrainingError(f"{where} has rank r={r}; the artifacts' adapters have rank {rank}: generate them with "
                             f"LoraConfig(rank={r}, alpha={_alpha_text(alpha)})")
     values, claimed = {}, set()
     for adapter, module, _ in found:
-        for part in ("A", "B"):
+        for part, ours in (("A", adapter.A), ("B", adapter.B)):
             key = _peft_key(prefix, module, part)
             if key not in arrays:
                 held = sorted(k for k in arrays if k.endswith(f".lora_{part}.weight"))
                 raise TrainingError(f"{where} lacks '{key}' (the adapter of module parameter {module}.weight): it holds "
                                     f"{names_summary(held, 3) or 'no lora_' + part + ' weights'}; strip= and prefix= "
                                     f"map the exported module's names onto the peft model's (strip is "
-                                    f"'{default_strip(layout) if strip is None else strip}', prefix '{prefix}')")
+                                    f"'{default_strip(manifest) if strip is None else strip}', prefix '{prefix}')")
             array = np.asarray(arrays[key]).T
-            want = checkpoint[adapter[part]]
+            want = checkpoint[ours]
             if array.shape != want.shape:
-                raise TrainingError(f"'{key}' has shape {array.T.shape}; the artifacts' adapter {adapter[part]} needs "
+                raise TrainingError(f"'{key}' has shape {array.T.shape}; the artifacts' adapter {ours} needs "
                                     f"{want.T.shape} (peft's [r, in] and [out, r]; rank {rank})")
             value = np.array(array, dtype=want.dtype)
             if not np.isfinite(value).all():
                 raise TrainingError(f"'{key}' holds NaN or Inf: refusing to load it")
-            values[adapter[part]] = value
+            values[ours] = value
             claimed.add(key)
-        rank_here = values[adapter["A"]].shape[1]
+        rank_here = values[adapter.A].shape[1]
         here = alpha / (math.sqrt(rank_here) if config.get("use_rslora") else rank_here)
         if not math.isclose(here, scale, rel_tol=1e-6):
             form = "lora_alpha/sqrt(r)" if config.get("use_rslora") else "lora_alpha/r"
@@ -241,26 +244,24 @@ def peft_values(layout: Mapping, checkpoint: Mapping[str, np.ndarray], directory
     return values
 
 
-def adapter_input_model(proto: onnx.ModelProto, layout: Mapping) -> onnx.ModelProto:
-    """``proto`` (the inference model) with the adapters of ``layout`` as graph inputs
+def adapter_input_model(proto: onnx.ModelProto, manifest: Manifest) -> onnx.ModelProto:
+    """``proto`` (the inference model) with the adapters of ``manifest`` as graph inputs
     ``[in, lora_rank]`` and ``[lora_rank, out]`` whose defaults are empty (rank 0: the base model),
     multiplied without the scale (:func:`onnx_adapter_arrays` folds it into B)."""
     from onnx_autodiff.passes.lora import unmerged
 
-    lora = lora_layout(layout, "the adapter-input model")
-    proto = unmerged(proto, {**lora, "alpha": None})  # alpha None: scale 1, no Mul
-    recorded = lora["adapters"]
+    lora = lora_record(manifest, "the adapter-input model")
+    proto = unmerged(proto, dataclasses.replace(lora.config, alpha=None), lora.adapters)  # alpha None: scale 1, no Mul
     graph = proto.graph
     inits = {t.name: i for i, t in enumerate(graph.initializer)}
-    names = {a[part] for a in recorded for part in ("A", "B")}
+    names = set(lora.tensors)
     # the rank-sized values between the two MatMuls: their recorded shapes would name the old rank
     inner = {out for node in graph.node if names & set(node.input) for out in node.output}
     kept = [v for v in graph.value_info if v.name not in names and v.name not in inner]
     del graph.value_info[:]
     graph.value_info.extend(kept)
-    for adapter in recorded:
-        for part in ("A", "B"):
-            name = adapter[part]
+    for adapter in lora.adapters:
+        for part, name in (("A", adapter.A), ("B", adapter.B)):
             tensor = graph.initializer[inits[name]]
             rows, cols = tensor.dims
             dtype = tensor.data_type
@@ -272,15 +273,15 @@ def adapter_input_model(proto: onnx.ModelProto, layout: Mapping) -> onnx.ModelPr
     return proto
 
 
-def onnx_adapter_arrays(layout: Mapping, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def onnx_adapter_arrays(manifest: Manifest, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The tensors of the ``.onnx_adapter`` file: A, and B multiplied by the scale alpha/r."""
-    lora = lora_layout(layout, "an .onnx_adapter file")
-    scale = float(lora["scale"])
+    lora = lora_record(manifest, "an .onnx_adapter file")
+    scale = float(lora.scale)
     arrays = {}
-    for adapter in lora["adapters"]:
-        a, b = values[adapter["A"]], values[adapter["B"]]
-        arrays[adapter["A"]] = np.ascontiguousarray(a)
-        arrays[adapter["B"]] = np.ascontiguousarray((b.astype(np.float64) * scale).astype(b.dtype))
+    for adapter in lora.adapters:
+        a, b = values[adapter.A], values[adapter.B]
+        arrays[adapter.A] = np.ascontiguousarray(a)
+        arrays[adapter.B] = np.ascontiguousarray((b.astype(np.float64) * scale).astype(b.dtype))
     return arrays
 
 

@@ -44,21 +44,31 @@ from onnx_autodiff.passes.quantize import INT4_OPSET, STORED_INPUT
 from onnx_autodiff.passes.opsets import OpsetError, build_proto_upgrading, convert_in_place, default_opset
 from onnx_autodiff.passes.unused import optional_outputs
 from onnx_autodiff.passes.parameters import default_parameters
-from onnx_autodiff.passes.lift import LiftWeightConstantsPass
+from onnx_autodiff.passes.lift import LiftedWeight, LiftWeightConstantsPass
 from onnx_autodiff.passes.recovery import RecoverParametersPass, is_torch_export
 from onnx_autodiff.passes.rewrite_rules import lowering_rules
 from onnx_autodiff.rules.quantized import CHUNK
 from onnx_autodiff.passes.rewrite_rules.webgpu import dropout_key, dropout_tables, hashed_dropout
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, captured_values, proto_graphs, shapes
 from onnx_autodiff.training.losses import LossSpec, attach_loss
+from onnx_autodiff.training.manifest import (
+    FORMAT_VERSION,
+    SEEDED_FORMAT,
+    Carried,
+    Evaluation,
+    ExternalData,
+    LoraRecord,
+    Manifest,
+    ModuleParameter,
+    Read,
+    Step,
+)
 from onnx_autodiff.training.optimizers import (
     GROUP_LIMIT,
     coefficient_formulas,
     emit_update,
     joined,
     make_optimizer,
-    optimizer_from_json,
-    optimizer_to_json,
     split_back,
     step_kept,
     update_groups,
@@ -71,13 +81,6 @@ from onnx_autodiff.training.values import (
     load_arrays,
 )
 
-# 2: Adam's and AdamW's per-step coefficients are scalar inputs that the runner computes (the
-# models' layouts' "coefficients"), no longer float64 nodes of the graph; 1 still loads and runs.
-# 3: a model also takes the trainer's step and micro-batch as uint32 inputs (the webgpu target's
-# hashed Dropout), which a trainer reading format 2 would not feed; only such artifacts say 3.
-FORMAT_VERSION = 2
-SEEDED_FORMAT = 3
-READABLE_FORMATS = (1, 2, 3)
 CHECKPOINT_FILES = {"npz": "checkpoint.npz", "safetensors": "checkpoint.safetensors"}
 
 
@@ -85,13 +88,14 @@ CHECKPOINT_FILES = {"npz": "checkpoint.npz", "safetensors": "checkpoint.safetens
 
 @dataclasses.dataclass
 class TrainingArtifacts:
-    """The models and initial state of one training setup; ``layout`` names every input and output."""
+    """The models and initial state of one training setup; ``manifest`` names every input and
+    output (what ``artifacts.json`` holds, see :mod:`~onnx_autodiff.training.manifest`)."""
 
     train_model: onnx.ModelProto
     eval_model: onnx.ModelProto
     inference_model: onnx.ModelProto
     checkpoint: dict[str, np.ndarray]
-    layout: dict
+    manifest: Manifest
     accumulate_model: onnx.ModelProto | None = None
     apply_model: onnx.ModelProto | None = None
     left_out: list[str] = dataclasses.field(default_factory=list)  # constants the default did not train
@@ -109,13 +113,22 @@ class TrainingArtifacts:
     # weights would otherwise stay in memory beside the trained ones)
     LAZY = ("inference_model",)
 
+    def __post_init__(self) -> None:
+        if isinstance(self.manifest, Mapping):  # a layout: artifacts.json's JSON, as this field once held
+            self.manifest = Manifest.from_json(self.manifest)
+
+    @property
+    def layout(self) -> dict:
+        """The manifest as ``artifacts.json`` holds it (a new dict at each call)."""
+        return self.manifest.to_json()
+
     @property
     def optimizer(self):
-        return optimizer_from_json(self.layout["optimizer"])
+        return self.manifest.optimizer
 
     @property
     def params(self) -> list[str]:
-        return list(self.layout["params"])
+        return list(self.manifest.params)
 
     def save(self, directory: str | os.PathLike, external_data: bool | None = None,
              checkpoint_format: str = "npz") -> dict[str, str]:
@@ -169,9 +182,9 @@ class TrainingArtifacts:
                 written[attribute] = path
             if referenced is not None:  # a data file an earlier save wrote beside it would be stale
                 stale = os.path.join(directory, filename + ".data")
-                if os.path.isfile(stale) and not any(os.path.isfile(os.path.join(referenced["path"], f))
-                                                     and os.path.samefile(stale, os.path.join(referenced["path"], f))
-                                                     for f in referenced["files"]):
+                if os.path.isfile(stale) and not any(os.path.isfile(os.path.join(referenced.path, f))
+                                                     and os.path.samefile(stale, os.path.join(referenced.path, f))
+                                                     for f in referenced.files):
                     os.remove(stale)
         path = os.path.join(directory, CHECKPOINT_FILES[checkpoint_format])
         write_atomically(path, arrays_writer(path, self.checkpoint))
@@ -180,15 +193,13 @@ class TrainingArtifacts:
             if other != CHECKPOINT_FILES[checkpoint_format] and os.path.exists(os.path.join(directory, other)):
                 os.remove(os.path.join(directory, other))
         path = os.path.join(directory, "artifacts.json")
-        layout = {key: value for key, value in self.layout.items() if key != "external_data"}
-        if referenced is not None:
-            layout["external_data"] = referenced
-        write_atomically(path, json_text(layout).encode())
+        manifest = dataclasses.replace(self.manifest, external_data=referenced)
+        write_atomically(path, json_text(manifest.to_json()).encode())
         written["layout"] = path
         return written
 
     def _referencing(self, directory: str, models: dict, external_data: bool | None,
-                     external=uses_external_data) -> tuple[dict, dict | None]:
+                     external=uses_external_data) -> tuple[dict, ExternalData | None]:
         """The models to write and what ``artifacts.json`` records of the data files they read from
         where they are (see :meth:`save`; their tensors under 1 KB read into them), or the models
         as they are and None where they are written with their tensors."""
@@ -216,8 +227,8 @@ class TrainingArtifacts:
             relative = os.path.relpath(folder, os.path.abspath(directory))
         except ValueError:  # another drive
             relative = None
-        return models, {"folder": relative, "path": folder,
-                        "files": {f: os.path.getsize(os.path.join(folder, f)) for f in files}}
+        return models, ExternalData(folder=relative, path=folder,
+                                    files={f: os.path.getsize(os.path.join(folder, f)) for f in files})
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> TrainingArtifacts:
@@ -226,11 +237,11 @@ class TrainingArtifacts:
         if not os.path.isfile(path):
             raise TrainingError(f"{directory} holds no training artifacts (no artifacts.json)")
         with open(path, encoding="utf-8") as stream:
-            layout = json.load(stream)
-        if layout.get("format") not in READABLE_FORMATS:
-            raise TrainingError(f"{path}: unsupported artifacts format {layout.get('format')!r} (this version of "
-                                f"onnx-autodiff reads formats {', '.join(map(str, READABLE_FORMATS))}): generate the "
-                                "artifacts again, or use the onnx-autodiff that wrote them")
+            try:
+                document = json.load(stream)
+            except ValueError as error:
+                raise TrainingError(f"{path} is not JSON ({error}): generate the artifacts again") from error
+        manifest = Manifest.from_json(document, path)
         models = {}
         for attribute, filename in cls.FILES.items():
             file = os.path.join(directory, filename)
@@ -244,8 +255,8 @@ class TrainingArtifacts:
         if not files:
             raise TrainingError(f"{directory} holds no checkpoint ({' or '.join(CHECKPOINT_FILES.values())})")
         checkpoint = load_arrays(files[0])  # mapped, read when used
-        base_dir = _data_folder(directory, layout["external_data"], path) if layout.get("external_data") else directory
-        artifacts = cls(checkpoint=checkpoint, layout=layout, base_dir=base_dir, directory=directory, **models)
+        base_dir = _data_folder(directory, manifest.external_data, path) if manifest.external_data else directory
+        artifacts = cls(checkpoint=checkpoint, manifest=manifest, base_dir=base_dir, directory=directory, **models)
         for attribute in cls.LAZY:
             del artifacts.__dict__[attribute]  # __getattr__ reads it when first used
         return artifacts
@@ -263,12 +274,12 @@ class TrainingArtifacts:
 
 
 
-def _data_folder(directory: str, record: dict, path: str) -> str:
+def _data_folder(directory: str, record: ExternalData, path: str) -> str:
     """The folder of the data files ``artifacts.json`` (at ``path``) records: relative to the
     artifacts' directory, else where it was; each file must be there with its recorded size."""
-    files = record.get("files", {})
-    candidates = [os.path.join(directory, record["folder"])] if record.get("folder") is not None else []
-    candidates += [record["path"]] if record.get("path") else []
+    files = record.files
+    candidates = [os.path.join(directory, record.folder)] if record.folder is not None else []
+    candidates += [record.path] if record.path else []
     for folder in candidates:
         if all(os.path.isfile(os.path.join(folder, f)) and os.path.getsize(os.path.join(folder, f)) == size
                for f, size in files.items()):
@@ -532,8 +543,8 @@ def _replace_node(graph: ir.Graph, node: ir.Node, values) -> dict[ir.Value, ir.V
     return replaced
 
 
-# The scalar inputs of the hashed Dropout, by layout key, and how the trainer computes them from
-# the step it takes and the micro-batch it accumulates (0 for a train step)
+# The scalar inputs of the hashed Dropout, by their key in the signatures' scalars, and how the
+# trainer computes them from the step it takes and the micro-batch it accumulates (0 for a train step)
 DROPOUT_SEEDS = {"dropout_step": "step", "dropout_micro_batch": "micro_batch"}
 
 
@@ -1169,29 +1180,23 @@ def _generate_artifacts(model, requires_grad, frozen_params, loss, optimizer, op
     # rule asks for a newer one), and every other model is built from that forward model.
     proto, roles, train = build_proto_upgrading(proto, build_train, upgrade_opset)
     batch_inputs = [v.name for v in proto.graph.input if v.name not in {t.name for t in proto.graph.initializer}]
-    eval_model, eval_layout = train["eval"] or _build_eval(proto, roles, loss_spec, target, check_output)
-    layout = {
-        "format": FORMAT_VERSION,
-        "inputs": batch_inputs,
-        "labels": train["labels"],
-        "params": roles.params,
-        "buffers": roles.buffers,
-        "optimizer": optimizer_to_json(spec),
-        "max_grad_norm": max_grad_norm,
-        "train": train["layout"],
-        "eval": eval_layout,
-    }
-    if target != "onnxruntime":  # (the default's artifacts.json as before)
-        layout["target"] = target
-    if loss_spec.class_axis != 1:  # where integer labels are not classes along axis 1 (null: not classes)
-        layout["class_axis"] = loss_spec.class_axis
-    if modules is not None:
-        layout["modules"] = modules
-    if source.constants is not None:
-        layout["constants"] = source.constants
-    if lora is not None:
-        layout["lora"] = {**injected.config.to_json(), "scale": injected.config.scale,
-                          "adapters": [dataclasses.asdict(a) for a in injected.adapters]}
+    eval_model, evaluation = train["eval"] or _build_eval(proto, roles, loss_spec, target, check_output)
+    manifest = Manifest(
+        format=FORMAT_VERSION,
+        inputs=tuple(batch_inputs),
+        labels=tuple(train["labels"]),
+        params=tuple(roles.params),
+        buffers=tuple(roles.buffers),
+        optimizer=spec,
+        max_grad_norm=max_grad_norm,
+        train=train["signature"],
+        eval=evaluation,
+        target=target,
+        class_axis=loss_spec.class_axis,
+        modules=modules,
+        constants=source.constants,
+        lora=None if lora is None else LoraRecord(injected.config, injected.config.scale, tuple(injected.adapters)),
+    )
     checkpoint = {}
     inits = {t.name: t for t in proto.graph.initializer}
     for name in [*roles.params, *roles.buffers]:  # external ones mapped from their file, not read yet
@@ -1199,21 +1204,19 @@ def _generate_artifacts(model, requires_grad, frozen_params, loss, optimizer, op
     for param, names in train["state"].items():
         for state in names:
             checkpoint[state] = np.zeros_like(checkpoint[param])
-    artifacts = TrainingArtifacts(train["model"], eval_model, forward, checkpoint, layout, left_out=roles.left_out,
-                                  base_dir=base_dir)
+    accumulate_model = apply_model = None
     if gradient_accumulation:
         accumulate = _build_train(proto, roles, loss_spec, spec, max_grad_norm, "accumulate", registry, target,
                                   check_output)
-        accumulators = [key for key, _, _ in accumulate["layout"]["carry"][: len(roles.params)]]
-        apply_model, apply_layout = _build_apply(proto, roles, spec, max_grad_norm, train["state"], accumulators,
-                                                 target, check_output)
-        artifacts.accumulate_model = accumulate["model"]
-        artifacts.apply_model = apply_model
-        layout["accumulate"] = accumulate["layout"]
-        layout["apply"] = apply_layout
-    if set(DROPOUT_SEEDS) & set(layout["train"].get("coefficients", {})):  # (the accumulate model's are the same)
-        layout["format"] = SEEDED_FORMAT
-    return artifacts
+        accumulators = [key for key, _, _ in accumulate["signature"].carry[: len(roles.params)]]
+        apply_model, apply_signature = _build_apply(proto, roles, spec, max_grad_norm, train["state"], accumulators,
+                                                    target, check_output)
+        accumulate_model = accumulate["model"]
+        manifest = dataclasses.replace(manifest, accumulate=accumulate["signature"], apply=apply_signature)
+    if set(DROPOUT_SEEDS) & set(manifest.train.coefficients):  # (the accumulate model's are the same)
+        manifest = dataclasses.replace(manifest, format=SEEDED_FORMAT)
+    return TrainingArtifacts(train["model"], eval_model, forward, checkpoint, manifest, accumulate_model, apply_model,
+                             left_out=roles.left_out, base_dir=base_dir)
 
 
 class _Source:
@@ -1226,8 +1229,8 @@ class _Source:
         self.proto, self.forward, self.base_dir = proto, forward, base_dir
         self.model: ir.Model | None = None  # the model to train, once converted
         self.inference: ir.Model | None = None  # the inference model, where it is no longer ``forward``
-        self.modules: list[dict] | None = None
-        self.constants: list[dict] | None = None  # the weights lifted from Constant nodes, for export
+        self.modules: tuple[ModuleParameter, ...] | None = None
+        self.constants: tuple[LiftedWeight, ...] | None = None  # the weights lifted from Constant nodes, for export
         if _holds_float_constants(proto):  # (read off the proto, as the check below)
             self._lift()
         if is_torch_export(proto):  # (read off the proto: most models are not, and need no conversion)
@@ -1235,17 +1238,17 @@ class _Source:
 
     def _lift(self) -> None:
         """Weights stored as Constant nodes become initializers of the model to train; the
-        inference model keeps them as nodes, which ``Trainer.export`` sets (layout "constants")."""
+        inference model keeps them as nodes, which ``Trainer.export`` sets (the manifest's "constants")."""
         model = from_proto(self.proto, self.base_dir)
         lift = LiftWeightConstantsPass()
         if lift(model).modified:
             self.model = model
-            self.constants = [w.to_json() for w in lift.lifted]
+            self.constants = tuple(lift.lifted)
 
     def _recover(self) -> None:
         """Each module parameter one initializer in the model to train (tied copies read through
         it), the inference model in the file's own layout (what ``Trainer.export`` fills in), and
-        the parameters by module name as the layout records them (each with the copies that
+        the parameters by module name as the manifest records them (each with the copies that
         export sets from it)."""
         if self.model is None:
             self.model = from_proto(self.proto, self.base_dir)
@@ -1253,17 +1256,16 @@ class _Source:
         self.inference = kept(from_proto(self.proto, self.base_dir)).model
         tied = RecoverParametersPass(tie=True)
         tied(self.model)
-        lifted = {entry["initializer"] for entry in self.constants or ()}  # (Constant nodes in the inference model)
+        lifted = {weight.initializer for weight in self.constants or ()}  # (Constant nodes in the inference model)
         if [p.initializer for p in tied.recovered if p.initializer not in lifted] != [p.initializer for p in kept.recovered]:
             raise TrainingError("parameter recovery named the parameters differently in the train and the exported "
                                 "model (a bug, please report)")
-        self.modules = []
-        for p in kept.recovered:
-            if not p.module:  # a weight trained as stored (a fused Conv): no module tensor to give back
-                continue
-            entry = p.to_json()
-            entry["copies"] = [[name, bool(transposed != p.transposed)] for name, transposed in p.copies]  # from the stored
-            self.modules.append(entry)
+        self.modules = tuple(
+            ModuleParameter(name=p.name, initializer=p.initializer, transposed=p.transposed, shape=p.shape,
+                            found_by=p.found_by, aliases=p.aliases,
+                            copies=tuple((name, bool(transposed != p.transposed)) for name, transposed in p.copies))
+            for p in kept.recovered  # (from the stored tensor)
+            if p.module)  # (not a weight trained as stored, a fused Conv: no module tensor to give back)
 
     def _initializers(self) -> list[str]:
         if self.model is not None:
@@ -1279,8 +1281,8 @@ class _Source:
         inits = self._initializers()
         known = set(inits)
         held: dict[str, list[str]] = {}
-        for entry in self.modules:
-            held.setdefault(entry["initializer"], []).extend([entry["name"], *entry["aliases"]])
+        for module in self.modules:
+            held.setdefault(module.initializer, []).extend([module.name, *module.aliases])
         chosen = []
         for name in names:
             if name in known:
@@ -1289,7 +1291,7 @@ class _Source:
                 found = [i for i in inits if fnmatch.fnmatchcase(i, name) or any(fnmatch.fnmatchcase(n, name) for n in held.get(i, ()))]
                 if not found:
                     raise UnknownValueError(f"{role} '{name}' is no initializer and matches no module parameter "
-                                            f"(the module's parameters are {names_summary([e['name'] for e in self.modules])})")
+                                            f"(the module's parameters are {names_summary([m.name for m in self.modules])})")
             chosen.extend(f for f in found if f not in chosen)
         return chosen
 
@@ -1344,7 +1346,7 @@ class _Source:
         if self.base_dir:  # the converted tensors are read from the file's folder, as before
             ir.external_data.set_base_dir(model.graph, self.base_dir)
 
-    def protos(self) -> tuple[onnx.ModelProto, onnx.ModelProto, list[dict] | None]:
+    def protos(self) -> tuple[onnx.ModelProto, onnx.ModelProto, tuple[ModuleParameter, ...] | None]:
         """The model to train, the inference model, and the recovered module parameters (None
         where the model is no PyTorch export)."""
         proto = self.proto if self.model is None else to_proto(self.model)
@@ -1408,7 +1410,7 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     taken: set = set()
     loss_out = _publish(op, namer, loss, "loss", taken) if loss.is_graph_input() else loss
     taken.add(loss_out)
-    carry, state_layout = [], {}
+    carry, state_names = [], {}
     extra_inputs: list[ir.Value] = []
     outputs = [loss_out]
     scalars, coefficients = {}, {}
@@ -1420,12 +1422,12 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
                                                            group_limit=_group_limit(target))
         for p, new_p in zip(params, new_params):
             outputs.append(_publish(op, namer, new_p, f"{p.name}.new", taken, like=p))
-            carry.append([p.name, p.name, outputs[-1].name])
+            carry.append(Carried(p.name, p.name, outputs[-1].name))
         for p, inputs, news in zip(params, states, new_states):
-            state_layout[p.name] = [s.name for s in inputs]
+            state_names[p.name] = [s.name for s in inputs]
             for s, new_s in zip(inputs, news):
                 outputs.append(_publish(op, namer, new_s, f"{s.name}.new", taken, like=s))
-                carry.append([s.name, s.name, outputs[-1].name])
+                carry.append(Carried(s.name, s.name, outputs[-1].name))
                 extra_inputs.append(s)
         scalars = {"lr": lr.name, "step": step.name, **{key: value.name for key, value in coefficients.items()}}
         tail = [lr, step, *coefficients.values()]
@@ -1442,7 +1444,7 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
                                                 acc_groups), accs)
         for acc, new_acc in zip(accs, sums):
             outputs.append(_publish(op, namer, new_acc, f"{acc.name}.new", taken, like=acc))
-            carry.append([acc.name, acc.name, outputs[-1].name])
+            carry.append(Carried(acc.name, acc.name, outputs[-1].name))
     for name in roles.buffers:
         value = updates.get(name)
         if value is None:
@@ -1452,7 +1454,7 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
         # returns into the buffers of its inputs unless they are graph outputs (the trainer gives
         # them spare buffers, kept only when the step is)
         outputs.append(_publish(op, namer, value, f"{name}.new", taken, like=buffer))
-        carry.append([name, name, outputs[-1].name])
+        carry.append(Carried(name, name, outputs[-1].name))
     outputs.append(_publish(op, namer, kept, "kept", taken))
     added = list(op.nodes)
     graph.extend(added)
@@ -1468,22 +1470,22 @@ def _build_train(proto, roles: _Roles, loss_spec, spec, max_grad_norm, kind: str
     eval_model = None
     if eval_part is not None:
         proto_out, eval_model = proto_out
-    layout = {
-        "batch": [v.name for v in (*batch, *labels)],
-        "carry": carry,
-        "reads": [] if kind == "train" else [[p.name, p.name] for p in params],
-        "scalars": scalars,
-        "loss": loss_name,
-        "kept": kept_name,
-    }
-    if coefficients or seeds:  # how the runner computes the scalar inputs other than lr and step
-        layout["coefficients"] = {**{key: coefficient_formulas(spec)[key] for key in coefficients},
-                                  **{key: DROPOUT_SEEDS[key] for key in seeds}}
+    signature = Step(
+        batch=tuple(v.name for v in (*batch, *labels)),
+        carry=tuple(carry),
+        reads=() if kind == "train" else tuple(Read(p.name, p.name) for p in params),
+        scalars=scalars,
+        loss=loss_name,
+        kept=kept_name,
+        # how the runner computes the scalar inputs other than lr and step
+        coefficients={**{key: coefficient_formulas(spec)[key] for key in coefficients},
+                      **{key: DROPOUT_SEEDS[key] for key in seeds}},
+    )
     if eval_model is not None:
-        eval_layout = {"batch": layout["batch"], "reads": [[v.name, v.name] for v in reads], "loss": eval_part[1][0],
-                       "outputs": eval_part[1][1:]}
-        eval_model = eval_model, eval_layout
-    return {"model": proto_out, "layout": layout, "labels": [v.name for v in labels], "state": state_layout,
+        evaluation = Evaluation(batch=signature.batch, reads=tuple(Read(v.name, v.name) for v in reads),
+                                loss=eval_part[1][0], outputs=tuple(eval_part[1][1:]))
+        eval_model = eval_model, evaluation
+    return {"model": proto_out, "signature": signature, "labels": [v.name for v in labels], "state": state_names,
             "eval": eval_model}
 
 
@@ -1521,13 +1523,9 @@ def _build_eval(proto, roles: _Roles, loss_spec, target="onnxruntime", check_out
     output_names = [v.name for v in outputs]
     proto_out = _finish(model, [*batch, *labels, *reads], outputs, "eval model", target=target,
                         check_output=check_output)
-    layout = {
-        "batch": [v.name for v in (*batch, *labels)],
-        "reads": [[v.name, v.name] for v in reads],
-        "loss": output_names[0],
-        "outputs": output_names[1:],
-    }
-    return proto_out, layout
+    return proto_out, Evaluation(batch=tuple(v.name for v in (*batch, *labels)),
+                                 reads=tuple(Read(v.name, v.name) for v in reads), loss=output_names[0],
+                                 outputs=tuple(output_names[1:]))
 
 
 def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumulators: list[str],
@@ -1555,11 +1553,11 @@ def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumul
     outputs, carry = [], []
     for p, new_p in zip(params, new_params):
         outputs.append(_publish(op, namer, new_p, f"{p.name}.new", taken, like=p))
-        carry.append([p.name, p.name, outputs[-1].name])
+        carry.append(Carried(p.name, p.name, outputs[-1].name))
     for inputs, news in zip(states, new_states):
         for s, new_s in zip(inputs, news):
             outputs.append(_publish(op, namer, new_s, f"{s.name}.new", taken, like=s))
-            carry.append([s.name, s.name, outputs[-1].name])
+            carry.append(Carried(s.name, s.name, outputs[-1].name))
     outputs.append(_publish(op, namer, kept, "kept", taken))
     kept_name = outputs[-1].name  # (before the cleanup, as the eval model's names)
     state_inputs = [s for inputs in states for s in inputs]
@@ -1567,15 +1565,13 @@ def _build_apply(proto, roles: _Roles, spec, max_grad_norm, state: dict, accumul
                      opset_imports={"": opset}, name="apply")
     model = ir.Model(graph, ir_version=max(proto.ir_version, 8), producer_name="onnx-autodiff")
     proto_out = _finish(model, list(graph.inputs), outputs, "apply model", target=target, check_output=check_output)
-    layout = {
-        "batch": [],
-        "carry": carry,
-        "reads": [[a.name, a.name] for a in accs],
-        "scalars": {"lr": lr.name, "step": step.name, "grad_scale": scale.name,
-                    **{key: value.name for key, value in coefficients.items()}},
-        "loss": None,
-        "kept": kept_name,
-    }
-    if coefficients:
-        layout["coefficients"] = {key: coefficient_formulas(spec)[key] for key in coefficients}
-    return proto_out, layout
+    return proto_out, Step(
+        batch=(),
+        carry=tuple(carry),
+        reads=tuple(Read(a.name, a.name) for a in accs),
+        scalars={"lr": lr.name, "step": step.name, "grad_scale": scale.name,
+                 **{key: value.name for key, value in coefficients.items()}},
+        loss=None,
+        kept=kept_name,
+        coefficients={key: coefficient_formulas(spec)[key] for key in coefficients},
+    )

@@ -129,10 +129,10 @@ def run(args) -> int:
     seconds = time.perf_counter() - start
     note_left_out(getattr(artifacts, "left_out", []), "--requires-grad", "train",
                   quantized_weight_names(artifacts.inference_model))
-    lora = artifacts.layout.get("lora")
-    count = len(lora["adapters"]) if lora else 0
-    adapted = f", LoRA rank {lora['rank']} on {count} weight{'s' if count != 1 else ''}" if lora else ""
-    module = {e["initializer"]: e["name"] for e in artifacts.layout.get("modules", ())}
+    lora = artifacts.manifest.lora
+    count = len(lora.adapters) if lora else 0
+    adapted = f", LoRA rank {lora.config.rank} on {count} weight{'s' if count != 1 else ''}" if lora else ""
+    module = {m.initializer: m.name for m in artifacts.manifest.modules or ()}
     names = [module.get(p, p) for p in artifacts.params]  # a folded val_29 shown as q_proj.weight
     print(
         f"wrote {len(written)} files to {args.output} in {seconds:.2f} s: {len(artifacts.params)} parameters "

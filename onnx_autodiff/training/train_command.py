@@ -46,6 +46,7 @@ from onnx_autodiff.training import distributed
 from onnx_autodiff.training.artifacts import TrainingArtifacts, quantized_weight_names
 from onnx_autodiff.training.cli import add_generation_arguments, artifacts_from_args
 from onnx_autodiff.training.losses import IGNORE_INDEX  # (no class: neither checked nor counted in the accuracy)
+from onnx_autodiff.training.manifest import Manifest
 from onnx_autodiff.training.trainer import Trainer
 from onnx_autodiff.training.values import (
     load_arrays,
@@ -140,7 +141,7 @@ def _run(args, comm) -> int:
         if comm is not None:
             comm.Barrier()
         trainer = Trainer(directory, lr=args.lr, comm=comm)  # as a resumed run will: the same models, read back
-        _check_adapter_options(args, trainer.layout)
+        _check_adapter_options(args, trainer.manifest)
         if not leader and not args.resume:
             run_state, state = RunState(_settings(args)), None
             data = _checked_data(args.data, "--data", trainer.artifacts, args.batch_size)
@@ -292,7 +293,7 @@ def _batch_specs(artifacts: TrainingArtifacts) -> dict[str, tuple[np.dtype, list
     """The train model's batch inputs: numpy dtype and declared dimensions (int, symbol or None)."""
     inputs = {v.name: v.type.tensor_type for v in artifacts.train_model.graph.input}
     specs = {}
-    for name in artifacts.layout["train"]["batch"]:
+    for name in artifacts.manifest.train.batch:
         tensor = inputs[name]
         dims = ([d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim]
                 if tensor.HasField("shape") else None)
@@ -305,11 +306,10 @@ def _classes(artifacts: TrainingArtifacts) -> tuple[str, str, int | None, int] |
     indices (integer labels, as cross_entropy takes): the accuracy compares them with the argmax of
     the scored output along its class axis (1, or what the artifacts record: causal_lm's and ctc's
     labels are not one class per position of the output)."""
-    labels = artifacts.layout["labels"]
-    axis = artifacts.layout.get("class_axis", 1)
+    labels, axis = artifacts.manifest.labels, artifacts.manifest.class_axis
     if axis is None or len(labels) != 1 or _batch_specs(artifacts)[labels[0]][0].kind not in "iu":
         return None
-    scored = artifacts.layout["eval"]["outputs"][0]
+    scored = artifacts.manifest.eval.outputs[0]
     output = next(v for v in artifacts.eval_model.graph.output if v.name == scored).type.tensor_type
     dims = output.shape.dim if output.HasField("shape") else []
     classes = dims[axis].dim_value if len(dims) > axis and dims[axis].HasField("dim_value") else None
@@ -465,7 +465,7 @@ def _finish(trainer: Trainer, run_state: RunState, out: str) -> list[str]:
     return written
 
 
-def _check_adapter_options(args, layout: dict) -> None:
+def _check_adapter_options(args, manifest: Manifest) -> None:
     """Before training: --save-peft-adapter and --save-onnx-adapter need LoRA adapters (and peft
     their module names), so that a long run does not fail at its end."""
     from onnx_autodiff.training.adapters import checked_for_peft
@@ -474,12 +474,12 @@ def _check_adapter_options(args, layout: dict) -> None:
                                              ("--save-onnx-adapter", args.save_onnx_adapter)) if path is not None]
     if args.peft_strip is not None and args.save_peft_adapter is None:
         raise UsageError("--peft-strip needs --save-peft-adapter DIR")
-    if given and not layout.get("lora"):
+    if given and not manifest.lora:
         raise UsageError(f"{given[0][0]} writes LoRA adapters: add --lora RANK (the artifacts have none)")
     if args.save_peft_adapter is not None:
         if os.path.exists(args.save_peft_adapter) and not os.path.isdir(args.save_peft_adapter):
             raise UsageError(f"--save-peft-adapter {args.save_peft_adapter} is a file: name a directory")
-        checked_for_peft(layout, args.peft_strip)
+        checked_for_peft(manifest, args.peft_strip)
     if args.save_onnx_adapter is not None and os.path.isdir(args.save_onnx_adapter):
         raise UsageError(f"--save-onnx-adapter {args.save_onnx_adapter} is a directory: name the file")
 

@@ -19,6 +19,7 @@ from onnx_autodiff.passes.quantize import as_read
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, proto_graphs
 from onnx_autodiff.training import distributed
 from onnx_autodiff.training.artifacts import FROZEN_IN_PLACE, TrainingArtifacts
+from onnx_autodiff.training.manifest import Evaluation, Manifest, ModuleParameter, Step
 from onnx_autodiff.training.optimizers import compile_coefficient
 from onnx_autodiff.files import write_atomically
 from onnx_autodiff.training.values import arrays_writer, load_arrays, owned_copy, shape_text
@@ -244,37 +245,37 @@ def default_providers() -> list[str]:
 class _Runner:
     """One model's session, its input metadata and its IO bindings (one per buffer parity)."""
 
-    def __init__(self, trainer: Trainer, proto: onnx.ModelProto, layout: dict, kind: str) -> None:
+    def __init__(self, trainer: Trainer, proto: onnx.ModelProto, signature: Step | Evaluation, kind: str) -> None:
         import onnxruntime as ort
 
-        self.trainer, self.layout, self.kind = trainer, layout, kind
-        self.carry = [tuple(entry) for entry in layout.get("carry", [])]
-        self.flag = layout.get("kept")
+        self.trainer, self.kind = trainer, kind
+        self.carry = list(signature.carry)
+        self.flag = signature.kept
         if self.flag:  # the model keeps nothing of a failed step itself: new values may overwrite old ones
             serialised, self.checked = proto.SerializeToString(), []
             self.in_place = in_place_keys(proto, self.carry)
         else:  # artifacts without that flag: new values go to spare buffers, kept when finite (the new
             # parameters, buffers and accumulators, which a non-finite gradient makes non-finite)
-            state = set(trainer.artifacts.checkpoint) - set(trainer.layout["params"]) - set(trainer.layout["buffers"])
+            state = set(trainer.artifacts.checkpoint) - set(trainer.manifest.params) - set(trainer.manifest.buffers)
             self.checked = [(key, out) for key, _, out in self.carry if key not in state]
             serialised, self.flag = _with_finite_flag(proto, [out for _, out in self.checked])
             self.in_place = set()
         self.session = ort.InferenceSession(serialised, sess_options=trainer.session_options, providers=trainer.providers)
         meta = {i.name: i for i in self.session.get_inputs()}
-        self.batch = [(name, _ORT_TYPES.get(meta[name].type), meta[name].shape) for name in layout["batch"]]
-        self.reads = [tuple(entry) for entry in layout.get("reads", [])]
+        self.batch = [(name, _ORT_TYPES.get(meta[name].type), meta[name].shape) for name in signature.batch]
+        self.reads = list(signature.reads)
         self.scalars = {
             key: (name, _ORT_TYPES[meta[name].type], self._scalar(_ORT_TYPES[meta[name].type]))
-            for key, name in layout.get("scalars", {}).items()
+            for key, name in signature.scalars.items()
         }
         # scalar inputs computed from lr and step (Adam's bias corrections; artifacts format 2)
-        self.coefficients = {key: compile_coefficient(e) for key, e in layout.get("coefficients", {}).items()}
-        self.loss = layout.get("loss")
+        self.coefficients = {key: compile_coefficient(e) for key, e in signature.coefficients.items()}
+        self.loss = signature.loss
         outputs = {o.name: o for o in self.session.get_outputs()}
         # the loss in the model's own float type (a float64 model's is float64)
         self.loss_value = (self._scalar(_ORT_TYPES[outputs[self.loss].type])
                            if self.loss and kind != "eval" else None)
-        self.flag_value = self._scalar(np.bool_ if layout.get("kept") else np.float32) if self.flag else None
+        self.flag_value = self._scalar(np.bool_ if signature.kept else np.float32) if self.flag else None
         self.bindings: dict[tuple, object] = {}
 
     def _scalar(self, dtype):
@@ -358,7 +359,7 @@ class _Runner:
     def run(self, batch, scalars: Mapping[str, float]) -> tuple[float | None, bool]:
         """Runs the model; keeps its new values only when the loss and they are finite.
         Returns the loss and whether they were. ``scalars``: lr, step, micro_batch (and
-        grad_scale), those the model takes fed as they are, the layout's coefficients computed
+        grad_scale), those the model takes fed as they are, the signature's coefficients computed
         from them (the hashed Dropout's seeds among them)."""
         from onnxruntime import OrtValue
 
@@ -428,7 +429,7 @@ class Trainer:
         if not isinstance(artifacts, TrainingArtifacts):
             artifacts = TrainingArtifacts.load(artifacts)
         self.artifacts = artifacts
-        self.layout = artifacts.layout
+        self.manifest: Manifest = artifacts.manifest
         self.optimizer = artifacts.optimizer
         self.lr = float(self.optimizer.lr if lr is None else lr)
         self.providers = list(providers) if providers is not None else default_providers()
@@ -503,12 +504,17 @@ class Trainer:
                      "accumulate": self.artifacts.accumulate_model, "apply": self.artifacts.apply_model}[kind]
             if proto is None:
                 raise TrainingError(f"these artifacts have no {kind} model: generate them with gradient_accumulation=True")
-            self._runners[kind] = _Runner(self, proto, self.layout[kind], kind)
+            self._runners[kind] = _Runner(self, proto, self.manifest.signature(kind), kind)
         return self._runners[kind]
 
     @property
+    def layout(self) -> dict:
+        """The manifest as ``artifacts.json`` holds it (a new dict at each call)."""
+        return self.artifacts.layout
+
+    @property
     def batch_names(self) -> list[str]:
-        return list(self.layout["train"]["batch"])
+        return list(self.manifest.train.batch)
 
     # training
 
@@ -601,9 +607,10 @@ class Trainer:
                                     f"{self.comm.Get_size()}{here}; nothing was updated on any rank")
             self._poisoned = True  # every rank skips the step
             return
-        accumulators = [key for key, _, _ in self._runner("accumulate").carry if key not in self.layout["buffers"]]
+        buffers = self.manifest.buffers
+        accumulators = [key for key, _, _ in self._runner("accumulate").carry if key not in buffers]
         distributed.sum_in_place(self.comm, [self._value(key).numpy() for key in accumulators], share)
-        distributed.mean_in_place(self.comm, [self._value(key).numpy() for key in self.layout["buffers"]], share)
+        distributed.mean_in_place(self.comm, [self._value(key).numpy() for key in buffers], share)
 
     def _not_finite(self, what: str, loss: float | None, runner: _Runner, batch) -> TrainingError:
         """The error for a step that was not kept, naming what was not finite."""
@@ -637,7 +644,7 @@ class Trainer:
             binding.bind_ortvalue_input(name, value)
         for key, name in runner.reads:
             binding.bind_ortvalue_input(name, self._value(key))
-        names = [runner.loss, *self.layout["eval"]["outputs"]]
+        names = [runner.loss, *self.manifest.eval.outputs]
         for name in names:
             binding.bind_output(name, self.device)
         try:
@@ -655,11 +662,11 @@ class Trainer:
         float rounding). The merged loss runs the eval model with the merged initializers and B = 0."""
         import onnxruntime as ort
 
-        lora = self.layout.get("lora")
+        lora = self.manifest.lora
         if not lora:
             raise TrainingError("merge_cost needs LoRA adapters (the artifacts have none)")
         adapted = float(self.evaluate(batch)["loss"])
-        merged = self._merged_bases({a["weight"] for a in lora["adapters"]})
+        merged = self._merged_bases(lora.weights)
         proto = onnx.ModelProto()
         proto.CopyFrom(self.artifacts.eval_model)
         for i, tensor in enumerate(proto.graph.initializer):
@@ -678,7 +685,7 @@ class Trainer:
                     options.add_initializer(name, value)
         session = ort.InferenceSession(proto.SerializeToString(), sess_options=options, providers=self.providers)
         runner = self._runner("eval")
-        zeros = {a["B"] for a in lora["adapters"]}
+        zeros = {a.B for a in lora.adapters}
         feeds = dict(runner.feeds(batch))
         for key, name in runner.reads:
             value = self._host(key)
@@ -689,7 +696,7 @@ class Trainer:
     # state
 
     def parameters(self) -> dict[str, np.ndarray]:
-        return {name: self._host(name) for name in self.layout["params"]}
+        return {name: self._host(name) for name in self.manifest.params}
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Parameters, optimiser state and buffers as numpy arrays, with ``__step__``."""
@@ -741,20 +748,20 @@ class Trainer:
 
         proto = onnx.ModelProto()
         proto.CopyFrom(self.artifacts.inference_model)
-        trained = {key: self._value(key).numpy() for key in [*self.layout["params"], *self.layout["buffers"]]}
-        lora = self.layout.get("lora")
+        trained = {key: self._value(key).numpy() for key in [*self.manifest.params, *self.manifest.buffers]}
+        lora = self.manifest.lora
         if lora and not merge:
-            proto = unmerged(self._bases_lifted(proto), lora)
+            proto = unmerged(self._bases_lifted(proto), lora.config, lora.adapters)
         elif lora:
-            trained.update(self._merged_bases({a["weight"] for a in lora["adapters"]}))
+            trained.update(self._merged_bases(lora.weights))
         trained.update(self._copies(trained))
         return self._written(proto, trained, path, external_data)
 
     def _written(self, proto: onnx.ModelProto, trained: dict, path, external_data) -> onnx.ModelProto:
         """``proto`` with the ``trained`` values as its initializers (and in the Constant nodes the
         file stores weights in), written to ``path`` when given."""
-        if self.layout.get("constants"):
-            write_back(proto.graph, self.layout["constants"], trained)
+        if self.manifest.constants:
+            write_back(proto.graph, self.manifest.constants, trained)
         if external_data or uses_external_data(proto) or over_limit(sum(a.nbytes for a in trained.values())):
             return self._export_large(proto, trained, path, external_data)
         for i, tensor in enumerate(proto.graph.initializer):
@@ -768,10 +775,10 @@ class Trainer:
         """The tensors of the exported file that hold a copy of a trained parameter (a tied
         weight stored twice, as it is or transposed), set from it."""
         copies = {}
-        for entry in self.layout.get("modules", ()):
-            value = trained.get(entry["initializer"])
+        for module in self.manifest.modules or ():
+            value = trained.get(module.initializer)
             if value is not None:
-                for name, transposed in entry["copies"]:
+                for name, transposed in module.copies:
                     copies[name] = np.ascontiguousarray(value.T) if transposed else value
         return copies
 
@@ -782,36 +789,36 @@ class Trainer:
         can be compared with the module or loaded into it (``load_state_dict(..., strict=False)``
         after ``torch.from_numpy``). Trained parameters have their current values (LoRA's merged
         into their base), the others the model's. An empty dict for models not exported from PyTorch."""
-        modules = self.layout.get("modules")
+        modules = self.manifest.modules
         if not modules:
             return {}
-        values = self._trained_or_stored({entry["initializer"] for entry in modules})
-        values.update(self._dequantized_bases({entry["initializer"]: entry for entry in modules}))
+        values = self._trained_or_stored({module.initializer for module in modules})
+        values.update(self._dequantized_bases({module.initializer: module for module in modules}))
         state = {}
-        for entry in modules:
-            stored = values[entry["initializer"]]
-            value = np.ascontiguousarray(stored.T) if entry["transposed"] else stored
-            for name in [entry["name"], *entry["aliases"]]:
+        for module in modules:
+            stored = values[module.initializer]
+            value = np.ascontiguousarray(stored.T) if module.transposed else stored
+            for name in [module.name, *module.aliases]:
                 state[name] = value
         return state
 
-    def _dequantized_bases(self, entries: Mapping[str, Mapping]) -> dict[str, np.ndarray]:
+    def _dequantized_bases(self, entries: Mapping[str, ModuleParameter]) -> dict[str, np.ndarray]:
         """The module parameters among ``entries`` (by initializer) that a quantized or float16
         base stores, as float32 arrays in the stored layout (module_state_dict transposes by the
         entry), their LoRA adapters merged in without quantizing again."""
         from onnx_autodiff.passes.lora import merged_weights
         from onnx_autodiff.passes.quantize import frozen_bases, stored_weight
 
-        lora = self.layout.get("lora") or {}
+        lora = self.manifest.lora
         model = from_proto(self.artifacts.inference_model, self.artifacts.base_dir)
         bases = {name: node.op_type for name, node in frozen_bases(model.graph).items() if name in entries}
-        adapters = [a for a in lora.get("adapters", ()) if a["weight"] in bases]
-        values = {key: self._value(key).numpy() for a in adapters for key in (a["A"], a["B"])}
-        merged = merged_weights(adapters, lora.get("scale", 1.0), {}, values, model, quantize_again=False)
+        adapters = [a for a in (lora.adapters if lora else ()) if a.weight in bases]
+        values = {key: self._value(key).numpy() for a in adapters for key in (a.A, a.B)}
+        merged = merged_weights(adapters, lora.scale, {}, values, model, quantize_again=False) if adapters else {}
         values = {}
         for name, base in bases.items():
             w = merged[name] if name in merged else stored_weight(model, name, base)
-            if base == "MatMulNBits" and not entries[name]["transposed"]:  # W [K, N] to the layout read as the module's
+            if base == "MatMulNBits" and not entries[name].transposed:  # W [K, N] to the layout read as the module's
                 w = w.T
             values[name] = np.ascontiguousarray(w.astype(np.float32))
         return values
@@ -820,19 +827,19 @@ class Trainer:
         """Sets the trained parameters from a module's ``state_dict()`` (arrays by module name, in
         the module's layout; extra keys are ignored). Checks every value before changing any."""
         arrays = {}
-        for entry in self.layout.get("modules", ()):
-            key = entry["initializer"]
-            if key not in self.layout["params"]:
+        for module in self.manifest.modules or ():
+            key = module.initializer
+            if key not in self.manifest.params:
                 continue
-            name = next((n for n in [entry["name"], *entry["aliases"]] if n in state), None)
+            name = next((n for n in [module.name, *module.aliases] if n in state), None)
             if name is None:
-                raise TrainingError(f"the state lacks the module parameter '{entry['name']}'")
+                raise TrainingError(f"the state lacks the module parameter '{module.name}'")
             array = np.asarray(state[name])
-            array = array.T if entry["transposed"] else array
+            array = array.T if module.transposed else array
             want = self.artifacts.checkpoint[key]
             if array.shape != want.shape:
-                raise TrainingError(f"module parameter '{name}' has shape {array.shape[::-1] if entry['transposed'] else array.shape}, "
-                                    f"not {tuple(entry['shape'])}")
+                raise TrainingError(f"module parameter '{name}' has shape {array.shape[::-1] if module.transposed else array.shape}, "
+                                    f"not {tuple(module.shape)}")
             arrays[key] = owned_copy(array, want.dtype)
         if not arrays:
             raise TrainingError("the artifacts record no module parameters (the model was not exported from PyTorch)")
@@ -843,10 +850,9 @@ class Trainer:
 
     def _adapter_values(self, what: str) -> dict[str, np.ndarray]:
         """The current A and B of every LoRA adapter, by name."""
-        from onnx_autodiff.training.adapters import lora_layout
+        from onnx_autodiff.training.adapters import lora_record
 
-        lora = lora_layout(self.layout, what)
-        return {key: self._host(key) for a in lora["adapters"] for key in (a["A"], a["B"])}
+        return {key: self._host(key) for key in lora_record(self.manifest, what).tensors}
 
     def save_peft_adapter(self, directory: str | os.PathLike, strip: str | None = None,
                           prefix: str = "base_model.model.", config: Mapping | None = None) -> dict:
@@ -861,7 +867,7 @@ class Trainer:
         Needs module names (a model exported from PyTorch) and adapters alone (no trained extras)."""
         from onnx_autodiff.training.adapters import peft_adapter, write_peft_adapter
 
-        entries, arrays = peft_adapter(self.layout, self._adapter_values("a peft adapter"), strip, prefix, config)
+        entries, arrays = peft_adapter(self.manifest, self._adapter_values("a peft adapter"), strip, prefix, config)
         write_peft_adapter(directory, entries, arrays)
         return entries
 
@@ -873,7 +879,7 @@ class Trainer:
         count stay as they are."""
         from onnx_autodiff.training.adapters import peft_values
 
-        for key, array in peft_values(self.layout, self.artifacts.checkpoint, directory, strip, prefix).items():
+        for key, array in peft_values(self.manifest, self.artifacts.checkpoint, directory, strip, prefix).items():
             self._set(key, array, owned=True)
 
     def save_onnx_adapter(self, path: str | os.PathLike, adapter_version: int = 1, model_version: int = 1) -> None:
@@ -882,7 +888,7 @@ class Trainer:
         the model's input names (``<W>.lora_A``, ``<W>.lora_B``). Never half-written."""
         from onnx_autodiff.training.adapters import onnx_adapter_arrays, onnx_adapter_bytes
 
-        arrays = onnx_adapter_arrays(self.layout, self._adapter_values("an .onnx_adapter file"))
+        arrays = onnx_adapter_arrays(self.manifest, self._adapter_values("an .onnx_adapter file"))
         write_atomically(os.fspath(path), onnx_adapter_bytes(arrays, adapter_version, model_version))
 
     def export_adapter_model(self, path: str | os.PathLike | None = None, external_data: bool | None = None) -> onnx.ModelProto:
@@ -894,9 +900,9 @@ class Trainer:
         :meth:`export`; ``path`` and ``external_data`` as there."""
         from onnx_autodiff.training.adapters import adapter_input_model
 
-        proto = adapter_input_model(self._bases_lifted(self.artifacts.inference_model), self.layout)
-        adapters = {key for a in self.layout["lora"]["adapters"] for key in (a["A"], a["B"])}
-        trained = {key: self._value(key).numpy() for key in [*self.layout["params"], *self.layout["buffers"]]
+        proto = adapter_input_model(self._bases_lifted(self.artifacts.inference_model), self.manifest)
+        adapters = set(self.manifest.lora.tensors)
+        trained = {key: self._value(key).numpy() for key in [*self.manifest.params, *self.manifest.buffers]
                    if key not in adapters}
         trained.update(self._copies(trained))
         return self._written(proto, trained, path, external_data)
@@ -904,9 +910,9 @@ class Trainer:
     def _bases_lifted(self, proto: onnx.ModelProto) -> onnx.ModelProto:
         """``proto`` with the LoRA base weights it stores as Constant nodes as initializers, where
         the adapters are added beside them."""
-        if not self.layout.get("constants"):
+        if not self.manifest.constants:
             return proto
-        return lifted_in(proto, self.layout["constants"], {a["weight"] for a in self.layout["lora"]["adapters"]})
+        return lifted_in(proto, self.manifest.constants, self.manifest.lora.weights)
 
     def _trained_or_stored(self, names) -> dict[str, np.ndarray]:
         """``names``' current values: trained ones from the trainer, LoRA bases merged with their
@@ -921,22 +927,22 @@ class Trainer:
         """The LoRA base weights among ``names`` with their adapters' current values merged in."""
         from onnx_autodiff.passes.lora import QUANTIZED_BASES, merged_weights
 
-        lora = self.layout.get("lora")
-        adapters = [a for a in lora["adapters"] if a["weight"] in names] if lora else []
+        lora = self.manifest.lora
+        adapters = [a for a in lora.adapters if a.weight in names] if lora else []
         if not adapters:
             return {}
-        values = {key: self._value(key).numpy() for a in adapters for key in (a["A"], a["B"])}
-        quantized = any(a.get("base") in QUANTIZED_BASES for a in adapters)
+        values = {key: self._value(key).numpy() for a in adapters for key in (a.A, a.B)}
+        quantized = any(a.base in QUANTIZED_BASES for a in adapters)
         model = from_proto(self.artifacts.inference_model, self.artifacts.base_dir) if quantized else None
-        return merged_weights(adapters, lora["scale"], self._stored({a["weight"] for a in adapters}), values, model)
+        return merged_weights(adapters, lora.scale, self._stored({a.weight for a in adapters}), values, model)
 
     def _stored(self, names: set[str]) -> dict[str, np.ndarray]:
         """Initializers of the inference model as it stores them (external ones mapped from their
         file), and the weights it stores as Constant nodes."""
         found = {t.name: tensor_array(t, self.artifacts.base_dir)
                  for t in self.artifacts.inference_model.graph.initializer if t.name in names}
-        if self.layout.get("constants") and len(found) < len(names):
-            found.update(read_back(self.artifacts.inference_model.graph, self.layout["constants"], set(names) - set(found)))
+        if self.manifest.constants and len(found) < len(names):
+            found.update(read_back(self.artifacts.inference_model.graph, self.manifest.constants, set(names) - set(found)))
         return found
 
     def _export_large(self, proto: onnx.ModelProto, trained: dict, path, external_data) -> onnx.ModelProto:

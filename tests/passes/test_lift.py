@@ -99,7 +99,7 @@ def test_weights_that_merely_start_equal_stay_apart():
 def test_lifted_weights_keep_the_model_and_go_back_into_their_constants():
     import onnxruntime as ort
 
-    from onnx_autodiff.passes.lift import write_back
+    from onnx_autodiff.passes.lift import ConstantSite, LiftedWeight, write_back
 
     proto = _if_model({"a": W, "shared": W * 2}, {"b": W - 1, "shared_else": W * 2}, {"m": W + 3})
     model, lifted = _lifted(proto)
@@ -108,8 +108,8 @@ def test_lifted_weights_keep_the_model_and_go_back_into_their_constants():
     feeds = {"x": np.ones((2, 3), np.float32), "c": np.array(False)}
     expected = ort.InferenceSession(proto.SerializeToString()).run(None, feeds)[0]
     np.testing.assert_array_equal(ort.InferenceSession(out.SerializeToString()).run(None, feeds)[0], expected)
-    entries = [{"initializer": name, "sites": [{"path": [list(p) for p in path], "output": output}
-                                                for path, output in sites]} for name, sites in lifted.items()]
+    entries = [LiftedWeight(name, tuple(ConstantSite(tuple(path), output) for path, output in sites))
+               for name, sites in lifted.items()]
     write_back(proto.graph, entries, {"shared": np.full((2, 3), 7, np.float32), "m": np.ones((2, 3), np.float32)})
     after = ort.InferenceSession(proto.SerializeToString()).run(None, feeds)[0]
     np.testing.assert_array_equal(after, (1 + (W - 1) + 7).astype(np.float32))
