@@ -20,7 +20,7 @@ from onnx_autodiff.passes import (
     gradient_of_function,
     gradient_of_nodes,
 )
-from onnx_autodiff.passes.progress import collector_paused
+from onnx_autodiff.commands import collector_paused
 from onnx_autodiff.passes.rewrite_rules import cleanup_rules, lowering_rules
 from onnx_autodiff.passes.transforms import (
     HvpPass,

@@ -19,6 +19,7 @@ from onnx_autodiff.commands import (
     CommandError,
     UsageError,
     check_output_path,
+    collector_paused,
     count,
     load_model,
     note_left_out,
@@ -321,7 +322,7 @@ def _main(argv: Sequence[str] | None, program: bool = False) -> int:
         if program and building:
             gc.disable()  # (for good: main freezes what is left, and the program exits)
         try:
-            with progress.collector_paused() if building else contextlib.nullcontext():
+            with collector_paused() if building else contextlib.nullcontext():
                 return args.run(args)
         except ir.passes.PassError as error:
             raise _root_cause(error) from error

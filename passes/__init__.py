@@ -4,7 +4,6 @@ from onnx_autodiff.passes.autodiff import AutodiffPass, AutodiffResult, autodiff
 from onnx_autodiff.passes.cleanup import CleanupPass, CleanupResult, cleanup_passes
 from onnx_autodiff.passes.functions import gradient_of_function, gradient_of_nodes
 from onnx_autodiff.passes.gradient_op import GradientOpLoweringPass
-from onnx_autodiff.passes.lora import LoraConfig, LoraPass
 from onnx_autodiff.passes.outline import OutlinePass
 
 __all__ = [
@@ -13,8 +12,6 @@ __all__ = [
     "CleanupPass",
     "CleanupResult",
     "GradientOpLoweringPass",
-    "LoraConfig",
-    "LoraPass",
     "OutlinePass",
     "autodiff_pass",
     "cleanup_passes",

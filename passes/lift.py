@@ -100,7 +100,7 @@ class LiftWeightConstantsPass(ir.passes.InPlacePass):
     outer value the body reads, which the control-flow rules differentiate.
 
     Lifted: every float Constant of more than one element, and a one-element one that a layer
-    reads as its weight (:func:`~onnx_autodiff.passes.recovery.weight_read`); other one-element
+    reads as its weight (:func:`~onnx_autodiff.weights.recovery.weight_read`); other one-element
     Constants are exponents, epsilons and scale factors and stay. A Constant that is its graph's
     output becomes an Identity of the initializer. ``lifted`` lists, per initializer, the nodes it
     came from, which :func:`write_back` sets again.
@@ -119,7 +119,7 @@ class LiftWeightConstantsPass(ir.passes.InPlacePass):
         self.lifted: list[LiftedWeight] = []
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        from onnx_autodiff.passes.recovery import weight_read
+        from onnx_autodiff.weights.recovery import weight_read
 
         self.lifted = []
         if (model.ir_version or 0) < 4:

@@ -3,16 +3,16 @@
 A float initializer is a parameter when some node reads it where a gradient flows (a
 differentiable input of its rule, or an outer value a subgraph reads), and
 
-- in a model that :class:`~onnx_autodiff.passes.recovery.RecoverParametersPass` rewrote (its
+- in a model that :class:`~onnx_autodiff.weights.recovery.RecoverParametersPass` rewrote (its
   initializers carry module names): it carries them;
 - in a model exported from PyTorch (``torch.onnx.export``, dynamo or TorchScript): it holds a
-  module parameter as :func:`~onnx_autodiff.passes.recovery.recover_parameters` finds them, as it is
+  module parameter as :func:`~onnx_autodiff.weights.recovery.recover_parameters` finds them, as it is
   or transposed (a folded ``weight.T``, a tied copy, one tensor the exporter stored for several
   parameters of equal values); buffers and the constants the exporter created (exponents,
   epsilons, scale factors, causal masks, rotary caches) are not;
 - in any other model: it has more than one element (a one-element initializer is an exponent,
   an epsilon, a scale factor or a bound) or a layer reads it as its weight, bias, scale or shift
-  (:func:`~onnx_autodiff.passes.recovery.weight_read`), and every element is finite and below half
+  (:func:`~onnx_autodiff.weights.recovery.weight_read`), and every element is finite and below half
   the dtype's largest magnitude (a tensor holding -inf or -3.4e38 is an attention mask).
 
 Weights stored as float ``Constant`` nodes (paddle2onnx; silero's ``If`` branches) are lifted into
@@ -32,9 +32,9 @@ import onnx_ir as ir
 
 from onnx_autodiff.errors import AutodiffError
 from onnx_autodiff.passes.metadata import MODULE_NAMES
-from onnx_autodiff.passes.quantize import frozen_bases
+from onnx_autodiff.weights.quantized import frozen_bases
 from onnx_autodiff.passes.lift import LiftWeightConstantsPass
-from onnx_autodiff.passes.recovery import is_torch_export, recover_parameters, stored_shape, weight_read
+from onnx_autodiff.weights.recovery import is_torch_export, recover_parameters, stored_shape, weight_read
 from onnx_autodiff.rules import GradRegistry, default_registry
 from onnx_autodiff.toolkit import FLOAT_TYPES, captured_values, graph_and_subgraphs, shapes
 
@@ -170,7 +170,7 @@ def parameter_rows(model: ir.Model, registry: GradRegistry | None = None) -> lis
     """The module parameters that recovery finds in ``model`` (which is not changed) and the float
     constants, with what the default training does with each: the parameters' rows first, in the
     file's initializer order, then the constants'."""
-    from onnx_autodiff.passes.recovery import RecoverParametersPass
+    from onnx_autodiff.weights.recovery import RecoverParametersPass
 
     lift = LiftWeightConstantsPass()
     if _holds_constants(model):  # (the model is left as it is: the weights are lifted in a copy)

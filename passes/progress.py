@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import gc
 from collections.abc import Callable, Iterator
 
 Listener = Callable[[str, int, int], None]  # (stage, done, total)
@@ -29,19 +28,3 @@ def reporting(listener: Listener) -> Iterator[None]:
         yield
     finally:
         _listener.reset(token)
-
-
-@contextlib.contextmanager
-def collector_paused():
-    """Within: Python's cyclic garbage collector is paused (process-wide; as it was afterwards).
-    While a large model is built it would rescan the ever larger graphs many times (half the build
-    time of a 20,000-node model); the garbage a build leaves (removed nodes) is collected once,
-    afterwards. The passes leave the collector alone: the command line builds inside this, and so
-    can a caller."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()

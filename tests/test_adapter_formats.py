@@ -16,7 +16,7 @@ from test_training import BATCH, IN, batches, mlp
 
 from onnx_autodiff.cli import main
 from onnx_autodiff.errors import TrainingError
-from onnx_autodiff.passes.lora import LoraConfig
+from onnx_autodiff.training.lora import LoraConfig
 from onnx_autodiff.training import Trainer, generate_artifacts
 
 VOCAB, T = 64, 8

@@ -12,8 +12,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from onnx_autodiff.passes.lora import LoraConfig
-from onnx_autodiff.passes.recovery import recover_parameters
+from onnx_autodiff.training.lora import LoraConfig
+from onnx_autodiff.weights.recovery import recover_parameters
 from onnx_autodiff.training import Trainer, generate_artifacts
 
 torch = pytest.importorskip("torch")
@@ -402,7 +402,7 @@ def test_the_rewrite_of_an_export_is_a_fixed_point(family):
     bias is read by an Add whose fx call's weight now arrives through a Transpose."""
     import onnx_ir as ir
 
-    from onnx_autodiff.passes.recovery import RecoverParametersPass
+    from onnx_autodiff.weights.recovery import RecoverParametersPass
 
     _, proto = exported(family, "optimize")
     model = ir.from_proto(proto)

@@ -368,7 +368,7 @@ def test_train_command_writes_the_weights_into_their_constants(models, tmp_path)
 def test_lora_on_a_constant_weight_merges_into_its_constant(models):
     """LoRA adapts the MatMul whose weight is a Constant node; export merges W + scale·A·B into
     that Constant (merge=False keeps the adapters beside it, the Constant unchanged)."""
-    from onnx_autodiff.passes.lora import LoraConfig
+    from onnx_autodiff.training.lora import LoraConfig
     from onnx_autodiff.training import Trainer, generate_artifacts
 
     proto, feeds = models["paddle"], _feeds("paddle")

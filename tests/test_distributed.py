@@ -16,7 +16,7 @@ from onnx import numpy_helper
 from test_training import batches, bn_dropout_model, mlp
 
 from onnx_autodiff.demo import write_example
-from onnx_autodiff.passes.lora import LoraConfig
+from onnx_autodiff.training.lora import LoraConfig
 from onnx_autodiff.training import Trainer, generate_artifacts
 from onnx_autodiff.training import distributed
 

@@ -266,7 +266,7 @@ def test_external_data_files_are_mounted_for_the_train_and_eval_models(tmp_path)
     sys.path.insert(0, str(ROOT / "examples" / "web"))
     from prepare import classifier
 
-    from onnx_autodiff.passes.lora import LoraConfig
+    from onnx_autodiff.training.lora import LoraConfig
 
     directory = tmp_path / "artifacts"
     generate_artifacts(classifier(hidden=256), loss="cross_entropy", optimizer="adamw",
@@ -329,7 +329,7 @@ def test_accumulate_and_apply_match_the_python_trainer(target, batch, tmp_path):
     every micro-batch and the state after them, with AdamW and clipping on LoRA adapters; the
     webgpu target's adapters with dropout, whose hashed masks (step and micro-batch fed as the
     layout says) are the same on both trainers, bit for bit."""
-    from onnx_autodiff.passes.lora import LoraConfig
+    from onnx_autodiff.training.lora import LoraConfig
 
     directory = tmp_path / "artifacts"
     lora = LoraConfig(rank=2, dropout=0.25 if target == "webgpu" else 0.0)
@@ -422,7 +422,7 @@ def test_a_nonfinite_micro_batch_raises_or_skips_its_step_as_in_python(batch, tm
 def test_artifacts_json_matches_the_schema_in_node(artifacts_dir, tmp_path):
     """js/validate.mjs (ajv) finds every artifacts.json of the JS tests' kinds valid against
     js/artifacts.schema.json, the schema the Python manifest generates, and names what breaks it."""
-    from onnx_autodiff.passes.lora import LoraConfig
+    from onnx_autodiff.training.lora import LoraConfig
 
     kinds = {
         "accumulation, clipping": dict(optimizer="adamw", gradient_accumulation=True, max_grad_norm=1.0),

@@ -14,7 +14,7 @@ import pytest
 from test_constant_weights import paddle_cnn
 from test_training import batches, bn_dropout_model, mlp
 
-from onnx_autodiff.passes.lora import LoraConfig
+from onnx_autodiff.training.lora import LoraConfig
 from onnx_autodiff.training import Trainer, TrainingArtifacts, TrainingError, generate_artifacts
 from onnx_autodiff.training.manifest import FORMAT_VERSION, SEEDED_FORMAT, Manifest, json_schema, schema_text
 

@@ -11,7 +11,7 @@ from onnx import helper, numpy_helper
 from test_training import BATCH, IN, OUT, batches, mlp
 
 from onnx_autodiff.cli import main
-from onnx_autodiff.passes.lora import LoraConfig
+from onnx_autodiff.training.lora import LoraConfig
 from onnx_autodiff.training import Trainer, TrainingArtifacts, generate_artifacts
 
 ADAPTERS = ["W1.lora_A", "W1.lora_B", "W2.lora_A", "W2.lora_B"]

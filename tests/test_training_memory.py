@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from test_training import batches, bn_dropout_model, mlp
 
-from onnx_autodiff.passes.lora import LoraConfig
+from onnx_autodiff.training.lora import LoraConfig
 from onnx_autodiff.training import Trainer, TrainingError, generate_artifacts
 from onnx_autodiff.training import artifacts as artifacts_module
 from onnx_autodiff.training import trainer as trainer_module
@@ -416,7 +416,7 @@ def test_fill_reads_a_tensor_whole_only_when_its_first_elements_agree():
 def test_recovery_lets_go_of_the_weights_it_samples(tmp_path):
     """A weight stored beside the model is unmapped once its sample is taken (the pages read around
     the samples would otherwise stay resident, the whole of a small weight)."""
-    from onnx_autodiff.passes.recovery import _sampled
+    from onnx_autodiff.weights.recovery import _sampled
 
     array = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
     array.tofile(tmp_path / "w.bin")

@@ -131,7 +131,7 @@ def test_artifacts_train_on_the_reduced_type_wasm_build(tmp_path):
     from test_training import batches, bn_dropout_model, mlp
     from test_webgpu import run_plan
 
-    from onnx_autodiff.passes.lora import LoraConfig
+    from onnx_autodiff.training.lora import LoraConfig
     from onnx_autodiff.training import Trainer, generate_artifacts
 
     spec = importlib.util.spec_from_file_location("web_check", ROOT / "examples" / "web" / "check.py")

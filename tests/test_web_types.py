@@ -17,7 +17,7 @@ import pytest
 from onnx import AttributeProto, TensorProto
 from test_training import batches, bn_dropout_model, float64, mlp
 
-from onnx_autodiff.passes.lora import LoraConfig
+from onnx_autodiff.training.lora import LoraConfig
 from onnx_autodiff.training import Trainer, TrainingArtifacts, TrainingError, generate_artifacts
 from onnx_autodiff.training.optimizers import AdamW, coefficient_formulas, evaluate_coefficient
 

@@ -127,7 +127,7 @@ def main(argv=None) -> int:
                         help="how the int4 base is read (default %(default)s)")
     args = parser.parse_args(argv)
     from onnx_autodiff.files import write_atomically
-    from onnx_autodiff.passes.lora import LoraConfig
+    from onnx_autodiff.training.lora import LoraConfig
     from onnx_autodiff.training import generate_artifacts
 
     size = SIZES[args.size]

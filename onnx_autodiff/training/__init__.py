@@ -27,7 +27,7 @@ onnxruntime's inference build, so everything here is built from standard ONNX op
 """
 
 from onnx_autodiff.errors import BatchError, TrainingError
-from onnx_autodiff.passes.lora import LoraConfig
+from onnx_autodiff.training.lora import LoraConfig
 from onnx_autodiff.training.artifacts import TrainingArtifacts, generate_artifacts
 from onnx_autodiff.training.cli import add_arguments, run, run_training_demo
 from onnx_autodiff.training.losses import LOSSES

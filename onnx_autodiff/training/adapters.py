@@ -28,7 +28,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from onnx_autodiff.errors import TrainingError, names_summary
-from onnx_autodiff.passes.lora import Adapter
+from onnx_autodiff.training.lora import Adapter
 from onnx_autodiff.training.manifest import LoraRecord, Manifest
 
 PEFT_PREFIX = "base_model.model."
@@ -248,7 +248,7 @@ def adapter_input_model(proto: onnx.ModelProto, manifest: Manifest) -> onnx.Mode
     """``proto`` (the inference model) with the adapters of ``manifest`` as graph inputs
     ``[in, lora_rank]`` and ``[lora_rank, out]`` whose defaults are empty (rank 0: the base model),
     multiplied without the scale (:func:`onnx_adapter_arrays` folds it into B)."""
-    from onnx_autodiff.passes.lora import unmerged
+    from onnx_autodiff.training.lora import unmerged
 
     lora = lora_record(manifest, "the adapter-input model")
     proto = unmerged(proto, dataclasses.replace(lora.config, alpha=None), lora.adapters)  # alpha None: scale 1, no Mul

@@ -39,13 +39,13 @@ from onnx_autodiff.modelfile import (
     with_small_tensors_inline,
 )
 from onnx_autodiff.toolkit.inference import fully_shaped, onnx_inferred, take_inferred_types
-from onnx_autodiff.passes.lora import LoraConfig, LoraPass, adapt, quantize_bases
-from onnx_autodiff.passes.quantize import INT4_OPSET, STORED_INPUT
+from onnx_autodiff.training.lora import LoraConfig, LoraPass, adapt, quantize_bases
+from onnx_autodiff.weights.quantized import INT4_OPSET, STORED_INPUT
 from onnx_autodiff.passes.opsets import OpsetError, build_proto_upgrading, convert_in_place, default_opset
 from onnx_autodiff.passes.unused import optional_outputs
 from onnx_autodiff.passes.parameters import default_parameters
 from onnx_autodiff.passes.lift import LiftedWeight, LiftWeightConstantsPass
-from onnx_autodiff.passes.recovery import RecoverParametersPass, is_torch_export
+from onnx_autodiff.weights.recovery import RecoverParametersPass, is_torch_export
 from onnx_autodiff.passes.rewrite_rules import lowering_rules
 from onnx_autodiff.rules.quantized import CHUNK
 from onnx_autodiff.passes.rewrite_rules.webgpu import dropout_key, dropout_tables, hashed_dropout
@@ -1115,7 +1115,7 @@ def generate_artifacts(
     freeze_batchnorm: keep BatchNormalization in inference mode with fixed statistics.
     upgrade_opset: when a gradient rule needs a newer opset than the model imports, convert the
     model with onnx.version_converter (one warning line); False refuses.
-    lora: a :class:`~onnx_autodiff.passes.lora.LoraConfig`: adds adapters to the weights of
+    lora: a :class:`~onnx_autodiff.training.lora.LoraConfig`: adds adapters to the weights of
     MatMul and Gemm and trains them alone, with what the config adds (biases, norms) and the extra
     initializers ``requires_grad`` names (e.g. a classifier head); the base weights stay constants.
     ``Trainer.export()`` merges the adapters into them (``merge=False`` keeps them apart).
@@ -1221,7 +1221,7 @@ def _generate_artifacts(model, requires_grad, frozen_params, loss, optimizer, op
 
 class _Source:
     """The model to train and the inference model, where they differ from the file's: for a model
-    exported from PyTorch, its parameters recovered (:mod:`~onnx_autodiff.passes.recovery`); with
+    exported from PyTorch, its parameters recovered (:mod:`~onnx_autodiff.weights.recovery`); with
     LoRA, the adapters added. Both stages work on onnx-ir: the model is converted once on the way in
     and once on the way out (:meth:`protos`); any other model stays the proto it came as."""
 

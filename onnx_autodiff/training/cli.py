@@ -11,8 +11,8 @@ from onnx import helper, numpy_helper
 
 from onnx_autodiff.commands import CHECK_OUTPUT_HELP, NO_UPGRADE_HELP, CommandError, UsageError, note_left_out, read_model_proto
 from onnx_autodiff.errors import TrainingError, names_summary
-from onnx_autodiff.passes.lora import LoraConfig
-from onnx_autodiff.passes.quantize import BLOCK_SIZES, FORMATS, KINDS
+from onnx_autodiff.training.lora import LoraConfig
+from onnx_autodiff.weights.quantized import BLOCK_SIZES, FORMATS, KINDS
 from onnx_autodiff.training.artifacts import TrainingArtifacts, generate_artifacts, quantized_weight_names
 from onnx_autodiff.training.losses import LOSSES, BuiltinLoss
 from onnx_autodiff.training.optimizers import OPTIMIZERS

@@ -24,7 +24,7 @@ from typing import ClassVar, NamedTuple, Union
 
 from onnx_autodiff.errors import TrainingError
 from onnx_autodiff.passes.lift import LiftedWeight
-from onnx_autodiff.passes.lora import Adapter, LoraConfig
+from onnx_autodiff.training.lora import Adapter, LoraConfig
 from onnx_autodiff.training.optimizers import (
     COEFFICIENT_OPERATORS,
     SGD,

@@ -39,7 +39,8 @@ import types
 import numpy as np
 from onnx import helper
 
-from onnx_autodiff.commands import CommandError, UsageError, count, note_left_out, positive_int, progress_bar, write_file
+from onnx_autodiff.commands import (CommandError, UsageError, collector_paused, count, note_left_out, positive_int,
+                                    progress_bar, write_file)
 from onnx_autodiff.errors import TrainingError, names_summary
 from onnx_autodiff.passes import progress
 from onnx_autodiff.training import distributed
@@ -215,7 +216,7 @@ def _started(args, gradient_accumulation: bool = False) -> tuple[TrainingArtifac
                              "options (--lr alone applies to them)")
         artifacts = _load_artifacts(args.model)
     else:
-        with progress.collector_paused():  # (see generate_artifacts)
+        with collector_paused():  # (see generate_artifacts)
             artifacts = artifacts_from_args(args, gradient_accumulation, _label_shape(args.data))
         note_left_out(artifacts.left_out, "--requires-grad", "train", quantized_weight_names(artifacts.inference_model))
     return artifacts, RunState(_settings(args)), None

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx_autodiff.errors import BatchError, TrainingError
 from onnx_autodiff.modelfile import from_proto, over_limit, save_model, tensor_array, to_inline_proto, uses_external_data
 from onnx_autodiff.passes.lift import lifted_in, read_back, write_back
-from onnx_autodiff.passes.quantize import as_read
+from onnx_autodiff.weights.quantized import as_read
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, proto_graphs
 from onnx_autodiff.training import distributed
 from onnx_autodiff.training.artifacts import FROZEN_IN_PLACE, TrainingArtifacts
@@ -744,7 +744,7 @@ class Trainer:
         With LoRA adapters, ``merge=True`` gives the input model's graph and initializer names with
         each adapted weight W replaced by W + scale·A·B; ``merge=False`` keeps the adapter nodes and
         ``<W>.lora_A``/``<W>.lora_B`` initializers (without dropout), W unchanged."""
-        from onnx_autodiff.passes.lora import unmerged
+        from onnx_autodiff.training.lora import unmerged
 
         proto = onnx.ModelProto()
         proto.CopyFrom(self.artifacts.inference_model)
@@ -806,8 +806,8 @@ class Trainer:
         """The module parameters among ``entries`` (by initializer) that a quantized or float16
         base stores, as float32 arrays in the stored layout (module_state_dict transposes by the
         entry), their LoRA adapters merged in without quantizing again."""
-        from onnx_autodiff.passes.lora import merged_weights
-        from onnx_autodiff.passes.quantize import frozen_bases, stored_weight
+        from onnx_autodiff.training.lora import merged_weights
+        from onnx_autodiff.weights.quantized import frozen_bases, stored_weight
 
         lora = self.manifest.lora
         model = from_proto(self.artifacts.inference_model, self.artifacts.base_dir)
@@ -925,7 +925,7 @@ class Trainer:
 
     def _merged_bases(self, names: set[str]) -> dict[str, np.ndarray]:
         """The LoRA base weights among ``names`` with their adapters' current values merged in."""
-        from onnx_autodiff.passes.lora import QUANTIZED_BASES, merged_weights
+        from onnx_autodiff.training.lora import QUANTIZED_BASES, merged_weights
 
         lora = self.manifest.lora
         adapters = [a for a in lora.adapters if a.weight in names] if lora else []

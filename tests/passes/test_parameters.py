@@ -8,7 +8,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff import AutodiffPass, UnknownValueError
 from onnx_autodiff.passes.parameters import default_parameters
-from onnx_autodiff.passes.recovery import EXPORTER_KIND
+from onnx_autodiff.weights.recovery import EXPORTER_KIND
 from onnx_autodiff.training import generate_artifacts
 
 

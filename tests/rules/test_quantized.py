@@ -153,7 +153,7 @@ FORMS = ["nbits4", "nbits4zp", "nbits8", "int8_axis", "int4_blocked", "float16"]
 def test_lora_on_a_frozen_base(form):
     """The base is a LoRA target in each shipped form; the adapters' gradients through it are
     those of x·s @ W + (x·s @ A) @ B with W dequantized in numpy."""
-    from onnx_autodiff.passes.lora import LoraConfig, LoraPass
+    from onnx_autodiff.training.lora import LoraConfig, LoraPass
 
     rng = np.random.default_rng(FORMS.index(form))
     proto, weight = shipped_base(form, rng)
@@ -191,7 +191,7 @@ def test_lora_on_a_frozen_base(form):
 
 @pytest.mark.parametrize("form", ["nbits4zp", "float16"])
 def test_lora_artifacts_on_a_frozen_base_train_and_export(form):
-    from onnx_autodiff.passes.lora import LoraConfig
+    from onnx_autodiff.training.lora import LoraConfig
     from onnx_autodiff.training import Trainer, generate_artifacts
 
     rng = np.random.default_rng(0)

@@ -29,7 +29,7 @@ from onnx_autodiff.errors import TrainingError, UnknownValueError, UnsupportedMo
 from onnx_autodiff.modelfile import from_proto, to_proto
 from onnx_autodiff.passes.opsets import default_opset
 from onnx_autodiff.passes.metadata import module_names, record_kept
-from onnx_autodiff.passes.quantize import (FORMATS, INT4_OPSET, Quantization, QuantizedBase,
+from onnx_autodiff.weights.quantized import (FORMATS, INT4_OPSET, Quantization, QuantizedBase,
                                            nbits_read_as_dequantizelinear, requantized, stored_weight)
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, shapes
 from onnx_autodiff.toolkit.inference import infer_shapes
@@ -47,7 +47,7 @@ class LoraConfig:
     rank: r, the adapters' inner size. alpha: the scale numerator (default: ``rank``, so
     scale = alpha / r = 1, as peft's defaults r = 8, lora_alpha = 8). targets: shell-style
     patterns (:func:`fnmatch.fnmatchcase`, case-sensitive) matched against the whole initializer
-    name or, in a model whose parameters were recovered (:mod:`onnx_autodiff.passes.recovery`), the
+    name or, in a model whose parameters were recovered (:mod:`onnx_autodiff.weights.recovery`), the
     module parameter's name, e.g. ``"*q_proj*"``; None: every target weight. dropout: the probability of peft's
     ``lora_dropout`` on the adapters' input (train model only). seed: the seed of A's initial
     values. train_biases: also train every bias (peft ``bias="all"``: a Gemm's C, a Conv's B, a
@@ -58,7 +58,7 @@ class LoraConfig:
     quantize_base: store the frozen base weights of the products quantized (QLoRA: "int4",
     "int8", "float16"). quantize_format: how the train models read quantized bases, the ones
     stored so and a model's own MatMulNBits alike: "dequantizelinear" (when None) in standard
-    operators (:func:`~onnx_autodiff.passes.quantize.nbits_read_as_dequantizelinear` for a
+    operators (:func:`~onnx_autodiff.weights.quantized.nbits_read_as_dequantizelinear` for a
     model's own), holding each weight once where onnxruntime's kernel holds a pre-packed copy
     beside it, for a dequantization at each read; or "matmulnbits", the kernel. The inference
     model keeps a model's own MatMulNBits either way.
@@ -416,7 +416,7 @@ def merged_weights(adapters: Sequence[Adapter | Mapping], scale: float, weights:
     forward model), merged and quantized again in its own scheme: its data, scales and zero
     points are all in the result. ``quantize_again=False``: for every base in a stored form (a
     float16 one too), the merged float64 weight alone, laid out as
-    :func:`~onnx_autodiff.passes.quantize.stored_weight` gives it."""
+    :func:`~onnx_autodiff.weights.quantized.stored_weight` gives it."""
     merged = {}
     for adapter in adapters:
         adapter = adapter if isinstance(adapter, Adapter) else Adapter(**adapter)
@@ -438,7 +438,7 @@ def adapt(model: ir.Model, config: LoraConfig, trained: Sequence[str] = ()) -> L
     and extras); ``trained``: other initializers to be trained, which a ``quantize_base`` leaves as
     they are."""
     if not isinstance(config, LoraConfig):
-        raise TrainingError(f"lora must be an onnx_autodiff.passes.lora.LoraConfig, not a {type(config).__name__}")
+        raise TrainingError(f"lora must be an onnx_autodiff.training.lora.LoraConfig, not a {type(config).__name__}")
     if config.quantization is not None and config.quantization.format == "matmulnbits":
         # onnx's inference stops at MatMulNBits (no schema): the shapes after the products it
         # replaces are found while they are still MatMuls

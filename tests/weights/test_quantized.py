@@ -9,11 +9,11 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_autodiff.passes.lora import LoraConfig, LoraPass
+from onnx_autodiff.training.lora import LoraConfig, LoraPass
 from onnx_autodiff import modelfile
-from onnx_autodiff.passes import quantize
-from onnx_autodiff.passes.quantize import nbits_read_as_dequantizelinear
-from onnx_autodiff.passes.quantize import dequantized, quantized, requantized, stored_weight
+from onnx_autodiff.weights import quantized as quantize
+from onnx_autodiff.weights.quantized import nbits_read_as_dequantizelinear
+from onnx_autodiff.weights.quantized import dequantized, quantized, requantized, stored_weight
 from tests.rules.test_quantized import FORMS, shipped_base
 
 K, N, M = 40, 24, 12  # K not a multiple of the blocks: the last block is short

@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_autodiff.passes.parameters import default_parameters, parameter_rows
-from onnx_autodiff.passes.recovery import (
+from onnx_autodiff.weights.recovery import (
     EXPORTER_KIND,
     FOLDED_FROM,
     FX_NODE,

@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from helpers import assert_gradients, assert_valid_model
 from onnx_autodiff import UnknownValueError, UnsupportedModelError
-from onnx_autodiff.passes.lora import LoraConfig, LoraPass, merged_weights
+from onnx_autodiff.training.lora import LoraConfig, LoraPass, merged_weights
 
 N = 3
 
