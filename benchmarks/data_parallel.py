@@ -54,7 +54,7 @@ def worker(args) -> None:
     for step in range(args.steps):
         trainer.step(slices[step % len(slices)])
     seconds = time.perf_counter() - start
-    gradients = [trainer._value(key).numpy() for key in trainer.manifest.params]
+    gradients = [trainer.state.value(key).numpy() for key in trainer.manifest.params]
     reduce_ms = 0.0
     if comm is not None:  # the Allreduce alone, as each step does it
         comm.Barrier()

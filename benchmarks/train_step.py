@@ -101,7 +101,7 @@ def main() -> None:
     # the optimiser alone: the apply model's run on one micro-batch's gradients (grad_scale 1)
     updater = Trainer(artifacts)
     updater.accumulate(batch)
-    apply = updater._runner("apply")
+    apply = updater.steps.runner("apply")
     timed = {
         "step": lambda: trainer.step(batch),
         "optimizer": lambda: apply.run(None, {"lr": updater.lr, "step": 1, "grad_scale": 1.0}),

@@ -9,7 +9,7 @@ from onnx import helper, numpy_helper
 from test_training import BATCH, IN, OUT, batches, mlp
 
 from onnx_autodiff.training import BatchError, Trainer, TrainingError, generate_artifacts
-from onnx_autodiff.training.trainer import _with_finite_flag
+from onnx_autodiff.training.runner import _with_finite_flag
 
 
 def snapshot(trainer: Trainer) -> dict[str, bytes]:

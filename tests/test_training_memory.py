@@ -17,8 +17,8 @@ from test_training import batches, bn_dropout_model, mlp
 from onnx_autodiff.training.lora import LoraConfig
 from onnx_autodiff.training import Trainer, TrainingError, generate_artifacts
 from onnx_autodiff.training import artifacts as artifacts_module
-from onnx_autodiff.training import trainer as trainer_module
-from onnx_autodiff.training.trainer import in_place_keys
+from onnx_autodiff.training import runner as runner_module
+from onnx_autodiff.training.in_place import in_place_keys
 
 OPTIMIZERS = [
     ("sgd", {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
@@ -44,10 +44,10 @@ def snapshot(trainer: Trainer) -> dict[str, bytes]:
 def with_spare_buffers(artifacts, monkeypatch) -> Trainer:
     """A trainer that writes every new value to a spare buffer (none in place)."""
     with monkeypatch.context() as patch:
-        patch.setattr(trainer_module, "in_place_keys", lambda proto, carry: set())
+        patch.setattr(runner_module, "in_place_keys", lambda proto, carry: set())
         trainer = Trainer(artifacts)
         if artifacts.apply_model is not None:  # runners are made when first used
-            trainer._runner("accumulate"), trainer._runner("apply")
+            trainer.steps.runner("accumulate"), trainer.steps.runner("apply")
         return trainer
 
 
@@ -70,12 +70,12 @@ def test_in_place_steps_equal_spare_buffer_steps(name, options, max_grad_norm, m
     statistics = set(artifacts.layout["buffers"])
     assert statistics == {"mean", "var"}
     for kind in ("train", "accumulate", "apply"):
-        runner = in_place._runner(kind)
+        runner = in_place.steps.runner(kind)
         assert runner.in_place == {key for key, _, _ in runner.carry} - statistics, kind
-        assert not spare._runner(kind).in_place
+        assert not spare.steps.runner(kind).in_place
     # no spare buffer was ever made for a value written in place
-    assert {key for key, pair in in_place._values.items() if pair[1] is not None} == statistics
-    assert all(pair[1] is not None for pair in spare._values.values())
+    assert {key for key, pair in in_place.state._pairs.items() if pair[1] is not None} == statistics
+    assert all(pair[1] is not None for pair in spare.state._pairs.values())
 
 
 @pytest.mark.parametrize("name, options", OPTIMIZERS)
@@ -123,7 +123,7 @@ def test_artifacts_without_the_kept_flag_use_spare_buffers():
     del old.train_model.graph.output[:]
     old.train_model.graph.output.extend(outputs)
     new_trainer, old_trainer = Trainer(artifacts), Trainer(old)
-    assert not old_trainer._runner("train").in_place
+    assert not old_trainer.steps.runner("train").in_place
     for batch in batches(3):
         assert new_trainer.step(batch) == old_trainer.step(batch)
     assert snapshot(new_trainer) == snapshot(old_trainer)
@@ -232,7 +232,7 @@ def test_large_frozen_weights_are_read_in_place_and_held_once(lead, tmp_path, mo
         transposed = generate_artifacts(path, **options)
     assert readers(transposed.eval_model, "W1") == ["Transpose"]
     trainer, reference = Trainer(artifacts), Trainer(transposed)
-    assert sorted(trainer._frozen) == ["W1"]  # mapped from weights.bin, shared by the sessions
+    assert sorted(trainer.sessions.frozen) == ["W1"]  # mapped from weights.bin, shared by the sessions
     assert trainer.session_options.get_session_config_entry("session.disable_prepacking") == "1"
     batch = linear_batch(lead)
     losses = [(trainer.step(batch), reference.step(batch)) for _ in range(4)]
@@ -241,7 +241,7 @@ def test_large_frozen_weights_are_read_in_place_and_held_once(lead, tmp_path, mo
     np.testing.assert_allclose(trainer.evaluate(batch)["logits"], reference.evaluate(batch)["logits"], rtol=1e-5, atol=1e-6)
     # with session options of one's own, the sessions read the weights as onnxruntime does
     own = Trainer(artifacts, session_options=ort.SessionOptions())
-    assert own._frozen == {}
+    assert own.sessions.frozen == {}
     assert own.step(batch) == pytest.approx(losses[0][0], rel=1e-6)
 
 

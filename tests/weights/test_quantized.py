@@ -228,7 +228,7 @@ def test_merge_cost_reads_the_merged_scales_where_the_trainer_shares_the_stored_
     """A trainer maps large stored float tensors (a quantized base's scales) once for all its
     sessions; merge_cost's session reads the merged weights' own scales, not those."""
     from onnx_autodiff.training import Trainer, TrainingArtifacts, generate_artifacts
-    from onnx_autodiff.training import trainer as trainer_module
+    from onnx_autodiff.training import sessions as sessions_module
 
     rng = np.random.default_rng(3)
     weight = (rng.standard_normal((128, 256)) / 16).astype(np.float32)  # scales [128, 8]: 4 KB, stored in a file
@@ -241,9 +241,9 @@ def test_merge_cost_reads_the_merged_scales_where_the_trainer_shares_the_stored_
     artifacts = generate_artifacts(proto, loss="mse", optimizer="adamw", optimizer_options={"lr": 3e-2},
                                    lora=LoraConfig(rank=4, quantize_base="int4"))
     artifacts.save(tmp_path / "artifacts", external_data=True)
-    monkeypatch.setattr(trainer_module, "FROZEN_IN_PLACE", 16)  # (the scales here are small)
+    monkeypatch.setattr(sessions_module, "FROZEN_IN_PLACE", 16)  # (the scales here are small)
     trainer = Trainer(TrainingArtifacts.load(tmp_path / "artifacts"))
-    assert any(name.endswith(".scale") for name in trainer._frozen)
+    assert any(name.endswith(".scale") for name in trainer.sessions.frozen)
     for _ in range(10):
         trainer.step(batch)
     cost = trainer.merge_cost(batch)

@@ -1,0 +1,105 @@
+"""Which carried values a model may write over their old ones: an analysis of the model's graph.
+
+A model carries state (parameters, optimiser state, accumulators): it reads the old value of a key
+and returns the new one. Written into the old value's buffer, the new value costs no second copy
+of the state, but only where no node reads the old value after the writer has started. The trainer
+binds such outputs to their inputs' buffers and gives the others a spare buffer, swapped in after
+a kept run. The analysis needs nothing but the model, so the build may record its result with the
+artifacts.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping, Sequence
+
+import onnx
+
+from onnx_autodiff.toolkit import proto_graphs
+
+# Elementwise writers: each output element is computed from the input elements at its own index,
+# so the node may write into the buffer of an input it reads.
+_ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Where", "Max", "Min", "Identity"}
+
+# Kernels whose output may be a view of their input's buffer in onnxruntime (no copy).
+_VIEWS = {"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten"}
+
+
+def in_place_keys(proto: onnx.ModelProto, carry: Sequence[tuple[str, str, str]]) -> set[str]:
+    """The carried keys (``carry``: key, input, output) whose new value may be written over the
+    old one in a run of ``proto``: the node writing the new value is elementwise, a Split that
+    reads no view of the old value (a grouped update's), or an If each of whose branches writes it
+    so, and every other node reading the old value is one of its ancestors, so it has run before
+    (onnxruntime runs nodes in a dependency order, and an If's branch once the If may run)."""
+    safe = _writable(proto.graph, {out: name for _, name, out in carry})
+    return {key for key, _, out in carry if out in safe}
+
+
+def _writable(graph: onnx.GraphProto, writes: Mapping[str, str]) -> set[str]:
+    """The new values of ``writes`` (new value's name -> old value's name) that a run of ``graph``
+    may write over the old ones (see :func:`in_place_keys`)."""
+    wanted = set(writes.values())
+    index = {}  # a bit per node that reads a carried input
+    for position, node in enumerate(graph.node):
+        for name in _reads(node) & wanted:
+            index.setdefault(position, len(index))
+    readers: dict[str, int] = {}
+    producer: dict[str, int] = {}
+    ancestors: list[int] = []  # per node: the reader bits of the node and of its ancestors
+    for position, node in enumerate(graph.node):
+        bits = 0
+        for name in _reads(node):
+            if name in producer:
+                bits |= ancestors[producer[name]]
+            if name in wanted:
+                readers[name] = readers.get(name, 0) | (1 << index[position])
+        ancestors.append(bits | (1 << index[position] if position in index else 0))
+        for name in node.output:
+            producer[name] = position
+    safe, by_if = set(), {}
+    for out, name in writes.items():
+        writer = producer.get(out)
+        if writer is None or readers.get(name, 0) & ~ancestors[writer]:
+            continue
+        node = graph.node[writer]
+        if node.op_type in _ELEMENTWISE:
+            safe.add(out)
+        elif node.op_type == "Split" and node.domain in ("", "ai.onnx") and not set(node.input) & _views(graph, name):
+            # a grouped update's (optimizers.split_back, after the If): it reads the group's new
+            # value or a copy of its old values (their Concat), never their buffers, which their
+            # readers, all ancestors, are done with
+            safe.add(out)
+        elif node.op_type == "If" and node.domain in ("", "ai.onnx"):
+            by_if.setdefault(writer, {})[out] = name
+    for writer, outs in by_if.items():  # each branch must write the value in place itself
+        node = graph.node[writer]
+        position = {out: i for i, out in enumerate(node.output)}
+        for attribute in node.attribute:
+            branch = attribute.g
+            inner = [branch.output[position[out]].name for out in outs]
+            once = {n for n, count in collections.Counter(inner).items() if count == 1}  # one value returned twice: neither
+            ok = _writable(branch, {n: name for n, name in zip(inner, outs.values()) if n in once})
+            outs = {out: name for out, n, name in zip(outs, inner, outs.values()) if n in ok}
+        safe.update(outs)
+    return safe
+
+
+def _views(graph: onnx.GraphProto, name: str) -> set[str]:
+    """``name`` and the values of ``graph`` that may share its buffer (views of it, transitively)."""
+    found = {name}
+    for node in graph.node:
+        if node.op_type in _VIEWS and node.input and node.input[0] in found:
+            found.update(node.output)
+    return found
+
+
+def _reads(node: onnx.NodeProto) -> set[str]:
+    """The values ``node`` reads: its inputs and the outer values its subgraphs use."""
+    names = set(node.input)
+    for attribute in node.attribute:
+        for sub in [attribute.g] if attribute.HasField("g") else attribute.graphs:
+            for graph in proto_graphs(sub):
+                for inner in graph.node:
+                    names.update(inner.input)
+    names.discard("")
+    return names
