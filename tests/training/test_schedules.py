@@ -1,0 +1,51 @@
+"""The learning-rate schedules step the learning rates of transformers' get_scheduler (LambdaLR
+over a torch optimiser), step by step."""
+
+import pytest
+
+from onnx_autodiff.errors import TrainingError
+from onnx_autodiff.training.schedules import LRSchedule
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+def torch_learning_rates(kind: str, warmup: int, total: int, lr: float, steps: int) -> list[float]:
+    """The learning rate of each optimiser step of a transformers schedule, as a training loop
+    reads it (optimizer.step() then scheduler.step())."""
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([parameter], lr=lr)
+    name = {"constant": "constant_with_warmup"}.get(kind, kind)
+    scheduler = transformers.get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total)
+    rates = []
+    for _ in range(steps):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return rates
+
+
+@pytest.mark.parametrize("kind", ["constant", "linear", "cosine"])
+@pytest.mark.parametrize("warmup,total", [(0, 10), (3, 10), (4, 25), (10, 10)])
+def test_learning_rates_equal_transformers(kind, warmup, total):
+    lr = 3e-4
+    schedule = LRSchedule(kind, warmup, total)
+    ours = [lr * schedule.factor(step) for step in range(total + 3)]  # past the end too
+    assert ours == pytest.approx(torch_learning_rates(kind, warmup, total, lr, total + 3), rel=1e-12, abs=1e-18)
+
+
+def test_the_json_form_round_trips():
+    for schedule in (LRSchedule(), LRSchedule("cosine", 5, 100), LRSchedule("linear", 0, 7)):
+        assert LRSchedule.from_json(schedule.to_json()) == schedule
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"kind": "step"}, "must be one of constant, linear, cosine"),
+    ({"kind": "linear"}, "give total_steps"),
+    ({"kind": "cosine", "total_steps": 0}, "total_steps must be a whole number > 0"),
+    ({"warmup_steps": -1}, "warmup_steps must be a whole number >= 0"),
+    ({"warmup_steps": 1.5}, "warmup_steps must be a whole number >= 0"),
+])
+def test_bad_schedules_are_refused(options, message):
+    with pytest.raises(TrainingError, match=message):
+        LRSchedule(**options)
