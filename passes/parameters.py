@@ -34,6 +34,7 @@ from onnx_autodiff.errors import AutodiffError
 from onnx_autodiff.passes.metadata import MODULE_NAMES
 from onnx_autodiff.weights.quantized import frozen_bases
 from onnx_autodiff.passes.lift import LiftWeightConstantsPass
+from onnx_autodiff.passes.patterns import Match, grouped
 from onnx_autodiff.weights.recovery import is_torch_export, recover_parameters, stored_shape, weight_read
 from onnx_autodiff.rules import GradRegistry, default_registry
 from onnx_autodiff.toolkit import FLOAT_TYPES, captured_values, graph_and_subgraphs, shapes
@@ -123,17 +124,23 @@ def _finite_and_moderate(tensor: ir.TensorProtocol, step: int = 1 << 22) -> bool
 
 
 def _read_where_gradients_flow(model: ir.Model, registry: GradRegistry) -> set[ir.Value]:
-
+    """The initializers that a node's rule, or a pattern rule's match (a weight read through a
+    QuantizeLinear → DequantizeLinear pair), differentiates."""
     initializers = set(model.graph.initializers.values())
     found: set[ir.Value] = set()
-    for node in model.graph:
-        opset = model.opset_imports.get(node.domain or "", 1)
-        rule = registry.lookup(node, opset)
-        names = _input_names(rule, node, opset)
-        for i, value in enumerate(node.inputs):
+    units = grouped(list(model.graph), registry.patterns(), model.opset_imports.get("", 1), set)
+    for unit in units:
+        if isinstance(unit, Match):
+            names = unit.rule.inputs[0]
+            found.update(v for name, v in zip(names, unit.inputs) if v in initializers and name in unit.rule.differentiable)
+            continue
+        opset = model.opset_imports.get(unit.domain or "", 1)
+        rule = registry.lookup(unit, opset)
+        names = _input_names(rule, unit, opset)
+        for i, value in enumerate(unit.inputs):
             if value in initializers and (names is None or (i < len(names) and names[i] in rule.differentiable)):
                 found.add(value)
-        found.update(v for v in captured_values(node) if v in initializers)
+        found.update(v for v in captured_values(unit) if v in initializers)
     return found
 
 

@@ -3,6 +3,7 @@
 import numpy as np
 import onnx
 import onnx_ir as ir
+import onnxruntime
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -126,3 +127,27 @@ def test_a_layer_weight_is_a_parameter_whatever_its_name():
     for node in proto.graph.node:  # no exporter's node paths: the generic rule, a Conv bias all the same
         node.name = node.op_type
     assert [v.name for v in default_parameters(ir.from_proto(proto)).parameters] == ["onnx::Conv_12", "onnx::Conv_13"]
+
+
+def test_a_weight_read_through_a_qdq_pair_is_a_parameter():
+    """A float weight fake-quantized before its MatMul (QuantizeLinear → DequantizeLinear, whose
+    pattern rule passes the gradient straight through) is a parameter by default; the pair's
+    one-element scale is not, and the gradient the default gives the weight is the straight-through
+    one (dy read through the MatMul, where the weight is inside the int8 range)."""
+    w = RNG.standard_normal((4, 3)).astype(np.float32)
+    nodes = [helper.make_node("QuantizeLinear", ["W", "s", "z"], ["Wq"]),
+             helper.make_node("DequantizeLinear", ["Wq", "s", "z"], ["Wd"]),
+             helper.make_node("MatMul", ["X", "Wd"], ["Y"]),
+             helper.make_node("ReduceSum", ["Y"], ["loss"], keepdims=0)]
+    proto = _model(nodes, {"W": w, "s": np.float32(0.05)})
+    proto.graph.initializer.append(numpy_helper.from_array(np.int8(0), "z"))
+    chosen = default_parameters(ir.from_proto(proto))
+    assert [v.name for v in chosen.parameters] == ["W"] and chosen.left_out == {"s": "one-element constant"}
+    autodiff = AutodiffPass(of="loss")
+    result = autodiff(ir.from_proto(proto))
+    assert list(autodiff.gradient_names) == ["W"]
+    x = RNG.standard_normal((2, 4)).astype(np.float32)
+    session = onnxruntime.InferenceSession(ir.to_proto(result.model).SerializeToString())
+    grads = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"X": x})))
+    inside = np.abs(np.round(w / 0.05)) <= 127
+    np.testing.assert_allclose(grads[autodiff.gradient_names["W"]], np.where(inside, x.sum(axis=0)[:, None], 0), rtol=1e-5)
