@@ -162,6 +162,22 @@ class Runner {
 }
 
 /**
+ * The factor of the learning rate for the optimiser step after `step` steps, under artifacts.json's
+ * `lr_schedule` ({kind, warmup_steps, total_steps}; null: 1), as training/schedules.py computes it
+ * (transformers' get_scheduler formulas).
+ */
+export function scheduleFactor(schedule, step) {
+  if (!schedule) return 1;
+  const { kind, warmup_steps: warmup = 0, total_steps: total } = schedule;
+  if (step < warmup) return step / Math.max(1, warmup);
+  if (kind === "constant") return 1;
+  const remaining = Math.max(1, total - warmup);
+  if (kind === "linear") return Math.max(0, (total - step) / remaining);
+  if (kind === "cosine") return Math.max(0, 0.5 * (1 + Math.cos(Math.PI * (step - warmup) / remaining)));
+  throw new TrainingError(`artifacts.json: unknown learning-rate schedule ${JSON.stringify(kind)}`);
+}
+
+/**
  * Trains from an artifacts directory. `Trainer.open(ort, read, options)` reads it through
  * `read(name)`, a function returning the bytes of a file of the directory (a Uint8Array) or null
  * when there is none: fs.readFile in Node, fetch in the browser.
@@ -242,8 +258,13 @@ export class Trainer {
     return [...this.layout.train.batch];
   }
 
+  /** The learning rate of the next optimiser step: lr times the schedule's factor after stepCount steps. */
+  get learningRate() {
+    return this.lr * scheduleFactor(this.layout.lr_schedule, this.stepCount);
+  }
+
   /** One optimiser step on `batch` ({name: tensor}); resolves to the loss (before the update). */
-  async step(batch, { lr = this.lr } = {}) {
+  async step(batch, { lr = this.learningRate } = {}) {
     if (this.microBatches) throw new TrainingError("accumulated gradients are pending: call apply() before step()");
     const number = this.stepCount + 1; // the step being taken counts from 1 (Adam's bias correction)
     const { loss, kept, feeds } = await this.#run(this.runner, batch, { lr, step: number, micro_batch: 0 });
@@ -279,7 +300,7 @@ export class Trainer {
   }
 
   /** One optimiser step with the mean of the accumulated gradients. */
-  async apply({ lr = this.lr } = {}) {
+  async apply({ lr = this.learningRate } = {}) {
     if (this.microBatches === 0) throw new TrainingError("apply() needs accumulate() first: no gradient has been accumulated");
     const runner = await this.#model("apply");
     const number = this.stepCount + 1;

@@ -443,3 +443,33 @@ def test_artifacts_json_matches_the_schema_in_node(artifacts_dir, tmp_path):
     result = subprocess.run(["node", str(JS / "validate.mjs"), str(bad)], capture_output=True, text=True, check=False,
                             timeout=60)
     assert result.returncode == 1 and "/train/carry/0 must NOT have fewer than 3 items" in result.stdout, result.stdout
+
+
+def test_a_learning_rate_schedule_steps_as_in_python(batch, tmp_path):
+    """Artifacts whose manifest holds a schedule (cosine with warmup): the node trainer's steps
+    give the Python Trainer's state, and js/trainer.mjs's scheduleFactor equals
+    training/schedules.py's at every step of every kind."""
+    import dataclasses
+
+    from onnx_autodiff.training.schedules import LRSchedule
+
+    artifacts = generate_artifacts(logits_model(), loss="cross_entropy", optimizer="adamw", optimizer_options={"lr": 0.02})
+    schedule = LRSchedule("cosine", 2, 5)
+    directory = tmp_path / "scheduled"
+    save_artifacts(dataclasses.replace(artifacts, manifest=dataclasses.replace(artifacts.manifest, lr_schedule=schedule)),
+                   str(directory))
+    assert json.loads((directory / "artifacts.json").read_text())["lr_schedule"] == schedule.to_json()
+    data = write_data(tmp_path / "batch.safetensors", batch)
+    out = tmp_path / "trained.safetensors"
+    node(directory, "--data", data, "--steps", 6, "--out", out, "--quiet")
+    python, _ = python_state(directory, [batch] * 6)
+    assert_same_state(safetensors_numpy.load_file(str(out)), python)
+    schedules = [LRSchedule("constant", 3), LRSchedule("linear", 2, 9), LRSchedule("cosine", 0, 7), LRSchedule("cosine", 4, 11)]
+    script = ("import { scheduleFactor } from './trainer.mjs';"
+              f"const schedules = {json.dumps([s.to_json() for s in schedules])};"
+              "console.log(JSON.stringify(schedules.map(s => [...Array(14).keys()].map(k => scheduleFactor(s, k)))));")
+    result = subprocess.run(["node", "--input-type=module", "-e", script], cwd=JS, capture_output=True, text=True, check=True,
+                            timeout=60)
+    factors = json.loads(result.stdout)
+    for schedule, js in zip(schedules, factors):
+        assert js == pytest.approx([schedule.factor(k) for k in range(14)], rel=1e-15, abs=0)

@@ -117,14 +117,22 @@ class Trainer:
 
     # training
 
+    @property
+    def learning_rate(self) -> float:
+        """The learning rate of the next optimiser step: ``lr``, times the factor of the manifest's
+        ``lr_schedule`` after the steps taken (``step_count``)."""
+        schedule = self.manifest.lr_schedule
+        return self.lr if schedule is None else self.lr * schedule.factor(self.step_count)
+
     def step(self, batch, lr: float | None = None) -> float:
-        """One optimiser step on ``batch``; returns the loss (before the update).
+        """One optimiser step on ``batch`` at ``lr`` (None: :attr:`learning_rate`); returns the loss
+        (before the update).
 
         Data-parallel (``comm`` of several ranks): ``batch`` is this rank's slice of the global
         batch (possibly empty, where the last batch of an epoch does not split among the ranks),
         the update is the one of the whole batch, and the loss returned is the whole batch's (the
         ranks' losses weighted by their examples)."""
-        return self.steps.step(batch, self.lr if lr is None else lr)
+        return self.steps.step(batch, self.learning_rate if lr is None else lr)
 
     def accumulate(self, batch) -> float:
         """Adds the gradients of ``batch`` to the accumulators; returns its loss."""
@@ -133,7 +141,7 @@ class Trainer:
     def apply(self, lr: float | None = None) -> None:
         """One optimiser step with the mean of the accumulated gradients (with ranks: of all ranks',
         each rank having accumulated as many micro-batches of equal size)."""
-        self.steps.apply(self.lr if lr is None else lr)
+        self.steps.apply(self.learning_rate if lr is None else lr)
 
     def evaluate(self, batch) -> dict[str, np.ndarray]:
         """The eval model on ``batch`` (inputs and labels): {"loss": ..., model outputs...}."""

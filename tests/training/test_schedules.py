@@ -49,3 +49,31 @@ def test_the_json_form_round_trips():
 def test_bad_schedules_are_refused(options, message):
     with pytest.raises(TrainingError, match=message):
         LRSchedule(**options)
+
+
+def test_the_trainer_steps_the_manifest_schedule():
+    """Artifacts whose manifest holds a schedule: the Trainer's learning rate of each step is
+    transformers' (after the steps taken), and its steps equal steps given those rates."""
+    import dataclasses
+
+    import numpy as np
+
+    from onnx_autodiff.demo import blobs, classifier_model
+    from onnx_autodiff.training import Trainer, generate_artifacts
+
+    artifacts = generate_artifacts(classifier_model(loss=False), loss="cross_entropy", optimizer="adamw",
+                                   optimizer_options={"lr": 0.05})
+    schedule = LRSchedule("cosine", 2, 6)
+    scheduled = dataclasses.replace(artifacts, manifest=dataclasses.replace(artifacts.manifest, lr_schedule=schedule))
+    X, labels = blobs(samples=32)
+    batch = {"X": X, "labels": labels}
+    ours, given = Trainer(scheduled), Trainer(artifacts)
+    rates = []
+    for _ in range(6):
+        rates.append(ours.learning_rate)
+        loss = ours.step(batch)
+        assert loss == given.step(batch, lr=rates[-1])
+    assert rates == pytest.approx(torch_learning_rates("cosine", 2, 6, 0.05, 6), rel=1e-12, abs=1e-18)
+    assert rates[0] == 0 and ours.step_count == 6
+    for key, value in given.state_dict().items():
+        np.testing.assert_array_equal(ours.state_dict()[key], value, err_msg=key)
