@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import signal
+import sys
 
 import numpy as np
 import onnx
@@ -114,7 +116,8 @@ def test_metrics_follow_the_documented_schedule(files, tmp_path, capsys, data, v
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines[:2]] == ["epoch 1/2", "epoch 2/2"] and len(lines) == 3
     rows = metrics(out)
-    assert list(rows[0]) == ["epoch", "loss", "val_loss", "val_accuracy"] and len(rows) == 2
+    assert list(rows[0]) == ["epoch", "loss", "lr", "val_loss", "val_accuracy"] and len(rows) == 2
+    assert all(float(row["lr"]) == LR for row in rows)
     expected, trainer = reference_loop(files, 2)
     for row, want in zip(rows, expected):
         assert int(row["epoch"]) == want["epoch"]
@@ -171,7 +174,7 @@ def test_a_batch_larger_than_the_data_is_one_batch(files, tmp_path):
     assert train(files, out, "--epochs", "2", "--batch-size", "1000", val=None) == 0
     assert int(load_arrays(out / "checkpoint")["__step__"]) == 2
     rows = metrics(out)
-    assert list(rows[0]) == ["epoch", "loss"]
+    assert list(rows[0]) == ["epoch", "loss", "lr"]
     expected, _ = reference_loop(files, 2, batch_size=1000)
     assert [float(r["loss"]) for r in rows] == pytest.approx([e["loss"] for e in expected], rel=1e-9)
 
@@ -259,13 +262,82 @@ def test_progress_bar_on_a_terminal_only(artifacts_dir, files, tmp_path, capsys,
     monkeypatch.setattr("sys.stderr", stderr)
     assert main(["train", artifacts_dir, "--data", files["data.npz"], "-o", str(tmp_path / "run"), "--epochs", "2"]) == 0
     assert ("%|" in stderr.getvalue()) == terminal
-    if not terminal:
-        assert stderr.getvalue() == ""
+    if not terminal:  # (a note where matplotlib is missing, the plot's)
+        assert stderr.getvalue().replace(MATPLOTLIB_NOTE, "") == ""
     lines = capsys.readouterr().out.splitlines()  # one line per epoch, then what was written
     assert len(lines) == 3 and lines[0].startswith("epoch 1/2: loss ") and lines[1].startswith("epoch 2/2: loss ")
     assert lines[2].startswith(f"wrote {tmp_path / 'run' / 'model.onnx'}, ")
 
 
+MATPLOTLIB_NOTE = ("onnx-autodiff: note: loss.png is not written: matplotlib is not installed "
+                   "(pip install 'onnx-autodiff[examples]' brings it)\n")
+
+
+def test_a_missing_matplotlib_is_one_note(files, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import raises ImportError
+    out = tmp_path / "run"
+    assert train(files, out, "--epochs", "1", val=None) == 0
+    assert capsys.readouterr().err == MATPLOTLIB_NOTE and not (out / "loss.png").exists()
+
+
 def test_loss_plot_written_with_matplotlib(files, uninterrupted):
     pytest.importorskip("matplotlib")
     assert (uninterrupted / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_learning_rate_schedule_is_recorded_and_stepped(files, tmp_path):
+    """--lr-schedule cosine --warmup-steps 2 over 2 epochs of 3 batches: the run's artifacts record
+    the schedule over its 6 steps, metrics.csv gives each epoch's last learning rate, and the
+    state is the one of steps at transformers' learning rates."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    out = tmp_path / "run"
+    assert train(files, out, "--epochs", "2", "--lr-schedule", "cosine", "--warmup-steps", "2") == 0
+    layout = json.loads((out / "artifacts" / "artifacts.json").read_text())
+    assert layout["lr_schedule"] == {"kind": "cosine", "warmup_steps": 2, "total_steps": 6}
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([parameter], lr=LR)
+    scheduler = transformers.get_scheduler("cosine", optimizer, num_warmup_steps=2, num_training_steps=6)
+    rates = []
+    for _ in range(6):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert [float(row["lr"]) for row in metrics(out)] == pytest.approx([rates[2], rates[5]], rel=1e-12)
+    trainer = Trainer(generate_artifacts(files["model"], loss="cross_entropy", optimizer="adamw",
+                                         optimizer_options={"lr": LR}))
+    X, labels = files["X"], files["labels"]
+    for epoch in range(2):
+        order = np.random.default_rng([SEED, epoch]).permutation(len(X))
+        for start in range(0, len(X), BATCH):
+            picked = order[start:start + BATCH]
+            trainer.step({"X": X[picked], "labels": labels[picked]}, lr=rates[trainer.step_count])
+    state = load_arrays(out / "checkpoint")
+    for name, value in trainer.parameters().items():
+        np.testing.assert_array_equal(state[name], value, err_msg=name)
+    assert train(files, out, "--epochs", "3", "--lr-schedule", "cosine", "--warmup-steps", "2", "--resume") == 2
+
+
+def test_keep_best_exports_the_epoch_of_the_lowest_validation_loss(files, tmp_path, capsys):
+    """At a learning rate that overshoots, the validation loss rises after some epoch: --keep-best
+    exports that epoch's model (its loss on the validation data is the minimum of metrics.csv), and
+    --early-stopping 1 ends the run after the first epoch without a lower validation loss."""
+    val_X, val_labels = files["val_X"], files["val_labels"]
+    kept, stopped = tmp_path / "kept", tmp_path / "stopped"
+    options = ("--epochs", "12", "--lr", "0.5", "--batch-size", "20")
+    assert main(["train", files["model"], "--data", files["data.npz"], "-o", str(kept), "--seed", str(SEED),
+                 "--val-data", files["val.npz"], "--keep-best", *options]) == 0
+    rows = metrics(kept)
+    losses = [float(row["val_loss"]) for row in rows]
+    best = int(np.argmin(losses))
+    assert best < len(rows) - 1, losses  # the last epoch is not the best one: the choice matters
+    assert cross_entropy(kept / "model.onnx", val_X, val_labels) == pytest.approx(losses[best], rel=1e-5)
+    assert f"is epoch {best + 1}'s, of the lowest validation loss" in capsys.readouterr().err
+    assert main(["train", files["model"], "--data", files["data.npz"], "-o", str(stopped), "--seed", str(SEED),
+                 "--val-data", files["val.npz"], "--early-stopping", "1", *options]) == 0
+    stopped_rows = metrics(stopped)
+    first_rise = next(i for i in range(1, len(losses)) if losses[i] >= min(losses[:i]))
+    assert len(stopped_rows) == first_rise + 1 < 12
+    assert "stopped after epoch" in capsys.readouterr().err
+    assert main(["train", files["model"], "--data", files["data.npz"], "-o", str(tmp_path / "x"), "--keep-best"]) == 2
+    assert "--keep-best compares the validation losses of the epochs: give --val-data" in capsys.readouterr().err

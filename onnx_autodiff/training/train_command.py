@@ -9,8 +9,11 @@ OUTDIR holds the whole run, so that ``--resume`` rebuilds the identical trainer 
   ``__step__``) with the run in its header's metadata (``onnx_autodiff.train``: the options,
   the number of examples, the position — epoch, batch, the epoch's loss so far — and the
   metrics of the epochs done); written after every epoch and on Ctrl-C;
-- ``metrics.csv``: one row per epoch, ``epoch,loss[,val_loss][,val_accuracy]``;
-- ``model.onnx``: the trained inference model (``Trainer.export``), when the run ends;
+- ``metrics.csv``: one row per epoch, ``epoch,loss,lr[,val_loss][,val_accuracy]`` (``lr``: the
+  learning rate of the epoch's last step);
+- ``model.onnx``: the trained inference model (``Trainer.export``), when the run ends: the last
+  epoch's, or with ``--keep-best`` the epoch's of the lowest validation loss, whose state
+  ``best-checkpoint`` holds;
 - with ``--save-onnx-adapter PATH``, ``adapter_inputs.onnx``: the model whose inputs the adapters
   are (``Trainer.export_adapter_model``), beside the adapter file at PATH;
 - ``loss.png``: the losses per epoch, when matplotlib is installed.
@@ -20,6 +23,11 @@ The schedule is deterministic: epoch ``e`` (from 0) visits the N examples in the
 batch of an epoch holds the remainder (every example is seen once per epoch), and a batch size
 over N gives one batch of all N. An epoch's loss is the mean of its batch losses weighted by their
 sizes; the validation data is evaluated in file order, in batches of the same size.
+
+``--lr-schedule`` and ``--warmup-steps`` record the learning-rate schedule in the run's artifacts
+(:mod:`~onnx_autodiff.training.schedules`; its last step the run's last, ``--epochs`` times the
+batches per epoch). ``--early-stopping PATIENCE`` ends the run after the epoch that makes
+PATIENCE epochs without a lower validation loss.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import dataclasses
 import io
 import json
 import os
@@ -48,6 +57,7 @@ from onnx_autodiff.training.artifacts import TrainingArtifacts, quantized_weight
 from onnx_autodiff.training.cli import add_generation_arguments, artifacts_from_args
 from onnx_autodiff.training.losses import IGNORE_INDEX  # (no class: neither checked nor counted in the accuracy)
 from onnx_autodiff.training.manifest import Manifest
+from onnx_autodiff.training.schedules import SCHEDULES, LRSchedule
 from onnx_autodiff.training.trainer import Trainer
 from onnx_autodiff.training.values import (
     load_arrays,
@@ -61,6 +71,7 @@ RUN_FORMAT = 1
 DATA_SUFFIXES = (".npz", ".safetensors")
 INTERRUPTED = 130  # the shell's code for a command stopped by Ctrl-C
 ADAPTER_INPUTS_MODEL = "adapter_inputs.onnx"  # --save-onnx-adapter: the model whose inputs the adapters are
+BEST_CHECKPOINT = "best-checkpoint"  # --keep-best: the state of the epoch of the lowest validation loss
 
 
 def add_arguments(parser) -> None:
@@ -78,6 +89,15 @@ def add_arguments(parser) -> None:
                         help="examples per step (default 32); the last batch of an epoch holds the remainder")
     parser.add_argument("--seed", type=_seed, default=0, help="seed of the example order (default 0)")
     parser.add_argument("--val-data", metavar="FILE", help="validation arrays, as --data: loss (and accuracy) per epoch")
+    parser.add_argument("--lr-schedule", choices=SCHEDULES,
+                        help="the learning rate over the run: constant, or decaying linearly or as a cosine to 0 at "
+                             "the run's last step, after --warmup-steps (default: the optimiser's throughout)")
+    parser.add_argument("--warmup-steps", type=_steps, default=0, metavar="N",
+                        help="raise the learning rate linearly from 0 over the first N steps (default 0)")
+    parser.add_argument("--keep-best", action="store_true",
+                        help="export the epoch of the lowest validation loss, not the last (needs --val-data)")
+    parser.add_argument("--early-stopping", type=positive_int, metavar="PATIENCE",
+                        help="stop when the validation loss has not fallen for PATIENCE epochs (needs --val-data)")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in OUTDIR from its checkpoint (same options; --epochs may grow)")
     parser.add_argument("--save-peft-adapter", metavar="DIR",
@@ -91,6 +111,16 @@ def add_arguments(parser) -> None:
                              f"OUTDIR/{ADAPTER_INPUTS_MODEL}, the model that takes them as inputs "
                              "(RunOptions.add_active_adapter)")
     parser.set_defaults(run=run, generation_options=generation)
+
+
+def _steps(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
 
 
 def _seed(text: str) -> int:
@@ -115,6 +145,9 @@ def run(args) -> int:
             raise UsageError(f"{option} {path}: give an .npz or .safetensors file")
         if path is not None and not os.path.isfile(path):
             raise UsageError(f"{option}: no such file: {path}")
+    for option, given in (("--keep-best", args.keep_best), ("--early-stopping", args.early_stopping)):
+        if given and args.val_data is None:
+            raise UsageError(f"{option} compares the validation losses of the epochs: give --val-data")
     comm = distributed.world()  # under mpiexec: data-parallel, rank 0 writing every file and line
     ranks = distributed.size(comm)
     if args.batch_size % ranks:
@@ -138,7 +171,7 @@ def _run(args, comm) -> int:
             run_state.check_examples(_examples(data), args.data, out)
         directory = os.path.join(out, "artifacts")
         if leader and not args.resume:
-            _save_artifacts(artifacts, directory, args.model)
+            _save_artifacts(_scheduled(artifacts, args, run_state.examples), directory, args.model)
         if comm is not None:
             comm.Barrier()
         trainer = Trainer(directory, lr=args.lr, comm=comm)  # as a resumed run will: the same models, read back
@@ -158,12 +191,37 @@ def _run(args, comm) -> int:
         print(f"onnx-autodiff: interrupted after {run_state.batch} of {batches} batches of epoch {run_state.epoch + 1}: "
               f"the run is saved in {checkpoint}; continue it with --resume", file=sys.stderr)
         return INTERRUPTED
-    written = _finish(trainer, run_state, out) + _save_adapters(trainer, args)
+    written = _finish(trainer, run_state, out, args.keep_best) + _save_adapters(trainer, args)
     history = run_state.history
     on = f" on {distributed.size(comm)} ranks" if comm is not None else ""
-    print(f"wrote {', '.join(written)}: {count(args.epochs, 'epoch')}, {count(trainer.step_count, 'step')}{on} "
+    print(f"wrote {', '.join(written)}: {count(len(history), 'epoch')}, {count(trainer.step_count, 'step')}{on} "
           f"({time.perf_counter() - start:.2f} s); loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}")
     return 0
+
+
+def _scheduled(artifacts: TrainingArtifacts, args, examples: int) -> TrainingArtifacts:
+    """``artifacts`` with the run's learning-rate schedule in their manifest (as they are without
+    --lr-schedule and --warmup-steps)."""
+    if args.lr_schedule is None and not args.warmup_steps:
+        return artifacts
+    total = args.epochs * -(-examples // args.batch_size)
+    try:
+        schedule = LRSchedule(args.lr_schedule or "constant", args.warmup_steps, total)
+    except TrainingError as error:
+        raise UsageError(str(error)) from error
+    return dataclasses.replace(artifacts, manifest=dataclasses.replace(artifacts.manifest, lr_schedule=schedule))
+
+
+def _best_epoch(history: list[dict]) -> dict | None:
+    """The first epoch of the lowest validation loss (None: none validated)."""
+    validated = [row for row in history if "val_loss" in row]
+    return min(validated, key=lambda row: row["val_loss"]) if validated else None
+
+
+def _stalled(history: list[dict], patience: int | None) -> bool:
+    """Whether the last ``patience`` epochs brought no lower validation loss."""
+    best = _best_epoch(history)
+    return bool(patience) and best is not None and history[-1]["epoch"] - best["epoch"] >= patience
 
 
 class RunState:
@@ -196,7 +254,7 @@ class RunState:
 
 def _settings(args) -> dict:
     """The options that shape a run (a resumed one must have the same), as JSON reads them back."""
-    names = [*args.generation_options, "batch_size", "seed"]
+    names = [*args.generation_options, "batch_size", "seed", "lr_schedule", "warmup_steps", "keep_best", "early_stopping"]
     return json.loads(json.dumps({name: getattr(args, name) for name in names}))
 
 
@@ -250,7 +308,14 @@ def _resumed(args) -> tuple[TrainingArtifacts, RunState, dict]:
     directory = os.path.join(args.output, "artifacts")
     if not os.path.isfile(os.path.join(directory, "artifacts.json")):
         raise UsageError(f"the run in {args.output} lacks its artifacts ({directory}): it cannot continue; start a new run in another -o")
-    return TrainingArtifacts.load(directory), run_state, state
+    artifacts = TrainingArtifacts.load(directory)
+    schedule = artifacts.manifest.lr_schedule
+    if schedule is not None and schedule.kind != "constant":
+        total = args.epochs * -(-run_state.examples // args.batch_size)
+        if total != schedule.total_steps:
+            raise UsageError(f"the run in {args.output} decays its learning rate over {schedule.total_steps} steps: "
+                             f"resume it with its --epochs, not {args.epochs} ({total} steps)")
+    return artifacts, run_state, state
 
 
 def _flag(name: str, value) -> str:
@@ -400,11 +465,13 @@ def _train(trainer: Trainer, run_state: RunState, data: dict, val: dict | None, 
                 if distributed.any_rank(comm, interrupt.requested):  # every rank stops at the same step
                     save()
                     return False
-            row = {"epoch": run_state.epoch + 1, "loss": run_state.loss_sum / examples}
+            row = {"epoch": run_state.epoch + 1, "loss": run_state.loss_sum / examples, "lr": _last_lr(trainer)}
             if val is not None and leader:
                 row.update(_validation(trainer, val, size))
             run_state.history.append(row)
             run_state.epoch, run_state.batch, run_state.loss_sum = run_state.epoch + 1, 0, 0.0
+            if leader and args.keep_best and _best_epoch(run_state.history) is row:
+                write_file(os.path.join(args.output, BEST_CHECKPOINT), safetensors_writer(trainer.state_dict()))
             save()
             if leader:
                 write_file(os.path.join(args.output, "metrics.csv"), _metrics_csv(run_state.history))
@@ -412,7 +479,21 @@ def _train(trainer: Trainer, run_state: RunState, data: dict, val: dict | None, 
                            file=sys.stdout)
             if distributed.any_rank(comm, interrupt.requested):
                 return run_state.epoch >= args.epochs
+            stalled = distributed.any_rank(comm, leader and _stalled(run_state.history, args.early_stopping))
+            if stalled:
+                if leader:
+                    best = _best_epoch(run_state.history)
+                    print(f"onnx-autodiff: note: stopped after epoch {run_state.epoch}: the validation loss has not "
+                          f"fallen for {count(args.early_stopping, 'epoch')} (lowest {best['val_loss']:.4f}, epoch "
+                          f"{best['epoch']})", file=sys.stderr)
+                return True
     return True
+
+
+def _last_lr(trainer: Trainer) -> float:
+    """The learning rate of the last step taken."""
+    schedule = trainer.manifest.lr_schedule
+    return trainer.lr if schedule is None else trainer.lr * schedule.factor(max(trainer.step_count - 1, 0))
 
 
 def _shown(key: str, value: float) -> str:
@@ -441,7 +522,7 @@ def _validation(trainer: Trainer, val: dict, size: int) -> dict[str, float]:
 
 
 def _metrics_csv(history: list[dict]) -> bytes:
-    columns = ["epoch", "loss", *(c for c in ("val_loss", "val_accuracy") if any(c in row for row in history))]
+    columns = ["epoch", "loss", *(c for c in ("lr", "val_loss", "val_accuracy") if any(c in row for row in history))]
     text = io.StringIO()
     writer = csv.DictWriter(text, columns, lineterminator="\n")  # floats as repr: they read back exactly
     writer.writeheader()
@@ -449,10 +530,16 @@ def _metrics_csv(history: list[dict]) -> bytes:
     return text.getvalue().encode()
 
 
-def _finish(trainer: Trainer, run_state: RunState, out: str) -> list[str]:
-    """Writes the trained model, the metrics and the plot; returns the paths written."""
+def _finish(trainer: Trainer, run_state: RunState, out: str, keep_best: bool = False) -> list[str]:
+    """Writes the trained model (with ``keep_best``, the best epoch's), the metrics and the plot;
+    returns the paths written."""
 
     model = os.path.join(out, "model.onnx")
+    best = _best_epoch(run_state.history) if keep_best else None
+    if best is not None and best is not run_state.history[-1]:
+        trainer.load_state_dict(load_arrays(os.path.join(out, BEST_CHECKPOINT)))
+        print(f"onnx-autodiff: note: {model} is epoch {best['epoch']}'s, of the lowest validation loss "
+              f"({best['val_loss']:.4f})", file=sys.stderr)
     try:
         trainer.export(model)
     except OSError as error:
@@ -463,6 +550,9 @@ def _finish(trainer: Trainer, run_state: RunState, out: str) -> list[str]:
     if plot is not None:
         written.append(os.path.join(out, "loss.png"))
         write_file(written[-1], plot)
+    else:
+        print("onnx-autodiff: note: loss.png is not written: matplotlib is not installed "
+              "(pip install 'onnx-autodiff[examples]' brings it)", file=sys.stderr)
     return written
 
 
