@@ -32,6 +32,25 @@ const ARRAYS = {
   int64: BigInt64Array, uint8: Uint8Array, uint16: Uint16Array, uint32: Uint32Array, uint64: BigUint64Array,
 };
 
+// The execution providers that run some nodes of the default target's models on the CPU, and the
+// target that builds models they run whole (`onnx-autodiff artifacts --target`): onnxruntime-web's
+// WebGPU provider has no LogSoftmax or Sum of the kind the onnxruntime target keeps.
+const PROVIDER_TARGETS = { webgpu: "webgpu" };
+
+/** The one line that says artifacts open on a provider they were not built for, or undefined. */
+export function targetNote(layout, executionProviders = []) {
+  const built = layout.target === undefined ? "onnxruntime" : layout.target; // (artifacts.json leaves out the default)
+  for (const provider of executionProviders) {
+    const name = typeof provider === "string" ? provider : provider?.name;
+    const wanted = PROVIDER_TARGETS[name];
+    if (wanted !== undefined && wanted !== built) {
+      return `trainer.mjs: note: these artifacts were built for target ${JSON.stringify(built)}, not for the ${name} `
+        + `execution provider, which runs some of their nodes on the CPU: generate them with --target ${wanted}`;
+    }
+  }
+  return undefined;
+}
+
 const firstLine = (error) => String(error?.message ?? error).trim().split("\n")[0] || String(error?.name);
 const shapeText = (dims) => `[${dims.map((d) => (typeof d === "number" && d >= 0 ? d : d || "?")).join(", ")}]`;
 
@@ -218,6 +237,8 @@ export class Trainer {
     // errors only: onnxruntime warns once per overridable initializer, which the frozen half-float
     // weights are on purpose (not folded into float copies)
     const sessionOptions = { graphOptimizationLevel: "all", logSeverityLevel: 3, ...options.sessionOptions };
+    const note = targetNote(layout, sessionOptions.executionProviders);
+    if (note) console.warn(note);
     // tensors the build made (a base quantized anew) are saved in the train model's data file, which
     // the other models read too: onnxruntime-web mounts it from these bytes (a model given as bytes
     // has no folder to find it in)

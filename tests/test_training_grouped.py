@@ -4,14 +4,16 @@ every optimiser, clipping, accumulation and a failed step, and the train model i
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import pytest
 from onnx import helper, numpy_helper
 
 from onnx_autodiff.training import Trainer, generate_artifacts
-from onnx_autodiff.training import artifacts as artifacts_module
 from onnx_autodiff.training.optimizers import GROUP_LIMIT, update_groups
+from onnx_autodiff.training.targets import ONNXRUNTIME
 
 OPTIMIZERS = [
     ("sgd", {"lr": 0.05}),
@@ -61,12 +63,11 @@ def nodes(graph: onnx.GraphProto) -> int:
     return sum(1 + sum(nodes(a.g) for a in n.attribute if a.type == onnx.AttributeProto.GRAPH) for n in graph.node)
 
 
-def trained(model, monkeypatch, grouped: bool, optimizer, options, accumulate: bool, max_grad_norm, batches):
-    with monkeypatch.context() as patch:
-        if not grouped:
-            patch.setattr(artifacts_module, "_group_limit", lambda target: None)
-        artifacts = generate_artifacts(model, loss="mse", optimizer=optimizer, optimizer_options=options,
-                                       max_grad_norm=max_grad_norm, gradient_accumulation=accumulate)
+def trained(model, grouped: bool, optimizer, options, accumulate: bool, max_grad_norm, batches):
+    # onnxruntime as a target that updates each parameter apart
+    target = ONNXRUNTIME if grouped else dataclasses.replace(ONNXRUNTIME, grouped_updates=False)
+    artifacts = generate_artifacts(model, loss="mse", optimizer=optimizer, optimizer_options=options,
+                                   max_grad_norm=max_grad_norm, gradient_accumulation=accumulate, target=target)
     trainer = Trainer(artifacts, providers=["CPUExecutionProvider"], nonfinite="skip")
     losses = []
     for batch in batches:
@@ -81,14 +82,14 @@ def trained(model, monkeypatch, grouped: bool, optimizer, options, accumulate: b
 
 @pytest.mark.parametrize("optimizer, options", OPTIMIZERS)
 @pytest.mark.parametrize("accumulate, max_grad_norm", [(False, None), (False, 0.5), (True, 1.0)])
-def test_grouped_update_is_bit_identical_to_one_by_one(monkeypatch, optimizer, options, accumulate, max_grad_norm):
+def test_grouped_update_is_bit_identical_to_one_by_one(optimizer, options, accumulate, max_grad_norm):
     model = blocks()
     rng = np.random.default_rng(1)
     batches = [{"x": rng.standard_normal((4, 8)).astype(np.float32), "labels": rng.standard_normal((4, 8)).astype(np.float32)}
                for _ in range(3)]
     batches.insert(2, {"x": np.full((4, 8), np.nan, np.float32), "labels": batches[0]["labels"]})  # a failed step
-    alone, want_losses, want = trained(model, monkeypatch, False, optimizer, options, accumulate, max_grad_norm, batches)
-    together, losses, got = trained(model, monkeypatch, True, optimizer, options, accumulate, max_grad_norm, batches)
+    alone, want_losses, want = trained(model, False, optimizer, options, accumulate, max_grad_norm, batches)
+    together, losses, got = trained(model, True, optimizer, options, accumulate, max_grad_norm, batches)
     assert nodes(together.train_model.graph) < nodes(alone.train_model.graph)
     squares = [n for n in together.train_model.graph.node if n.op_type == "ReduceSumSquare"]
     groups = len(update_groups([v for v in map(_parameter, together.train_model.graph.input) if v.name in together.params]))
@@ -121,12 +122,12 @@ def test_groups_by_dtype_and_trailing_dims():
     assert update_groups(params, None) == [[i] for i in range(len(params))]
 
 
-def test_grouped_update_of_double_parameters(monkeypatch):
+def test_grouped_update_of_double_parameters():
     model = blocks(count=3, dtype=np.float64)
     rng = np.random.default_rng(2)
     batches = [{"x": rng.standard_normal((4, 8)), "labels": rng.standard_normal((4, 8))} for _ in range(2)]
-    _, want_losses, want = trained(model, monkeypatch, False, "adamw", {"lr": 0.01}, False, 1.0, batches)
-    _, losses, got = trained(model, monkeypatch, True, "adamw", {"lr": 0.01}, False, 1.0, batches)
+    _, want_losses, want = trained(model, False, "adamw", {"lr": 0.01}, False, 1.0, batches)
+    _, losses, got = trained(model, True, "adamw", {"lr": 0.01}, False, 1.0, batches)
     np.testing.assert_array_equal(losses, want_losses)
     for key in want:
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)

@@ -16,8 +16,8 @@ from test_training import batches, bn_dropout_model, mlp
 
 from onnx_autodiff.training.lora import LoraConfig
 from onnx_autodiff.training import Trainer, TrainingError, generate_artifacts
-from onnx_autodiff.training import artifacts as artifacts_module
 from onnx_autodiff.training import runner as runner_module
+from onnx_autodiff.training.generation import frozen_reads
 from onnx_autodiff.training.in_place import in_place_keys
 
 OPTIMIZERS = [
@@ -228,7 +228,7 @@ def test_large_frozen_weights_are_read_in_place_and_held_once(lead, tmp_path, mo
     for small in ("W0", "W2"):  # under the threshold: as torch wrote them
         assert readers(artifacts.eval_model, small) == ["Transpose"]
     with monkeypatch.context() as patch:
-        patch.setattr(artifacts_module, "FROZEN_IN_PLACE", 1 << 40)
+        patch.setattr(frozen_reads, "FROZEN_IN_PLACE", 1 << 40)
         transposed = generate_artifacts(path, **options)
     assert readers(transposed.eval_model, "W1") == ["Transpose"]
     trainer, reference = Trainer(artifacts), Trainer(transposed)
@@ -281,7 +281,7 @@ def test_frozen_bases_of_other_types_become_floats_where_each_node_reads_them(ki
                "lora": LoraConfig(rank=2, quantize_base=kind)}
     artifacts = generate_artifacts(path, **options)
     with monkeypatch.context() as patch:
-        patch.setattr(artifacts_module, "_frozen_bases_read_at_use", lambda model: None)
+        patch.setattr(frozen_reads, "_frozen_bases_read_at_use", lambda model: None)
         as_written = generate_artifacts(path, **options)
     model, read = artifacts.train_model, "Cast" if kind == "float16" else "DequantizeLinear"
     reads = [n for n in model.graph.node if n.op_type == read and n.input[0] in ("W1", *(o for m in model.graph.node
@@ -315,7 +315,7 @@ def test_a_matmulnbits_backwards_unpacking_runs_where_its_layer_is_reached(tmp_p
                "lora": LoraConfig(rank=2, quantize_base="int4", quantize_format="matmulnbits")}
     artifacts = generate_artifacts(path, **options)
     with monkeypatch.context() as patch:
-        patch.setattr(artifacts_module, "_stored_alone_first", lambda graph: None)
+        patch.setattr(frozen_reads, "_stored_alone_first", lambda graph: None)
         as_cleaned = generate_artifacts(path, **options)
     model = artifacts.train_model
     packed = {n.input[1] for n in model.graph.node if n.op_type == "MatMulNBits"}
@@ -362,7 +362,7 @@ def test_a_frozen_4_bit_weight_over_chunk_is_read_in_pieces_along_its_shorter_ax
                "lora": LoraConfig(rank=2, quantize_base=base, quantize_symmetric=form != "asymmetric")}
     whole = generate_artifacts(path, **options)
     with monkeypatch.context() as patch:
-        patch.setattr(artifacts_module, "CHUNK", 100 * 256)  # W1 is 384 x 256 (or 256 x 384): 4 pieces of 64
+        patch.setattr(frozen_reads, "CHUNK", 100 * 256)  # W1 is 384 x 256 (or 256 x 384): 4 pieces of 64
         pieced = generate_artifacts(path, **options)
     read = "Cast" if base == "float16" else "DequantizeLinear"
     axis = "columns" if layout == "torch" else "rows"

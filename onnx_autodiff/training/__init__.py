@@ -3,9 +3,11 @@
 onnxruntime-training is discontinued and the ``ai.onnx.preview.training`` optimisers do not run on
 onnxruntime's inference build, so everything here is built from standard ONNX operators:
 
-- :func:`generate_artifacts` differentiates ``loss(model(inputs), labels)`` with the autodiff pass
-  and appends the optimiser update (SGD with momentum/nesterov/weight decay/dampening, Adam, AdamW,
-  all matching ``torch.optim``), optionally after clipping the gradients by their global norm.
+- :func:`generate_artifacts` (its options an :class:`ArtifactsConfig` or keywords; its steps
+  :mod:`onnx_autodiff.training.generation`) differentiates ``loss(model(inputs), labels)`` with the
+  autodiff pass and appends the optimiser update (SGD with momentum/nesterov/weight
+  decay/dampening, Adam, AdamW, all matching ``torch.optim``), optionally after clipping the
+  gradients by their global norm.
   The **train-step model** has the inputs ``[model inputs, labels, parameters, optimiser state,
   buffers, lr, step]`` and the outputs ``[loss, new parameters, new state, new buffers]``:
   ``lr`` is a float32 scalar, ``step`` the int64 1-based number of the step being taken (Adam's
@@ -29,6 +31,7 @@ onnxruntime's inference build, so everything here is built from standard ONNX op
 from onnx_autodiff.errors import BatchError, TrainingError
 from onnx_autodiff.training.lora import LoraConfig
 from onnx_autodiff.training.artifacts import TrainingArtifacts, generate_artifacts
+from onnx_autodiff.training.generation.config import ArtifactsConfig
 from onnx_autodiff.training.cli import add_arguments, run, run_training_demo
 from onnx_autodiff.training.losses import LOSSES
 from onnx_autodiff.training.manifest import FORMAT_VERSION, Manifest
@@ -42,7 +45,7 @@ from onnx_autodiff.training.optimizers import (
 from onnx_autodiff.training.trainer import Trainer, default_providers
 
 __all__ = [
-    "FORMAT_VERSION", "LOSSES", "Manifest", "OPTIMIZERS", "SGD", "Adam", "AdamW", "BatchError", "LoraConfig", "Trainer", "TrainingArtifacts",
+    "ArtifactsConfig", "FORMAT_VERSION", "LOSSES", "Manifest", "OPTIMIZERS", "SGD", "Adam", "AdamW", "BatchError", "LoraConfig", "Trainer", "TrainingArtifacts",
     "TrainingError", "add_arguments", "default_providers", "generate_artifacts", "make_optimizer", "run",
     "run_training_demo",
 ]

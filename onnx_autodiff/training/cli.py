@@ -14,8 +14,10 @@ from onnx_autodiff.errors import TrainingError, names_summary
 from onnx_autodiff.training.lora import LoraConfig
 from onnx_autodiff.weights.quantized import BLOCK_SIZES, FORMATS, KINDS
 from onnx_autodiff.training.artifacts import TrainingArtifacts, generate_artifacts, quantized_weight_names
+from onnx_autodiff.training.generation.config import ArtifactsConfig
 from onnx_autodiff.training.losses import LOSSES, BuiltinLoss
 from onnx_autodiff.training.optimizers import OPTIMIZERS
+from onnx_autodiff.training.targets import TARGETS
 from onnx_autodiff.training.trainer import Trainer
 
 
@@ -33,7 +35,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--checkpoint-format", choices=["npz", "safetensors"], default="npz",
                         help="checkpoint.npz (default) or checkpoint.safetensors (what the JavaScript trainer reads)")
     parser.add_argument("--check-output", action="store_true", help=CHECK_OUTPUT_HELP)
-    parser.add_argument("--target", choices=["onnxruntime", "webgpu"], default="onnxruntime",
+    parser.add_argument("--target", choices=list(TARGETS), default=ArtifactsConfig.target,
                         help="the runtime the models are lowered for: onnxruntime (default) or webgpu "
                              "(onnxruntime-web's WebGPU provider runs every compute node)")
 
@@ -104,14 +106,15 @@ def artifacts_from_args(args, gradient_accumulation: bool = False, label_shape: 
     ctc = {k: v for k, v in (("blank", args.ctc_blank), ("zero_infinity", args.ctc_zero_infinity or None)) if v is not None}
     if ctc and loss != "ctc":
         raise UsageError("--ctc-blank and --ctc-zero-infinity apply to --loss ctc only")
-    return generate_artifacts(
-        args.model, requires_grad=args.requires_grad, frozen_params=args.frozen,
+    config = ArtifactsConfig(
+        requires_grad=args.requires_grad, frozen_params=args.frozen,
         loss=None if loss == "none" else BuiltinLoss(loss, **ctc) if ctc else loss, optimizer=optimizer,
         optimizer_options=options, labels=None if label_shape is None else [("labels", np.int64, label_shape)],
         output=args.output_name, max_grad_norm=args.max_grad_norm, gradient_accumulation=gradient_accumulation,
-        upgrade_opset=not args.no_upgrade, lora=lora, target=getattr(args, "target", "onnxruntime"),
+        upgrade_opset=not args.no_upgrade, lora=lora, target=getattr(args, "target", ArtifactsConfig.target),
         check_output=getattr(args, "check_output", False),
     )
+    return generate_artifacts(args.model, config)
 
 
 def run(args) -> int:

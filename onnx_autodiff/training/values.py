@@ -1,5 +1,5 @@
-"""Small helpers shared by the training modules: fresh values, dimensions, array files (npz and
-safetensors)."""
+"""Small helpers shared by the training modules: fresh values and initializers, dimensions, array
+files (npz and safetensors)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,14 @@ from onnx_autodiff.toolkit import Namer
 
 def fresh_value(namer: Namer, hint: str, dtype: ir.DataType, shape) -> ir.Value:
     return ir.Value(name=namer.fresh(hint), type=ir.TensorType(dtype), shape=None if shape is None else ir.Shape(shape))
+
+
+def fresh_initializer(graph: ir.Graph, namer: Namer, array: np.ndarray, hint: str) -> ir.Value:
+    """A new initializer of ``graph`` holding ``array``, under a fresh name."""
+    value = ir.Value(name=namer.fresh(hint), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+                     shape=ir.Shape(array.shape), const_value=ir.Tensor(array))
+    graph.register_initializer(value)
+    return value
 
 
 def dim_value(d):

@@ -257,8 +257,12 @@ def webgpu_target_rules() -> list[RewriteRule]:
 TARGETS = {"onnxruntime": onnxruntime_rules, "webgpu": webgpu_target_rules}
 
 
-def lowering_rules(target: str) -> RewriteRuleSet:
-    """The lowering rules of ``target`` (one of :data:`TARGETS`) as an onnxscript RewriteRuleSet."""
+def lowering_rules(target) -> RewriteRuleSet:
+    """The lowering rules of ``target`` as an onnxscript RewriteRuleSet: one of :data:`TARGETS` by
+    name, or an object that carries its own (``target.lowering_rules()``: a training
+    :class:`~onnx_autodiff.training.targets.Target`)."""
+    if not isinstance(target, str):
+        return target.lowering_rules()
     if target not in TARGETS:
         known = ", ".join(repr(name) for name in TARGETS)
         raise ValueError(f"unknown lowering target {target!r}: the known targets are {known} (or None, no lowering)")

@@ -383,15 +383,15 @@ def test_a_shipped_files_head_is_read_in_pieces(tmp_path, monkeypatch):
     those of the same model with the weights dequantized as float initializers and the same
     adapters, and those of the kernels."""
     from onnx_autodiff.training import Trainer, generate_artifacts
-    from onnx_autodiff.training import artifacts as artifacts_module
+    from onnx_autodiff.training.generation import frozen_reads
 
     path, w1, w2 = shipped_file(tmp_path)
     options = {"loss": "mse", "optimizer": "adamw", "optimizer_options": {"lr": 1e-2}}
     lora = {"rank": 4, "targets": ["W1*"]}
     kernel = generate_artifacts(path, **options, lora=LoraConfig(**lora))
     with monkeypatch.context() as patch:
-        patch.setattr(artifacts_module, "CHUNK", 32 * 32)  # pieces of at most 1,024 of the head's 3,072 weights
-        patch.setattr(artifacts_module, "FROZEN_IN_PLACE", 1024)  # (a weight of 32 x 96 floats is not large)
+        patch.setattr(frozen_reads, "CHUNK", 32 * 32)  # pieces of at most 1,024 of the head's 3,072 weights
+        patch.setattr(frozen_reads, "FROZEN_IN_PLACE", 1024)  # (a weight of 32 x 96 floats is not large)
         pieced = generate_artifacts(path, **options, lora=LoraConfig(**lora, quantize_format="dequantizelinear"))
     graph = pieced.train_model.graph
     sizes = {t.name: list(t.dims) for t in graph.initializer}
