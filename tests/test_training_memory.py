@@ -16,7 +16,6 @@ from test_training import batches, bn_dropout_model, mlp
 
 from onnx_autodiff.training.lora import LoraConfig
 from onnx_autodiff.training import Trainer, TrainingError, generate_artifacts
-from onnx_autodiff.training import runner as runner_module
 from onnx_autodiff.training.generation import frozen_reads
 from onnx_autodiff.training.in_place import in_place_keys
 
@@ -41,22 +40,21 @@ def snapshot(trainer: Trainer) -> dict[str, bytes]:
     return {key: value.tobytes() for key, value in trainer.state_dict().items()}
 
 
-def with_spare_buffers(artifacts, monkeypatch) -> Trainer:
-    """A trainer that writes every new value to a spare buffer (none in place)."""
-    with monkeypatch.context() as patch:
-        patch.setattr(runner_module, "in_place_keys", lambda proto, carry: set())
-        trainer = Trainer(artifacts)
-        if artifacts.apply_model is not None:  # runners are made when first used
-            trainer.steps.runner("accumulate"), trainer.steps.runner("apply")
-        return trainer
+def with_spare_buffers(artifacts) -> Trainer:
+    """A trainer that writes every new value to a spare buffer (none in place): the manifest's
+    signatures record no key as written in place."""
+    manifest = artifacts.manifest
+    steps = {kind: dataclasses.replace(manifest.signature(kind), in_place=())
+             for kind in ("train", "accumulate", "apply") if manifest.signature(kind) is not None}
+    return Trainer(dataclasses.replace(artifacts, manifest=dataclasses.replace(manifest, **steps)))
 
 
 @pytest.mark.parametrize("name, options", OPTIMIZERS)
 @pytest.mark.parametrize("max_grad_norm", [None, 0.5])
-def test_in_place_steps_equal_spare_buffer_steps(name, options, max_grad_norm, monkeypatch):
+def test_in_place_steps_equal_spare_buffer_steps(name, options, max_grad_norm):
     artifacts = generate_artifacts(bn_model(), optimizer=name, optimizer_options=options,
                                    max_grad_norm=max_grad_norm, gradient_accumulation=True)
-    in_place, spare = Trainer(artifacts), with_spare_buffers(artifacts, monkeypatch)
+    in_place, spare = Trainer(artifacts), with_spare_buffers(artifacts)
     data = list(batches(6))
     for trainer in (in_place, spare):
         for batch in data[:3]:

@@ -35,6 +35,12 @@ def in_place_keys(proto: onnx.ModelProto, carry: Sequence[tuple[str, str, str]])
     return {key for key, _, out in carry if out in safe}
 
 
+def in_place_order(proto: onnx.ModelProto, carry: Sequence[tuple[str, str, str]]) -> tuple[str, ...]:
+    """:func:`in_place_keys` in ``carry``'s order, as the manifest records them."""
+    found = in_place_keys(proto, carry)
+    return tuple(key for key, _, _ in carry if key in found)
+
+
 def _writable(graph: onnx.GraphProto, writes: Mapping[str, str]) -> set[str]:
     """The new values of ``writes`` (new value's name -> old value's name) that a run of ``graph``
     may write over the old ones (see :func:`in_place_keys`)."""

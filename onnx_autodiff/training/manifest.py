@@ -72,7 +72,10 @@ class Step:
     where ``coefficients`` has the key, that expression of them, computed in float64. ``loss``:
     the loss output (None for the apply model); ``kept``: the boolean output that says whether the
     run's new values are finite (None in artifacts from before the models had it: the trainer
-    then checks the new values itself)."""
+    then checks the new values itself); ``in_place``: the carried keys whose new value the model
+    may write over the old one, in the old one's buffer (the build's analysis,
+    :func:`~onnx_autodiff.training.in_place.in_place_keys`; None where not recorded: the trainer
+    then makes it, or, without ``kept``, writes every new value to a buffer of its own)."""
 
     batch: tuple[str, ...]
     carry: tuple[Carried, ...]
@@ -81,6 +84,7 @@ class Step:
     loss: str | None
     kept: str | None = None
     coefficients: Mapping[str, Expression] = dataclasses.field(default_factory=dict)
+    in_place: tuple[str, ...] | None = None
 
     def to_json(self) -> dict:
         document = {"batch": list(self.batch), "carry": [list(c) for c in self.carry],
@@ -89,6 +93,8 @@ class Step:
             document["kept"] = self.kept
         if self.coefficients:
             document["coefficients"] = dict(self.coefficients)
+        if self.in_place is not None:
+            document["in_place"] = list(self.in_place)
         return document
 
     @classmethod
@@ -96,7 +102,8 @@ class Step:
         return cls(batch=tuple(document["batch"]), carry=tuple(Carried(*c) for c in document["carry"]),
                    reads=tuple(Read(*r) for r in document["reads"]), scalars=dict(document["scalars"]),
                    loss=document["loss"], kept=document.get("kept"),
-                   coefficients=dict(document.get("coefficients", {})))
+                   coefficients=dict(document.get("coefficients", {})),
+                   in_place=None if document.get("in_place") is None else tuple(document["in_place"]))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,7 +32,8 @@ class StepRunner:
         self.flag = signature.kept
         if self.flag:  # the model keeps nothing of a failed step itself: new values may overwrite old ones
             serialised, self.checked = proto.SerializeToString(), []
-            self.in_place = in_place_keys(proto, self.carry)
+            recorded = signature.in_place  # (None in artifacts from before the build recorded it: found here)
+            self.in_place = set(recorded) if recorded is not None else in_place_keys(proto, self.carry)
         else:  # artifacts without that flag: new values go to spare buffers, kept when finite (the new
             # parameters, buffers and accumulators, which a non-finite gradient makes non-finite;
             # ``optimizer_state``, the other carried keys, follows from them)

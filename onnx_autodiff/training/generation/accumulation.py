@@ -13,6 +13,7 @@ from onnx_autodiff.training.generation.finish import finish
 from onnx_autodiff.training.generation.optimizer_step import coefficient_signature, optimizer_step
 from onnx_autodiff.training.generation.outputs import Outputs
 from onnx_autodiff.training.generation.roles import Roles, proto_default_opset
+from onnx_autodiff.training.in_place import in_place_order
 from onnx_autodiff.training.manifest import Read, Step
 from onnx_autodiff.training.optimizers import joined, split_back, step_kept, update_groups, when_kept
 from onnx_autodiff.training.targets import Target
@@ -84,4 +85,5 @@ def apply_model(proto: onnx.ModelProto, roles: Roles, spec, max_grad_norm, state
         loss=None,
         kept=kept_name,
         coefficients=coefficient_signature(spec, update.coefficients),
+        in_place=in_place_order(proto_out, outputs.carry),
     )

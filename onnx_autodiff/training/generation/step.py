@@ -24,6 +24,7 @@ from onnx_autodiff.training.generation.optimizer_step import coefficient_signatu
 from onnx_autodiff.training.generation.outputs import Outputs
 from onnx_autodiff.training.generation.roles import Roles
 from onnx_autodiff.training.generation.training_mode import TrainingModePass
+from onnx_autodiff.training.in_place import in_place_order
 from onnx_autodiff.training.losses import LossSpec
 from onnx_autodiff.training.manifest import Evaluation, Read, Step
 
@@ -132,6 +133,7 @@ def step_model(model: ir.Model, kind: str, roles: Roles, loss_spec: LossSpec, sp
         kept=kept_name,
         # how the runner computes the scalar inputs other than lr and step
         coefficients={**coefficient_signature(spec, coefficients), **{key: DROPOUT_SEEDS[key] for key in found.seeds}},
+        in_place=in_place_order(proto, outputs.carry),
     )
     evaluation = None
     if cut is not None:
