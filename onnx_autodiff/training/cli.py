@@ -17,6 +17,7 @@ from onnx_autodiff.training.artifacts import TrainingArtifacts, generate_artifac
 from onnx_autodiff.training.generation.config import ArtifactsConfig
 from onnx_autodiff.training.losses import LOSSES, BuiltinLoss
 from onnx_autodiff.training.optimizers import OPTIMIZERS
+from onnx_autodiff.training.schedules import SCHEDULES, LRSchedule
 from onnx_autodiff.training.targets import TARGETS
 from onnx_autodiff.training.trainer import Trainer
 
@@ -35,6 +36,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--checkpoint-format", choices=["npz", "safetensors"], default="npz",
                         help="checkpoint.npz (default) or checkpoint.safetensors (what the JavaScript trainer reads)")
     parser.add_argument("--check-output", action="store_true", help=CHECK_OUTPUT_HELP)
+    parser.add_argument("--lr-schedule", choices=SCHEDULES,
+                        help="record a learning-rate schedule for the trainers: constant, or decaying linearly or "
+                             "as a cosine to 0 at --total-steps, after --warmup-steps")
+    parser.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+                        help="raise the learning rate linearly from 0 over the first N steps (default 0)")
+    parser.add_argument("--total-steps", type=int, metavar="N", help="the steps of the whole run (linear and cosine)")
     parser.add_argument("--target", choices=list(TARGETS), default=ArtifactsConfig.target,
                         help="the runtime the models are lowered for: onnxruntime (default) or webgpu "
                              "(onnxruntime-web's WebGPU provider runs every compute node)")
@@ -89,7 +96,8 @@ def add_generation_arguments(parser) -> list[str]:
     return [action.dest for action in actions]
 
 
-def artifacts_from_args(args, gradient_accumulation: bool = False, label_shape: list | None = None) -> TrainingArtifacts:
+def artifacts_from_args(args, gradient_accumulation: bool = False, label_shape: list | None = None,
+                        lr_schedule: LRSchedule | None = None) -> TrainingArtifacts:
     """The artifacts of ``args.model`` with the options of :func:`add_generation_arguments`;
     ``label_shape``: the data's labels' (it decides cross_entropy's class axis where the logits'
     shape does not)."""
@@ -112,9 +120,22 @@ def artifacts_from_args(args, gradient_accumulation: bool = False, label_shape: 
         optimizer_options=options, labels=None if label_shape is None else [("labels", np.int64, label_shape)],
         output=args.output_name, max_grad_norm=args.max_grad_norm, gradient_accumulation=gradient_accumulation,
         upgrade_opset=not args.no_upgrade, lora=lora, target=getattr(args, "target", ArtifactsConfig.target),
-        check_output=getattr(args, "check_output", False),
+        check_output=getattr(args, "check_output", False), lr_schedule=lr_schedule,
     )
     return generate_artifacts(args.model, config)
+
+
+def _schedule(args) -> LRSchedule | None:
+    """The schedule of ``--lr-schedule``, ``--warmup-steps`` and ``--total-steps`` (None: none)."""
+    kind, warmup, total = args.lr_schedule, args.warmup_steps, args.total_steps
+    if kind is None and not warmup and total is None:
+        return None
+    if kind in ("linear", "cosine") and total is None:
+        raise UsageError(f"--lr-schedule {kind} decays to 0 at the run's last step: give --total-steps N")
+    try:
+        return LRSchedule(kind or "constant", warmup, total)
+    except TrainingError as error:
+        raise UsageError(str(error)) from error
 
 
 def run(args) -> int:
@@ -124,7 +145,7 @@ def run(args) -> int:
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise UsageError(f"-o {args.output} is a file: name the directory to write the artifacts to")
     start = time.perf_counter()
-    artifacts = artifacts_from_args(args, args.gradient_accumulation)
+    artifacts = artifacts_from_args(args, args.gradient_accumulation, lr_schedule=_schedule(args))
     try:
         written = artifacts.save(args.output, True if args.external_data else None, args.checkpoint_format)
     except OSError as error:  # each file is written atomically: none is half-written

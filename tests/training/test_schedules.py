@@ -77,3 +77,26 @@ def test_the_trainer_steps_the_manifest_schedule():
     assert rates[0] == 0 and ours.step_count == 6
     for key, value in given.state_dict().items():
         np.testing.assert_array_equal(ours.state_dict()[key], value, err_msg=key)
+
+
+def test_the_artifacts_command_and_the_api_record_a_schedule(tmp_path, capsys):
+    import json
+
+    import onnx
+
+    from onnx_autodiff.cli import main
+    from onnx_autodiff.demo import classifier_model
+    from onnx_autodiff.training import generate_artifacts
+
+    path = tmp_path / "model.onnx"
+    onnx.save(classifier_model(loss=False), path)
+    out = tmp_path / "artifacts"
+    assert main(["artifacts", str(path), "-o", str(out), "--lr-schedule", "cosine", "--warmup-steps", "10",
+                 "--total-steps", "100"]) == 0
+    assert json.loads((out / "artifacts.json").read_text())["lr_schedule"] == {
+        "kind": "cosine", "warmup_steps": 10, "total_steps": 100}
+    assert main(["artifacts", str(path), "-o", str(out), "--lr-schedule", "linear"]) == 2
+    assert "--lr-schedule linear decays to 0 at the run's last step: give --total-steps N" in capsys.readouterr().err
+    schedule = LRSchedule("linear", 0, 7)
+    assert generate_artifacts(path, lr_schedule=schedule).manifest.lr_schedule == schedule
+    assert "lr_schedule" not in generate_artifacts(path).layout

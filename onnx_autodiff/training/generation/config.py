@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 import onnx
 
 from onnx_autodiff.errors import TrainingError
+from onnx_autodiff.training.schedules import LRSchedule
 from onnx_autodiff.training.targets import Target, resolve_target
 
 
@@ -54,6 +55,8 @@ class ArtifactsConfig:
     every compute node, see :mod:`onnx_autodiff.passes.rewrite_rules.webgpu`), None (canonical
     standard forms) or a :class:`~onnx_autodiff.training.targets.Target`. The inference model is
     the input model's, whatever the target.
+    lr_schedule: a :class:`~onnx_autodiff.training.schedules.LRSchedule` the trainers step the
+    learning rate by (recorded in the manifest; default: the optimiser's learning rate throughout).
     check_output: check each generated model with onnx.checker's full check (strict shape inference
     of the whole graph) instead of the structural one (see
     :func:`~onnx_autodiff.modelfile.full_output_check`).
@@ -74,6 +77,7 @@ class ArtifactsConfig:
     lora: object = None
     target: str | Target | None = "onnxruntime"
     check_output: bool = False
+    lr_schedule: LRSchedule | None = None
 
     def __post_init__(self) -> None:
         resolve_target(self.target)  # an unknown target fails here, naming the known ones, before the work

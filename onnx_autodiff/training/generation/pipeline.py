@@ -87,6 +87,7 @@ def build_artifacts(model, config: ArtifactsConfig) -> Built:
         modules=forward.modules,
         constants=forward.constants,
         lora=None if injected is None else LoraRecord(injected.config, injected.config.scale, tuple(injected.adapters)),
+        lr_schedule=config.lr_schedule,
     )
     accumulate = applied = None
     if config.gradient_accumulation:
