@@ -63,6 +63,7 @@ def _writable(graph: onnx.GraphProto, writes: Mapping[str, str]) -> set[str]:
         for name in node.output:
             producer[name] = position
     safe, by_if = set(), {}
+    viewed = _view_edges(graph)
     for out, name in writes.items():
         writer = producer.get(out)
         if writer is None or readers.get(name, 0) & ~ancestors[writer]:
@@ -70,7 +71,7 @@ def _writable(graph: onnx.GraphProto, writes: Mapping[str, str]) -> set[str]:
         node = graph.node[writer]
         if node.op_type in _ELEMENTWISE:
             safe.add(out)
-        elif node.op_type == "Split" and node.domain in ("", "ai.onnx") and not set(node.input) & _views(graph, name):
+        elif node.op_type == "Split" and node.domain in ("", "ai.onnx") and not set(node.input) & _views(viewed, name):
             # a grouped update's (optimizers.split_back, after the If): it reads the group's new
             # value or a copy of its old values (their Concat), never their buffers, which their
             # readers, all ancestors, are done with
@@ -90,12 +91,24 @@ def _writable(graph: onnx.GraphProto, writes: Mapping[str, str]) -> set[str]:
     return safe
 
 
-def _views(graph: onnx.GraphProto, name: str) -> set[str]:
-    """``name`` and the values of ``graph`` that may share its buffer (views of it, transitively)."""
-    found = {name}
+def _view_edges(graph: onnx.GraphProto) -> dict[str, list[str]]:
+    """Value -> the outputs of the nodes of ``graph`` that may be views of it."""
+    edges: dict[str, list[str]] = {}
     for node in graph.node:
-        if node.op_type in _VIEWS and node.input and node.input[0] in found:
-            found.update(node.output)
+        if node.op_type in _VIEWS and node.input:
+            edges.setdefault(node.input[0], []).extend(node.output)
+    return edges
+
+
+def _views(edges: Mapping[str, list[str]], name: str) -> set[str]:
+    """``name`` and the values that may share its buffer (views of it, transitively; ``edges``:
+    :func:`_view_edges`)."""
+    found, pending = {name}, [name]
+    while pending:
+        for view in edges.get(pending.pop(), ()):
+            if view not in found:
+                found.add(view)
+                pending.append(view)
     return found
 
 
