@@ -45,16 +45,17 @@ def _writable(graph: onnx.GraphProto, writes: Mapping[str, str]) -> set[str]:
     """The new values of ``writes`` (new value's name -> old value's name) that a run of ``graph``
     may write over the old ones (see :func:`in_place_keys`)."""
     wanted = set(writes.values())
+    reads = [_reads(node) for node in graph.node]
     index = {}  # a bit per node that reads a carried input
-    for position, node in enumerate(graph.node):
-        for name in _reads(node) & wanted:
-            index.setdefault(position, len(index))
+    for position, names in enumerate(reads):
+        if not names.isdisjoint(wanted):
+            index[position] = len(index)
     readers: dict[str, int] = {}
     producer: dict[str, int] = {}
     ancestors: list[int] = []  # per node: the reader bits of the node and of its ancestors
     for position, node in enumerate(graph.node):
         bits = 0
-        for name in _reads(node):
+        for name in reads[position]:
             if name in producer:
                 bits |= ancestors[producer[name]]
             if name in wanted:
@@ -115,6 +116,9 @@ def _views(edges: Mapping[str, list[str]], name: str) -> set[str]:
 def _reads(node: onnx.NodeProto) -> set[str]:
     """The values ``node`` reads: its inputs and the outer values its subgraphs use."""
     names = set(node.input)
+    if not node.attribute:
+        names.discard("")
+        return names
     for attribute in node.attribute:
         for sub in [attribute.g] if attribute.HasField("g") else attribute.graphs:
             for graph in proto_graphs(sub):
