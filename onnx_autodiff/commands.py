@@ -191,6 +191,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, not {text!r}")
+    return value
+
+
 @contextlib.contextmanager
 def collector_paused():
     """Within: Python's cyclic garbage collector is paused (process-wide; as it was afterwards).

@@ -9,7 +9,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from onnx_autodiff.commands import CHECK_OUTPUT_HELP, NO_UPGRADE_HELP, CommandError, UsageError, note_left_out, read_model_proto
+from onnx_autodiff.commands import (CHECK_OUTPUT_HELP, NO_UPGRADE_HELP, CommandError, UsageError, non_negative_int,
+                                    note_left_out, positive_int, read_model_proto)
 from onnx_autodiff.errors import TrainingError, names_summary
 from onnx_autodiff.training.lora import LoraConfig
 from onnx_autodiff.weights.quantized import BLOCK_SIZES, FORMATS, KINDS
@@ -39,9 +40,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--lr-schedule", choices=SCHEDULES,
                         help="record a learning-rate schedule for the trainers: constant, or decaying linearly or "
                              "as a cosine to 0 at --total-steps, after --warmup-steps")
-    parser.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=0, metavar="N",
                         help="raise the learning rate linearly from 0 over the first N steps (default 0)")
-    parser.add_argument("--total-steps", type=int, metavar="N", help="the steps of the whole run (linear and cosine)")
+    parser.add_argument("--total-steps", type=positive_int, metavar="N", help="the steps of the whole run (linear and cosine)")
     parser.add_argument("--target", choices=list(TARGETS), default=ArtifactsConfig.target,
                         help="the runtime the models are lowered for: onnxruntime (default) or webgpu "
                              "(onnxruntime-web's WebGPU provider runs every compute node)")

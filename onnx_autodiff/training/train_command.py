@@ -32,7 +32,6 @@ PATIENCE epochs without a lower validation loss.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import csv
 import dataclasses
@@ -48,8 +47,8 @@ import types
 import numpy as np
 from onnx import helper
 
-from onnx_autodiff.commands import (CommandError, UsageError, collector_paused, count, note_left_out, positive_int,
-                                    progress_bar, write_file)
+from onnx_autodiff.commands import (CommandError, UsageError, collector_paused, count, non_negative_int, note_left_out,
+                                    positive_int, progress_bar, write_file)
 from onnx_autodiff.errors import TrainingError, names_summary
 from onnx_autodiff.passes import progress
 from onnx_autodiff.training import distributed
@@ -87,12 +86,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--epochs", type=positive_int, default=1, help="epochs to train in all (default 1)")
     parser.add_argument("--batch-size", type=positive_int, default=32,
                         help="examples per step (default 32); the last batch of an epoch holds the remainder")
-    parser.add_argument("--seed", type=_seed, default=0, help="seed of the example order (default 0)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the example order (default 0)")
     parser.add_argument("--val-data", metavar="FILE", help="validation arrays, as --data: loss (and accuracy) per epoch")
     parser.add_argument("--lr-schedule", choices=SCHEDULES,
                         help="the learning rate over the run: constant, or decaying linearly or as a cosine to 0 at "
                              "the run's last step, after --warmup-steps (default: the optimiser's throughout)")
-    parser.add_argument("--warmup-steps", type=_steps, default=0, metavar="N",
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=0, metavar="N",
                         help="raise the learning rate linearly from 0 over the first N steps (default 0)")
     parser.add_argument("--keep-best", action="store_true",
                         help="export the epoch of the lowest validation loss, not the last (needs --val-data)")
@@ -111,26 +110,6 @@ def add_arguments(parser) -> None:
                              f"OUTDIR/{ADAPTER_INPUTS_MODEL}, the model that takes them as inputs "
                              "(RunOptions.add_active_adapter)")
     parser.set_defaults(run=run, generation_options=generation)
-
-
-def _steps(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return value
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, not {text!r}")
-    return value
 
 
 def run(args) -> int:
