@@ -33,6 +33,7 @@ from onnx_autodiff.weights.quantized import (FORMATS, INT4_OPSET, Quantization, 
                                            nbits_read_as_dequantizelinear, requantized, stored_weight)
 from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, shapes
 from onnx_autodiff.toolkit.inference import infer_shapes
+from onnx_autodiff.training.values import fresh_initializer
 
 NORMS = frozenset({"LayerNormalization", "BatchNormalization", "InstanceNormalization", "GroupNormalization",
                    "RMSNormalization"})
@@ -181,9 +182,9 @@ class LoraPass(ir.passes.InPlacePass):
             dtype = site.dtype.numpy()
             bound = 1.0 / np.sqrt(rows)
             stem = (module_names(weight) or [weight.name])[0]  # a folded val_29 is q_proj.weight
-            a = _initializer(graph, namer, f"{stem}.lora_A",
-                             rng.uniform(-bound, bound, (config.rank, rows)).T.astype(dtype))
-            b = _initializer(graph, namer, f"{stem}.lora_B", np.zeros((config.rank, cols), dtype))
+            a = fresh_initializer(graph, namer, rng.uniform(-bound, bound, (config.rank, rows)).T.astype(dtype),
+                                  f"{stem}.lora_A")
+            b = fresh_initializer(graph, namer, np.zeros((config.rank, cols), dtype), f"{stem}.lora_B")
             self.adapters.append(Adapter(weight.name, a.name, b.name, transposed, site.base))
             if site.base != "float":  # a merge replaces the stored form's tensors: they stay tensors
                 first = site.nodes[0] if site.base == "MatMulNBits" else weight.uses()[0][0]
@@ -225,13 +226,6 @@ class LoraPass(ir.passes.InPlacePass):
             if output is y:
                 graph.outputs[i] = total
         graph.insert_after(node, op.nodes[start:])
-
-
-def _initializer(graph: ir.Graph, namer: Namer, hint: str, array: np.ndarray) -> ir.Value:
-    value = ir.Value(name=namer.fresh(hint), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
-                     shape=ir.Shape(array.shape), const_value=ir.Tensor(np.ascontiguousarray(array)))
-    graph.register_initializer(value)
-    return value
 
 
 def _weight_reads(value: ir.Value, graph: ir.Graph) -> list[tuple[ir.Node, bool]] | str:

@@ -24,9 +24,10 @@ def fresh_value(namer: Namer, hint: str, dtype: ir.DataType, shape) -> ir.Value:
 
 
 def fresh_initializer(graph: ir.Graph, namer: Namer, array: np.ndarray, hint: str) -> ir.Value:
-    """A new initializer of ``graph`` holding ``array``, under a fresh name."""
+    """A new initializer of ``graph`` holding ``array`` (in C order: a transposed view is copied),
+    under a fresh name."""
     value = ir.Value(name=namer.fresh(hint), type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
-                     shape=ir.Shape(array.shape), const_value=ir.Tensor(array))
+                     shape=ir.Shape(array.shape), const_value=ir.Tensor(np.asarray(array, order="C")))
     graph.register_initializer(value)
     return value
 
