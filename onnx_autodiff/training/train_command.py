@@ -444,7 +444,8 @@ def _train(trainer: Trainer, run_state: RunState, data: dict, val: dict | None, 
                 if distributed.any_rank(comm, interrupt.requested):  # every rank stops at the same step
                     save()
                     return False
-            row = {"epoch": run_state.epoch + 1, "loss": run_state.loss_sum / examples, "lr": _last_lr(trainer)}
+            last_lr = trainer.learning_rate_after(max(trainer.step_count - 1, 0))  # the epoch's last step's
+            row = {"epoch": run_state.epoch + 1, "loss": run_state.loss_sum / examples, "lr": last_lr}
             if val is not None and leader:
                 row.update(_validation(trainer, val, size))
             run_state.history.append(row)
@@ -468,11 +469,6 @@ def _train(trainer: Trainer, run_state: RunState, data: dict, val: dict | None, 
                 return True
     return True
 
-
-def _last_lr(trainer: Trainer) -> float:
-    """The learning rate of the last step taken."""
-    schedule = trainer.manifest.lr_schedule
-    return trainer.lr if schedule is None else trainer.lr * schedule.factor(max(trainer.step_count - 1, 0))
 
 
 def _shown(key: str, value: float) -> str:

@@ -119,10 +119,14 @@ class Trainer:
 
     @property
     def learning_rate(self) -> float:
-        """The learning rate of the next optimiser step: ``lr``, times the factor of the manifest's
-        ``lr_schedule`` after the steps taken (``step_count``)."""
+        """The learning rate of the next optimiser step (see :meth:`learning_rate_after`)."""
+        return self.learning_rate_after(self.step_count)
+
+    def learning_rate_after(self, steps: int) -> float:
+        """The learning rate of the optimiser step taken after ``steps`` steps: ``lr``, times the
+        factor of the manifest's ``lr_schedule``."""
         schedule = self.manifest.lr_schedule
-        return self.lr if schedule is None else self.lr * schedule.factor(self.step_count)
+        return self.lr if schedule is None else self.lr * schedule.factor(steps)
 
     def step(self, batch, lr: float | None = None) -> float:
         """One optimiser step on ``batch`` at ``lr`` (None: :attr:`learning_rate`); returns the loss
