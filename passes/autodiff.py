@@ -32,6 +32,17 @@ from onnx_autodiff.toolkit.inference import infer_output_types, infer_shapes
 
 DEFAULT_OPSET = 18  # the default-domain version backward nodes use when the model imports none
 
+NO_GRADIENT = "onnx_autodiff.no_gradient"
+"""The key of an onnx-ir value's ``meta`` that :func:`stop_gradient` sets."""
+
+
+def stop_gradient(value: ir.Value) -> ir.Value:
+    """Marks ``value`` (in memory, not in the saved model) as a constant to the differentiation, as
+    torch's ``detach``: no gradient flows back through it, whatever computed it (an observer's range
+    of the values it quantizes)."""
+    value.meta[NO_GRADIENT] = True
+    return value
+
 
 def topological_order(nodes: ir.Graph | ir.Function | Sequence[ir.Node]) -> list[ir.Node]:
     """The nodes in an order where every producer precedes its consumers (stable)."""
@@ -276,7 +287,7 @@ class Backward:
                 found = targets[unit] = self._targets(rule, unit, reached)
                 if not found:
                     continue
-            reached.update(out for out in unit.outputs if may_be_float(out))
+            reached.update(out for out in unit.outputs if may_be_float(out) and not out.meta.get(NO_GRADIENT))
         return reached, rules, targets
 
     def _targets(self, rule: GradRule, node: Unit, reached) -> list[tuple[int | None, ir.Value, str | None]]:

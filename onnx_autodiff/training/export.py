@@ -44,6 +44,13 @@ class Exporter:
         elif lora:
             trained.update(self._merged_bases(lora.weights))
         trained.update(self._copies(trained))
+        if self.manifest.qat is not None:
+            from onnx_autodiff.training.qat_export import frozen_quantization
+
+            proto = frozen_quantization(self._written(proto, trained, None, False))
+            if path is not None:
+                write_atomically(os.fspath(path), proto.SerializeToString(deterministic=True))
+            return proto
         return self._written(proto, trained, path, external_data)
 
     def export_adapter_model(self, path, external_data: bool | None) -> onnx.ModelProto:

@@ -25,6 +25,7 @@ from typing import ClassVar, NamedTuple, Union
 from onnx_autodiff.errors import TrainingError
 from onnx_autodiff.passes.lift import LiftedWeight
 from onnx_autodiff.training.lora import Adapter, LoraConfig
+from onnx_autodiff.training.qat import QatConfig
 from onnx_autodiff.training.schedules import LRSchedule
 from onnx_autodiff.training.optimizers import (
     COEFFICIENT_OPERATORS,
@@ -218,7 +219,8 @@ class Manifest:
     ``modules``: the module parameters of a PyTorch export; ``constants``: the weights lifted from
     Constant nodes, which export writes back into them; ``external_data``: where the models' data
     files are, when saved referencing them; ``lr_schedule``: how the learning rate changes from
-    step to step (None: it stays the optimiser's)."""
+    step to step (None: it stays the optimiser's); ``qat``: the quantization-aware training the models
+fake-quantize by (None: none), whose observers' ranges are among the ``buffers``."""
 
     format: int = dataclasses.field(metadata={"schema": {"enum": [FORMAT_VERSION, SEEDED_FORMAT]}})
     inputs: tuple[str, ...]
@@ -238,6 +240,7 @@ class Manifest:
     lora: LoraRecord | None = None
     external_data: ExternalData | None = None
     lr_schedule: LRSchedule | None = None
+    qat: QatConfig | None = None
 
     def signature(self, kind: str) -> Step | Evaluation | None:
         """The signature of the "train", "eval", "accumulate" or "apply" model (None: no such model)."""
@@ -267,6 +270,8 @@ class Manifest:
             document["external_data"] = self.external_data.to_json()
         if self.lr_schedule is not None:
             document["lr_schedule"] = self.lr_schedule.to_json()
+        if self.qat is not None:
+            document["qat"] = self.qat.to_json()
         return document
 
     @classmethod
@@ -292,7 +297,8 @@ class Manifest:
                        constants=each("constants", LiftedWeight.from_json),
                        lora=optional("lora", LoraRecord.from_json),
                        external_data=optional("external_data", ExternalData.from_json),
-                       lr_schedule=optional("lr_schedule", LRSchedule.from_json))
+                       lr_schedule=optional("lr_schedule", LRSchedule.from_json),
+                       qat=optional("qat", QatConfig.from_json))
         except (KeyError, TypeError, ValueError) as error:
             raise TrainingError(f"{source} is no artifacts.json of format {document['format']} ({type(error).__name__}: "
                                 f"{error}): generate the artifacts again") from error

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 import onnx
 
 from onnx_autodiff.errors import TrainingError
+from onnx_autodiff.training.qat import QatConfig, qat_config
 from onnx_autodiff.training.schedules import LRSchedule
 from onnx_autodiff.training.targets import Target, resolve_target
 
@@ -57,6 +58,10 @@ class ArtifactsConfig:
     the input model's, whatever the target.
     lr_schedule: a :class:`~onnx_autodiff.training.schedules.LRSchedule` the trainers step the
     learning rate by (recorded in the manifest; default: the optimiser's learning rate throughout).
+    qat: quantization-aware training: a scheme ("int8", "int4-weights",
+    "int4-weights-int8-activations") or a :class:`~onnx_autodiff.training.qat.QatConfig`; the
+    models train through fake quantization and ``Trainer.export()`` writes the quantized (QDQ)
+    model (see docs/training.md, "Quantization-aware training").
     check_output: check each generated model with onnx.checker's full check (strict shape inference
     of the whole graph) instead of the structural one (see
     :func:`~onnx_autodiff.modelfile.full_output_check`).
@@ -78,8 +83,13 @@ class ArtifactsConfig:
     target: str | Target | None = "onnxruntime"
     check_output: bool = False
     lr_schedule: LRSchedule | None = None
+    qat: QatConfig | str | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "qat", qat_config(self.qat))
+        if self.qat is not None and self.gradient_accumulation:
+            raise TrainingError("quantization-aware training does not combine with gradient accumulation yet: "
+                                "its observers count the optimiser's steps, which the accumulate model does not take")
         resolve_target(self.target)  # an unknown target fails here, naming the known ones, before the work
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise TrainingError(f"max_grad_norm must be > 0, not {self.max_grad_norm}")

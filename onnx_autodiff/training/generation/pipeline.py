@@ -62,7 +62,7 @@ def build_artifacts(model, config: ArtifactsConfig) -> Built:
             candidate = inferred
         copies = ForwardCopies(model.clone() if _built_again(model, config) else None, candidate, base_dir)
         roles = analyse(candidate, forward.requires_grad, forward.frozen_params, config.freeze_batchnorm,
-                        config.registry, base_dir, model)
+                        config.registry, base_dir, model, forward.quantization)
         return candidate, roles, copies, step_model(model, "train", roles, loss_spec, spec, config)
 
     # The train model's build finds the opset its rules need (converting the forward model where a
@@ -88,6 +88,7 @@ def build_artifacts(model, config: ArtifactsConfig) -> Built:
         constants=forward.constants,
         lora=None if injected is None else LoraRecord(injected.config, injected.config.scale, tuple(injected.adapters)),
         lr_schedule=config.lr_schedule,
+        qat=config.qat,
     )
     accumulate = applied = None
     if config.gradient_accumulation:
@@ -121,7 +122,8 @@ def _built_again(model: ir.Model, config: ArtifactsConfig) -> bool:
     BatchNormalization in training mode, where its statistics are trained)."""
     batchnorm = not config.freeze_batchnorm and any(
         node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") for node in model.graph)
-    return config.gradient_accumulation or not prepared_alike(model, batchnorm, config.runtime)
+    observed = config.qat is not None and config.qat.activations
+    return config.gradient_accumulation or not prepared_alike(model, batchnorm or observed, config.runtime)
 
 
 class ForwardCopies:

@@ -13,16 +13,18 @@ from onnx_autodiff.errors import NotDifferentiableError, TrainingError, Training
 from onnx_autodiff.modelfile import from_proto
 from onnx_autodiff.passes.parameters import default_parameters
 from onnx_autodiff.toolkit import FLOAT_TYPES
+from onnx_autodiff.training.generation.fake_quantize import FakeQuantization
 from onnx_autodiff.weights.quantized import STORED_INPUT
 
 
 @dataclasses.dataclass
 class Roles:
     params: list[str]
-    buffers: list[str]  # BatchNormalization running statistics updated in training mode
+    buffers: list[str]  # BatchNormalization running statistics and fake quantization's observers
     opset: int
     left_out: list[str]  # float initializers the default parameters left out (constants)
     base_dir: str | None = None  # where external tensors are read from
+    quantization: FakeQuantization | None = None  # what quantization-aware training added
 
     @functools.cached_property
     def state(self) -> frozenset[str]:
@@ -39,9 +41,9 @@ def proto_default_opset(proto: onnx.ModelProto) -> int:
 
 
 def analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=None, base_dir=None,
-            model: ir.Model | None = None) -> Roles:
+            model: ir.Model | None = None, quantization: FakeQuantization | None = None) -> Roles:
     """The parameters, buffers and opset of ``proto`` (``model``: it as onnx-ir, when the caller
-    has it, which this leaves as it is)."""
+    has it, which this leaves as it is; ``quantization``: the fake quantization added to it)."""
     graph = proto.graph
     inits = {t.name: t for t in graph.initializer}
     inputs = {v.name for v in graph.input}
@@ -63,6 +65,8 @@ def analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=None
                 f"Dropout node '{node.name}' is at opset {opset}, which has no training mode: "
                 "convert the model to opset >= 12 (onnx.version_converter)", 12)
 
+    observers = quantization.buffers if quantization is not None else []
+
     def check(names, role):
         names = [names] if isinstance(names, str) else list(names or [])
         for name in names:
@@ -76,7 +80,8 @@ def analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=None
     if requires_grad is None:
         default = default_parameters(model if model is not None else from_proto(proto, base_dir), registry)
         left_out = [n for n in default.left_out if n not in stats and n not in frozen]
-        params = [v.name for v in default.parameters if v.name not in frozen and v.name not in stats]
+        params = [v.name for v in default.parameters if v.name not in frozen and v.name not in stats
+                  and v.name not in observers]
     else:
         params = check(requires_grad, "parameter")
         for name in params:
@@ -87,14 +92,17 @@ def analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=None
                 raise TrainingError(f"'{name}' is both a parameter to train and a frozen parameter")
             if name in stats:
                 raise TrainingError(f"'{name}' is a BatchNormalization running statistic: it is updated by the forward pass, not trained")
+            if name in observers:
+                raise TrainingError(f"'{name}' is a fake quantization's observed range: it is updated by the forward pass, not trained")
         if len(set(params)) != len(params):
             raise TrainingError(f"requires_grad names a parameter twice: {params}")
     if not params:
         constants = f"; the default left out {names_summary(left_out)}: name them in requires_grad" if left_out else ""
         raise TrainingError(f"there is no parameter to train: the model has no floating-point initializer left after freezing{constants}")
-    buffers = [] if freeze_batchnorm else [s for s in stats if s not in frozen]
+    buffers = ([] if freeze_batchnorm else [s for s in stats if s not in frozen]) + observers
     left_out += [n for n in quantized_weight_names(proto) if n not in left_out]
-    return Roles(params=params, buffers=buffers, opset=opset, left_out=left_out, base_dir=base_dir)
+    return Roles(params=params, buffers=buffers, opset=opset, left_out=left_out, base_dir=base_dir,
+                 quantization=quantization)
 
 
 def quantized_weight_names(proto: onnx.ModelProto) -> list[str]:

@@ -17,12 +17,16 @@ import onnx_ir as ir
 from onnx_autodiff.errors import TrainingError, UnknownValueError, names_summary
 from onnx_autodiff.modelfile import base_dir_of, from_proto, to_proto
 from onnx_autodiff.passes.lift import LiftedWeight, LiftWeightConstantsPass
-from onnx_autodiff.passes.opsets import OpsetError, convert_in_place
+from onnx_autodiff.passes.opsets import OpsetError, convert_in_place, default_opset
 from onnx_autodiff.toolkit import FLOAT_TYPES, proto_graphs
+from onnx_autodiff.toolkit.inference import infer_shapes
 from onnx_autodiff.training.generation.config import ArtifactsConfig
+from onnx_autodiff.training.generation.fake_quantize import FakeQuantization, FakeQuantizePass
+from onnx_autodiff.training.generation.fold_batchnorm import FoldBatchNormPass
 from onnx_autodiff.training.generation.roles import proto_default_opset
 from onnx_autodiff.training.lora import LoraConfig, LoraPass, adapt, quantize_bases
 from onnx_autodiff.training.manifest import ModuleParameter
+from onnx_autodiff.training.qat import QatConfig
 from onnx_autodiff.training.targets import Target
 from onnx_autodiff.weights.quantized import INT4_OPSET
 from onnx_autodiff.weights.recovery import RecoverParametersPass, is_torch_export
@@ -41,6 +45,7 @@ class Forward:
     modules: tuple[ModuleParameter, ...] | None  # a PyTorch export's module parameters (else None)
     constants: tuple[LiftedWeight, ...] | None  # the weights lifted from Constant nodes, for export
     lora: LoraPass | None  # the adapters added
+    quantization: FakeQuantization | None = None  # the fake quantization added
 
 
 def read_forward(model, config: ArtifactsConfig, target: Target) -> Forward:
@@ -64,10 +69,13 @@ def read_forward(model, config: ArtifactsConfig, target: Target) -> Forward:
         frozen = {frozen_params} if isinstance(frozen_params, str) else set(frozen_params or [])
         adapters = [name for a in injected.adapters for name in (a.A, a.B)]
         requires_grad = list(dict.fromkeys([*adapters, *(n for n in injected.extra if n not in frozen), *extra]))
+    quantization = None
+    if config.qat is not None:
+        quantization = source.fake_quantize(config.qat, config.upgrade_opset)
     proto = source.proto if source.model is None else to_proto(source.model)  # (what onnx's inference reads)
     inference = source.forward if source.inference is None else to_proto(source.inference)
     return Forward(proto, source.model, inference, base_dir, requires_grad, frozen_params, source.modules,
-                   source.constants, injected)
+                   source.constants, injected, quantization)
 
 
 def as_proto(model) -> onnx.ModelProto:
@@ -198,6 +206,31 @@ class Source:
                 self._convert(self.inference, inference_reason)
             quantize_bases(self.inference, lora.quantization, injected.quantized)
         return injected
+
+    def fake_quantize(self, qat: QatConfig, upgrade: bool) -> FakeQuantization:
+        """Folds BatchNormalization into the convolutions before it and adds fake quantization to
+        the model to train (converted to the opset it needs); the inference model is that model in
+        evaluation form (``Trainer.export`` writes it quantized)."""
+        if self.model is None:
+            self.model = from_proto(self.proto, self.base_dir)
+        opset = default_opset(self.model) or 1
+        if opset < qat.opset:
+            reason = f"quantization-aware training ({qat.scheme}) needs opset {qat.opset}"
+            if not upgrade:
+                raise OpsetError(f"{reason}; the model imports opset {opset} (upgrade_opset=False)")
+            convert_in_place(self.model, qat.opset, reason)
+            if self.base_dir:
+                ir.external_data.set_base_dir(self.model.graph, self.base_dir)
+        FoldBatchNormPass()(self.model)
+        infer_shapes(self.model, missing_only=True)  # (which inputs are float activations)
+        inserted = FakeQuantizePass(qat)
+        inserted(self.model)
+        if not inserted.quantized:
+            raise TrainingError(f"quantization-aware training ({qat.scheme}) found no Conv, ConvTranspose, Gemm or "
+                                "MatMul with a float initializer weight to quantize"
+                                + (f" that qat_skip {list(qat.skip)} leaves" if qat.skip else ""))
+        self.inference = self.model.clone()
+        return inserted.added
 
     def _nbits_read_by_default(self, lora, upgrade: bool, target: Target):
         """``lora`` with the kernel chosen for the model's own MatMulNBits where its quantize_format

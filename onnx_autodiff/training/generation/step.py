@@ -20,6 +20,7 @@ from onnx_autodiff.training.generation.evaluation import EvalCut, prepared_alike
 from onnx_autodiff.training.generation.finish import FinishPass, written
 from onnx_autodiff.training.generation.hashed_dropout import DROPOUT_SEEDS, HashedDropoutPass
 from onnx_autodiff.training.generation.loss import AttachLossPass
+from onnx_autodiff.training.generation.observers import ObserversPass
 from onnx_autodiff.training.generation.optimizer_step import coefficient_signature, optimizer_step
 from onnx_autodiff.training.generation.outputs import Outputs
 from onnx_autodiff.training.generation.roles import Roles
@@ -57,6 +58,7 @@ class Backward:
     updates: dict[str, ir.Value]
     seeds: dict[str, ir.Value]
     cut: tuple[list[str], list[str]] | None
+    step: ir.Value | None = None  # the optimiser's step where the forward reads it (observers)
 
 
 def backward(model: ir.Model, kind: str, roles: Roles, loss_spec: LossSpec, config: ArtifactsConfig) -> Backward:
@@ -72,6 +74,10 @@ def backward(model: ir.Model, kind: str, roles: Roles, loss_spec: LossSpec, conf
         seeds = HashedDropoutPass(namer)(model).seeds
     batch = [v for v in graph.inputs if v.name not in roles.state and v not in seeds.values()]
     reads = [v for v in graph.inputs if v.name in roles.state]
+    step = None
+    if roles.quantization is not None:
+        observed = ObserversPass(roles.quantization, namer)(model)
+        updates, step = {**updates, **observed.updates}, observed.step
     same_as_eval = kind == "train" and prepared_alike(model, bool(updates), target)
     attached = AttachLossPass(loss_spec, namer)(model)
     loss, labels, others = attached.loss, attached.labels, attached.others
@@ -82,7 +88,7 @@ def backward(model: ir.Model, kind: str, roles: Roles, loss_spec: LossSpec, conf
         cut = [v.name for v in (*batch, *labels, *reads)], [v.name for v in (loss, *others)]
     DifferentiatePass(loss, labels, roles.params, config.registry)(model)
     cleaned = CleanBackwardPass(target, updates)(model)
-    return Backward(batch, labels, reads, cleaned.loss, cleaned.grads, cleaned.updates, seeds, cut)
+    return Backward(batch, labels, reads, cleaned.loss, cleaned.grads, cleaned.updates, seeds, cut, step)
 
 
 def step_model(model: ir.Model, kind: str, roles: Roles, loss_spec: LossSpec, spec, config: ArtifactsConfig) -> StepModel:
@@ -97,7 +103,8 @@ def step_model(model: ir.Model, kind: str, roles: Roles, loss_spec: LossSpec, sp
     params = [inputs_by_name[p] for p in roles.params]
     loss_out = outputs.add_loss(found.loss)
     if kind == "train":
-        update = optimizer_step(outputs, spec, params, found.grads, config.max_grad_norm, target, loss=found.loss)
+        update = optimizer_step(outputs, spec, params, found.grads, config.max_grad_norm, target, step=found.step,
+                                loss=found.loss)
         kept, carried_inputs, coefficients = update.kept, update.state_inputs, update.coefficients
         state = {p.name: [s.name for s in inputs] for p, inputs in zip(params, update.states)}
         scalars, tail = update.scalars(), [update.lr, update.step, *coefficients.values()]

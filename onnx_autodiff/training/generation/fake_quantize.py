@@ -1,0 +1,190 @@
+"""Fake quantization inserted where the deployed model quantizes (:mod:`~onnx_autodiff.training.qat`),
+in its evaluation form: the weights' ranges measured from the weights, the activations' read from
+their observers' buffers (the train model's :class:`~.observers.ObserversPass` updates them)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import ml_dtypes
+import numpy as np
+import onnx_ir as ir
+
+from onnx_autodiff.passes.opsets import default_opset
+from onnx_autodiff.rules.qdq import RANGES
+from onnx_autodiff.toolkit import FLOAT_TYPES, Namer, OpBuilder, shapes
+from onnx_autodiff.training.qat import QatConfig
+from onnx_autodiff.training.values import fresh_initializer
+
+EPSILON = float(np.finfo(np.float32).eps)  # the smallest scale, as torch's observers take it
+WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+_INTEGERS = {ir.DataType.INT8: np.int8, ir.DataType.UINT8: np.uint8, ir.DataType.INT4: ml_dtypes.int4}
+
+
+@dataclasses.dataclass(frozen=True)
+class Observer:
+    """An activation's observer: the buffers holding its range, and the value it observes."""
+
+    minimum: str
+    maximum: str
+    observed: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeQuantization:
+    """What the fake quantization of a build added: its config, the activations' observers, the
+    values holding a weight's range (which no gradient flows through)."""
+
+    config: QatConfig
+    observers: tuple[Observer, ...]
+    ranges: tuple[str, ...]
+
+    @property
+    def buffers(self) -> list[str]:
+        return [name for o in self.observers for name in (o.minimum, o.maximum)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """How a weight's scale spreads: one per ``axis`` entry, or blocks of ``block`` along ``axis``
+    (the other axis of a 2-D weight being ``channels``)."""
+
+    axis: int
+    block: int = 0
+    channels: int = 0
+
+
+class FakeQuantizePass(ir.passes.InPlacePass):
+    """QuantizeLinear → DequantizeLinear on the weight and (where the scheme says) the first input
+    of each Conv, ConvTranspose, Gemm and MatMul whose weight is a float initializer, unless
+    ``config.skip`` names the node or the weight. The model imports ``config.opset`` or newer.
+    ``observers``: the activations' observers, whose buffers it adds (range [0, 0] until the first
+    step observes one); ``ranges``: the values holding a weight's range; ``quantized``: the nodes' names."""
+
+    def __init__(self, config: QatConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.observers: list[Observer] = []
+        self.ranges: list[str] = []
+        self.quantized: list[str] = []
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph, config = model.graph, self.config
+        namer = Namer.for_graph(graph, prefix="qat")
+        self.op = op = OpBuilder(default_opset(model), namer, dict(model.opset_imports))
+        self.graph, self.namer = graph, namer
+        activations: dict[ir.Value, ir.Value] = {}
+        for node in list(graph):
+            layout = _layout(node, config.weight_bits, config.block_size)
+            weight = node.inputs[1] if layout is not None else None
+            if weight is None or config.skips(node.name, weight.name):
+                continue
+            start = len(op.nodes)
+            node.replace_input_with(1, self._weight(weight, layout, node.name or weight.name))
+            x = node.inputs[0]
+            if config.activations and x is not None and x.dtype in FLOAT_TYPES:
+                if x not in activations:
+                    activations[x] = self._activation(x)
+                node.replace_input_with(0, activations[x])
+            graph.insert_before(node, op.nodes[start:])
+            self.quantized.append(node.name or "")
+        return ir.passes.PassResult(model, modified=bool(self.quantized))
+
+    @property
+    def added(self) -> FakeQuantization:
+        return FakeQuantization(self.config, tuple(self.observers), tuple(self.ranges))
+
+    def _weight(self, weight: ir.Value, layout: _Layout, stem: str) -> ir.Value:
+        op, config = self.op, self.config
+        dtype = ir.DataType.INT4 if config.weight_bits == 4 else ir.DataType.INT8
+        rank = len(weight.shape)
+        if layout.block:
+            w = weight
+            size = weight.shape[layout.axis]
+            blocks = math.ceil(size / layout.block)
+            if blocks * layout.block != size:
+                pads = [0] * (2 * rank)
+                pads[rank + layout.axis] = blocks * layout.block - size
+                w = op.Pad(w, op.const(np.array(pads, np.int64)))
+            split = [layout.channels, blocks, layout.block] if layout.axis == 1 else [blocks, layout.block, layout.channels]
+            w = op.reshape(w, split)
+            axes = [2] if layout.axis == 1 else [1]
+            scale_shape = [layout.channels, blocks] if layout.axis == 1 else [blocks, layout.channels]
+        else:
+            w, axes = weight, [a for a in range(rank) if a != layout.axis]
+            scale_shape = [weight.shape[layout.axis]]
+        if config.symmetric:
+            ranges = [op.reduce("ReduceMax", op.Abs(w), axes, keepdims=False)]
+        else:
+            ranges = [op.reduce("ReduceMin", w, axes, keepdims=False), op.reduce("ReduceMax", w, axes, keepdims=False)]
+        for i, value in enumerate(ranges):
+            value.name = self.namer.fresh(f"{stem}_weight_{'max' if len(ranges) == 1 or i else 'min'}")
+            self.ranges.append(value.name)
+        if config.symmetric:
+            scale, zero = symmetric_qparams(op, ranges[0], dtype, scale_shape)
+        else:
+            scale, zero = affine_qparams(op, *ranges, dtype)
+        attributes = {"axis": layout.axis} | ({"block_size": layout.block} if layout.block else {})
+        return quantized(op, weight, scale, zero, dtype, attributes)
+
+    def _activation(self, x: ir.Value) -> ir.Value:
+        op = self.op
+        dtype = x.dtype.numpy()
+        stem = x.name or "x"
+        minimum = fresh_initializer(self.graph, self.namer, np.array(0, dtype), f"{stem}_observed_min")
+        maximum = fresh_initializer(self.graph, self.namer, np.array(0, dtype), f"{stem}_observed_max")
+        self.observers.append(Observer(minimum.name, maximum.name, x.name))
+        scale, zero = affine_qparams(op, minimum, maximum, ir.DataType.UINT8)
+        return quantized(op, x, scale, zero, ir.DataType.UINT8, {})
+
+
+def quantized(op: OpBuilder, x: ir.Value, scale: ir.Value, zero: ir.Value, dtype: ir.DataType, attributes) -> ir.Value:
+    """``x`` through QuantizeLinear to ``dtype`` and back by DequantizeLinear."""
+    q = op.QuantizeLinear(x, scale, zero, **attributes)
+    q.type = ir.TensorType(dtype)
+    y = op.DequantizeLinear(q, scale, zero, **attributes)
+    y.type, y.shape = x.type, x.shape
+    return y
+
+
+def symmetric_qparams(op: OpBuilder, magnitude: ir.Value, dtype: ir.DataType, shape: list[int]):
+    """The scale and zero point (0, of ``shape``) of a symmetric range ±``magnitude`` in ``dtype``."""
+    qmin, qmax = RANGES[dtype]
+    float_type = (magnitude.dtype or ir.DataType.FLOAT).numpy()
+    scale = op.Max(op.Div(magnitude, op.const(np.array((qmax - qmin) / 2, float_type))),
+                   op.const(np.array(EPSILON, float_type)))
+    return scale, op.const(np.zeros(shape, _INTEGERS[dtype]), dtype=dtype)
+
+
+def affine_qparams(op: OpBuilder, minimum: ir.Value, maximum: ir.Value, dtype: ir.DataType):
+    """The scale and zero point of the range [``minimum``, ``maximum``] (widened to hold 0) in ``dtype``."""
+    qmin, qmax = RANGES[dtype]
+    float_type = minimum.dtype.numpy()
+    zero_f = op.const(np.array(0, float_type))
+    low, high = op.Min(minimum, zero_f), op.Max(maximum, zero_f)
+    scale = op.Max(op.Div(op.Sub(high, low), op.const(np.array(qmax - qmin, float_type))),
+                   op.const(np.array(EPSILON, float_type)))
+    zero = op.clip(op.Sub(op.const(np.array(qmin, float_type)), op.Round(op.Div(low, scale))), qmin, qmax)
+    return scale, op.Cast(zero, to=dtype)
+
+
+def _layout(node: ir.Node, bits: int, block: int) -> _Layout | None:
+    """How ``node``'s weight is fake-quantized, or None where it has no float initializer weight."""
+    if node.op_type not in WEIGHTED or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+        return None
+    weight = node.inputs[1]
+    if weight is None or not weight.is_initializer() or weight.dtype not in FLOAT_TYPES or weight.shape is None:
+        return None
+    shape = list(weight.shape)
+    if not all(isinstance(d, int) for d in shape):
+        return None
+    if node.op_type in ("Conv", "ConvTranspose"):
+        return _Layout(axis=0 if node.op_type == "Conv" else 1) if len(shape) >= 3 else None
+    if len(shape) != 2:
+        return None
+    transposed = node.op_type == "Gemm" and shapes.attr(node, "transB", 0)
+    channel, reduction = (0, 1) if transposed else (1, 0)
+    if bits == 4:
+        return _Layout(axis=reduction, block=block, channels=shape[channel])
+    return _Layout(axis=channel)
