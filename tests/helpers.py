@@ -201,3 +201,34 @@ def numpy_dropout_mask(shape, ratio, step, micro_batch=0, salt=0) -> np.ndarray:
         index = np.arange(int(np.prod(shape)), dtype=np.uint32).reshape(shape)
         drawn = h(h(index + k1) + k2)
     return (drawn >> np.uint32(8)).astype(np.float32) >= np.float32(ratio) * np.float32(2**24)
+
+
+def small_cnn(seed: int = 0) -> onnx.ModelProto:
+    """A classifier of [N, 1, 4, 4] images into 3 classes (logits, no loss): a 3×3 Conv ("conv")
+    with BatchNormalization and Relu, then a Gemm ("fc"); weights conv.weight and fc.weight."""
+    generator = np.random.default_rng(seed)
+    arrays = {
+        "conv.weight": generator.standard_normal((4, 1, 3, 3)) * 0.3, "conv.bias": np.zeros(4),
+        "bn.gamma": np.ones(4), "bn.beta": np.zeros(4), "bn.mean": np.zeros(4), "bn.var": np.ones(4),
+        "fc.weight": generator.standard_normal((3, 64)) * 0.1, "fc.bias": np.zeros(3),
+    }
+    nodes = [
+        helper.make_node("Conv", ["X", "conv.weight", "conv.bias"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+        helper.make_node("BatchNormalization", ["c", "bn.gamma", "bn.beta", "bn.mean", "bn.var"], ["b"], name="bn"),
+        helper.make_node("Relu", ["b"], ["r"], name="relu"),
+        helper.make_node("Flatten", ["r"], ["f"], name="flatten"),
+        helper.make_node("Gemm", ["f", "fc.weight", "fc.bias"], ["logits"], transB=1, name="fc"),
+    ]
+    graph = helper.make_graph(
+        nodes, "small_cnn", [helper.make_tensor_value_info("X", onnx.TensorProto.FLOAT, ["N", 1, 4, 4])],
+        [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["N", 3])],
+        [numpy_helper.from_array(np.asarray(a, np.float32), name) for name, a in arrays.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+def small_cnn_data(examples: int = 24, seed: int = 1) -> dict[str, np.ndarray]:
+    """Images and labels :func:`small_cnn` can learn: each class's images shifted by its index."""
+    generator = np.random.default_rng(seed)
+    labels = generator.integers(0, 3, examples)
+    X = generator.standard_normal((examples, 1, 4, 4)) + labels[:, None, None, None]
+    return {"X": X.astype(np.float32), "labels": labels.astype(np.int64)}

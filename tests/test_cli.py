@@ -272,3 +272,65 @@ def test_artifacts_command_writes_training_files(tmp_path, capsys):
     assert {"checkpoint.npz", "artifacts.json"} <= set(os.listdir(out))
     assert main(["artifacts", str(path), "-o", str(out), "--loss", "nope"]) == 2
     one_line(capsys.readouterr().err)
+
+
+@pytest.fixture
+def cnn_path(tmp_path):
+    from helpers import small_cnn
+
+    path = tmp_path / "cnn.onnx"
+    onnx.save(small_cnn(), str(path))
+    return str(path)
+
+
+def _reads(model: onnx.ModelProto, op_type: str) -> set[str]:
+    return {node.input[0] for node in model.graph.node if node.op_type == op_type}
+
+
+def test_artifacts_qat_records_the_config_and_observes_the_activations(cnn_path, tmp_path, capsys):
+    """--qat int8: artifacts.json's "qat" record, an observer (min and max buffers) per quantized
+    activation, the weights read through QuantizeLinear, BatchNormalization folded."""
+    import json
+
+    out = tmp_path / "qat"
+    assert main(["artifacts", cnn_path, "-o", str(out), "--qat", "int8", "--qat-calibration-steps", "3"]) == 0
+    assert ", QAT int8," in capsys.readouterr().out
+    layout = json.loads((out / "artifacts.json").read_text())
+    assert layout["qat"] == {"scheme": "int8", "calibration_steps": 3, "skip": [], "symmetric": True,
+                             "block_size": 32, "averaging_constant": 0.01}
+    observers = [name for name in layout["buffers"] if name.endswith(("_observed_min", "_observed_max"))]
+    assert sorted(observers) == ["X_observed_max", "X_observed_min", "f_observed_max", "f_observed_min"]
+    train = onnx.load(str(out / "training_model.onnx"))
+    assert {"conv.weight", "fc.weight", "X"} <= _reads(train, "QuantizeLinear")
+    assert "BatchNormalization" not in {node.op_type for node in train.graph.node}
+
+
+def test_artifacts_qat_skip_leaves_a_node_in_float(cnn_path, tmp_path, capsys):
+    import json
+
+    out = tmp_path / "qat"
+    assert main(["artifacts", cnn_path, "-o", str(out), "--qat", "int8", "--qat-skip", "f*", "--qat-asymmetric"]) == 0
+    layout = json.loads((out / "artifacts.json").read_text())
+    assert layout["qat"]["skip"] == ["f*"] and layout["qat"]["symmetric"] is False
+    assert [name for name in layout["buffers"] if "_observed_" in name] == ["X_observed_min", "X_observed_max"]
+    train = onnx.load(str(out / "training_model.onnx"))
+    quantized = _reads(train, "QuantizeLinear")
+    assert "conv.weight" in quantized and "fc.weight" not in quantized and "f" not in quantized
+    gemm = next(node for node in train.graph.node if node.op_type == "Gemm")
+    assert gemm.input[1] == "fc.weight"
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["--qat-skip", "fc"], 2, "--qat-skip needs --qat SCHEME"),
+    (["--qat-calibration-steps", "3", "--qat-asymmetric"], 2,
+     "--qat-calibration-steps and --qat-asymmetric need --qat SCHEME"),
+    (["--qat", "int8", "--gradient-accumulation"], 2, "--qat int8 does not combine with --gradient-accumulation"),
+    (["--qat", "int8", "--qat-calibration-steps", "0"], 2, "must be a positive integer"),
+    (["--qat", "int9"], 2, "invalid choice: 'int9'"),
+    (["--qat", "int8", "--qat-skip", "*"], 1, "found no Conv, ConvTranspose, Gemm or MatMul"),
+])
+def test_artifacts_qat_misuse_is_one_line(cnn_path, tmp_path, capsys, args, code, message):
+    out = tmp_path / "qat"
+    assert main(["artifacts", cnn_path, "-o", str(out), *args]) == code
+    assert message in one_line(capsys.readouterr().err)
+    assert not out.exists()

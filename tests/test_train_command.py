@@ -341,3 +341,43 @@ def test_keep_best_exports_the_epoch_of_the_lowest_validation_loss(files, tmp_pa
     assert "stopped after epoch" in capsys.readouterr().err
     assert main(["train", files["model"], "--data", files["data.npz"], "-o", str(tmp_path / "x"), "--keep-best"]) == 2
     assert "--keep-best compares the validation losses of the epochs: give --val-data" in capsys.readouterr().err
+
+
+def test_qat_run_exports_a_quantized_model_that_onnxruntime_runs(tmp_path, capsys):
+    """train --qat int8: model.onnx is the QDQ model (integer weights read by DequantizeLinear,
+    BatchNormalization folded), computing what the eval model does; the run resumes exactly (the
+    observers' ranges are scalars of the checkpoint)."""
+    from helpers import small_cnn, small_cnn_data
+
+    model, data = tmp_path / "cnn.onnx", small_cnn_data()
+    onnx.save(small_cnn(), model)
+    save(tmp_path / "data.npz", data)
+    out, resumed = tmp_path / "run", tmp_path / "resumed"
+
+    def run(directory, epochs, *extra):
+        return main(["train", str(model), "--data", str(tmp_path / "data.npz"), "-o", str(directory), "--qat", "int8",
+                     "--qat-calibration-steps", "2", "--batch-size", "8", "--lr", "0.01", "--epochs", str(epochs), *extra])
+
+    assert run(out, 2) == 0
+    assert "2 epochs, 6 steps" in capsys.readouterr().out
+    exported = onnx.load(str(out / "model.onnx"))
+    ops = [node.op_type for node in exported.graph.node]
+    assert {"QuantizeLinear", "DequantizeLinear", "Conv", "Gemm"} <= set(ops) and "BatchNormalization" not in ops
+    initializers = {t.name: t for t in exported.graph.initializer}
+    weights = [initializers[node.input[0]] for node in exported.graph.node
+               if node.op_type == "DequantizeLinear" and node.input[0] in initializers]
+    assert sorted(len(w.dims) for w in weights) == [2, 4]  # fc's and conv's
+    assert all(w.data_type == onnx.TensorProto.INT8 for w in weights)
+    trainer = Trainer(str(out / "artifacts"))
+    trainer.load_checkpoint(out / "checkpoint")
+    expected = trainer.evaluate(data)["logits"]
+    plain = ort.SessionOptions()
+    plain.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    for options in (plain, None):  # as written, and with onnxruntime's quantized kernels where it fuses them
+        session = ort.InferenceSession(exported.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        np.testing.assert_allclose(session.run(None, {"X": data["X"]})[0], expected, atol=1e-5 if options else 1e-2)
+    assert run(resumed, 1) == 0 and run(resumed, 2, "--resume") == 0
+    assert (resumed / "model.onnx").read_bytes() == (out / "model.onnx").read_bytes()
+    assert main(["train", str(model), "--data", str(tmp_path / "data.npz"), "-o", str(tmp_path / "y"),
+                 "--qat-asymmetric"]) == 2
+    assert "--qat-asymmetric needs --qat SCHEME" in capsys.readouterr().err

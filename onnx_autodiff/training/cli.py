@@ -13,6 +13,8 @@ from onnx_autodiff.commands import (CHECK_OUTPUT_HELP, NO_UPGRADE_HELP, CommandE
                                     note_left_out, positive_int, read_model_proto)
 from onnx_autodiff.errors import TrainingError, names_summary
 from onnx_autodiff.training.lora import LoraConfig
+from onnx_autodiff.training.qat import SCHEMES as QAT_SCHEMES
+from onnx_autodiff.training.qat import QatConfig
 from onnx_autodiff.weights.quantized import BLOCK_SIZES, FORMATS, KINDS
 from onnx_autodiff.training.artifacts import TrainingArtifacts, generate_artifacts, quantized_weight_names
 from onnx_autodiff.training.generation.config import ArtifactsConfig
@@ -49,7 +51,7 @@ def add_arguments(parser) -> None:
 
 
 def add_generation_arguments(parser) -> list[str]:
-    """The options of :func:`generate_artifacts` (loss, optimiser, parameters, LoRA), shared by the
+    """The options of :func:`generate_artifacts` (loss, optimiser, parameters, LoRA, QAT), shared by the
     ``artifacts`` and ``train`` commands; returns their destinations. Each defaults to None (or
     False), so that a command can tell which were given; :func:`artifacts_from_args` fills in the
     defaults the help names."""
@@ -92,6 +94,18 @@ def add_generation_arguments(parser) -> list[str]:
                             help="int4 block size along the reduction axis (default 32)"),
         parser.add_argument("--quantize-asymmetric", action="store_true",
                             help="unsigned values with a zero point per block/channel (default symmetric)"),
+        parser.add_argument("--qat", choices=list(QAT_SCHEMES),
+                            help="quantization-aware training: train through fake quantization of the Conv, "
+                                 "ConvTranspose, Gemm and MatMul weights (int8 per channel, or int4) and, with int8 "
+                                 "activations, of their inputs; the exported model is the quantized (QDQ) one"),
+        parser.add_argument("--qat-calibration-steps", type=positive_int, metavar="N",
+                            help=f"--qat: the steps the activations' ranges are observed for before they freeze "
+                                 f"(default {QatConfig.calibration_steps})"),
+        parser.add_argument("--qat-skip", nargs="+", metavar="PATTERN",
+                            help="--qat: nodes or weights to keep in float, shell-style patterns on their names, "
+                                 "e.g. '*lm_head*'"),
+        parser.add_argument("--qat-asymmetric", action="store_true",
+                            help="--qat: weights with a zero point per channel or block (default symmetric)"),
         parser.add_argument("--no-upgrade", action="store_true", help=NO_UPGRADE_HELP),
     ]
     return [action.dest for action in actions]
@@ -110,6 +124,7 @@ def artifacts_from_args(args, gradient_accumulation: bool = False, label_shape: 
     if optimizer != "sgd" and ("momentum" in options or args.nesterov):
         raise TrainingError("--momentum and --nesterov apply to --optimizer sgd only")
     lora = _lora_config(args, UsageError)
+    qat = _qat_config(args)
     read_model_proto(args.model)  # checked; read again from the path, which locates its external data
     loss = args.loss or "cross_entropy"
     ctc = {k: v for k, v in (("blank", args.ctc_blank), ("zero_infinity", args.ctc_zero_infinity or None)) if v is not None}
@@ -121,7 +136,7 @@ def artifacts_from_args(args, gradient_accumulation: bool = False, label_shape: 
         optimizer_options=options, labels=None if label_shape is None else [("labels", np.int64, label_shape)],
         output=args.output_name, max_grad_norm=args.max_grad_norm, gradient_accumulation=gradient_accumulation,
         upgrade_opset=not args.no_upgrade, lora=lora, target=getattr(args, "target", ArtifactsConfig.target),
-        check_output=getattr(args, "check_output", False), lr_schedule=lr_schedule,
+        check_output=getattr(args, "check_output", False), lr_schedule=lr_schedule, qat=qat,
     )
     return generate_artifacts(args.model, config)
 
@@ -145,6 +160,9 @@ def run(args) -> int:
 
     if os.path.exists(args.output) and not os.path.isdir(args.output):
         raise UsageError(f"-o {args.output} is a file: name the directory to write the artifacts to")
+    if args.qat is not None and args.gradient_accumulation:
+        raise UsageError(f"--qat {args.qat} does not combine with --gradient-accumulation yet: the observers count "
+                         "the optimiser's steps, which the accumulate model does not take")
     start = time.perf_counter()
     artifacts = artifacts_from_args(args, args.gradient_accumulation, lr_schedule=_schedule(args))
     try:
@@ -157,6 +175,8 @@ def run(args) -> int:
     lora = artifacts.manifest.lora
     count = len(lora.adapters) if lora else 0
     adapted = f", LoRA rank {lora.config.rank} on {count} weight{'s' if count != 1 else ''}" if lora else ""
+    qat = artifacts.manifest.qat
+    adapted += f", QAT {qat.scheme}" if qat else ""
     module = {m.initializer: m.name for m in artifacts.manifest.modules or ()}
     names = [module.get(p, p) for p in artifacts.params]  # a folded val_29 shown as q_proj.weight
     print(
@@ -186,6 +206,22 @@ def _lora_config(args, usage_error) -> LoraConfig | None:
                           quantize_block=args.quantize_block or 32, quantize_symmetric=not args.quantize_asymmetric)
     except TrainingError as error:
         raise usage_error(str(error)) from error
+
+
+def _qat_config(args) -> QatConfig | None:
+    """The QAT options as a QatConfig (None without --qat); --qat-* without --qat is a usage error."""
+    given = [flag for flag, value in (("--qat-calibration-steps", args.qat_calibration_steps),
+                                      ("--qat-skip", args.qat_skip),
+                                      ("--qat-asymmetric", args.qat_asymmetric or None)) if value is not None]
+    if args.qat is None:
+        if given:
+            raise UsageError(f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} --qat SCHEME")
+        return None
+    options = {"calibration_steps": args.qat_calibration_steps} if args.qat_calibration_steps is not None else {}
+    try:
+        return QatConfig(args.qat, skip=tuple(args.qat_skip or ()), symmetric=not args.qat_asymmetric, **options)
+    except TrainingError as error:
+        raise UsageError(str(error)) from error
 
 
 def run_training_demo(steps: int = 150, out=print) -> int:

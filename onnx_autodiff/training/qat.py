@@ -13,9 +13,10 @@ straight-through estimator (:mod:`rules.qdq`):
   ``MovingAverageMinMaxObserver`` keeps it (the first batch's taken as it is), during the first
   ``calibration_steps`` optimiser steps; then frozen.
 
-The scale and zero point follow torch's observers: the range is widened to hold 0; symmetric,
-scale = max(|min|, |max|) / ((qmax − qmin) / 2); asymmetric, scale = (max − min) / (qmax − qmin)
-and zero point = clip(qmin − round(min / scale)); both at least float32's epsilon. No gradient
+The scale and zero point follow torch's observers: the range is widened to hold 0; symmetric (on
+the restricted range ±qmax: ±127, ±7, as onnxruntime's quantizer takes symmetric weights and
+torch's ``quant_min=-127``), scale = max(|min|, |max|) / qmax; asymmetric, scale = (max − min) /
+(qmax − qmin) and zero point = clip(qmin − round(min / scale)); both at least float32's epsilon. No gradient
 flows through a range (torch's observers run without one).
 
 BatchNormalization after a convolution is folded into it first, with its running statistics, as

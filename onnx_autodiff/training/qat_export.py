@@ -4,6 +4,7 @@ onnxruntime runs with its quantized kernels."""
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnx import numpy_helper
 from onnx.reference import ReferenceEvaluator
@@ -48,4 +49,48 @@ def frozen_quantization(proto: onnx.ModelProto) -> onnx.ModelProto:
     kept_info = [v for v in frozen.graph.value_info if v.name not in stale]
     del frozen.graph.value_info[:]
     frozen.graph.value_info.extend(kept_info)
+    _blocked_gemms_as_matmuls(frozen.graph)
     return frozen
+
+
+def _blocked_gemms_as_matmuls(graph: onnx.GraphProto) -> None:
+    """Each Gemm (transB=1, transA=0, alpha = beta = 1) whose weight a DequantizeLinear reads in
+    blocks along its reduction axis becomes a MatMul by the transposed weight (blocks along axis 0)
+    and an Add of its bias: the form onnxruntime fuses into MatMulNBits."""
+    producers = {out: node for node in graph.node for out in node.output}
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    inits = {t.name: t for t in graph.initializer}
+    nodes, transposed = [], set()
+    for node in graph.node:
+        read = producers.get(node.input[1]) if node.op_type == "Gemm" and len(node.input) > 1 else None
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if read is None or read.op_type != "DequantizeLinear" or readers[node.input[1]] != 1 or attrs.get("transB") != 1 \
+                or attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
+            nodes.append(node)
+            continue
+        read_attrs = {a.name: onnx.helper.get_attribute_value(a) for a in read.attribute}
+        stored = [name for name in read.input if name]
+        if not read_attrs.get("block_size") or read_attrs.get("axis") != 1 or \
+                any(name not in inits or readers[name] != 1 for name in stored):
+            nodes.append(node)
+            continue
+        for name in stored:
+            inits[name].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(inits[name]).T), name))
+        for attribute in read.attribute:
+            if attribute.name == "axis":
+                attribute.i = 0
+        transposed.add(read.output[0])
+        if len(node.input) > 2 and node.input[2]:
+            product = f"{node.output[0]}_product"
+            nodes.append(onnx.helper.make_node("MatMul", [node.input[0], node.input[1]], [product], name=f"{node.name}_matmul"))
+            nodes.append(onnx.helper.make_node("Add", [product, node.input[2]], list(node.output), name=node.name))
+        else:
+            nodes.append(onnx.helper.make_node("MatMul", [node.input[0], node.input[1]], list(node.output), name=node.name))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    info = [v for v in graph.value_info if v.name not in transposed]  # (their shapes are the stored ones')
+    del graph.value_info[:]
+    graph.value_info.extend(info)

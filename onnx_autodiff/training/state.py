@@ -66,7 +66,7 @@ class TrainingState:
         """``array`` as ``key``'s current value (``owned``: a fresh array the state may keep)."""
         from onnxruntime import OrtValue
 
-        array = np.ascontiguousarray(array)
+        array = np.asarray(array, order="C")  # (np.ascontiguousarray makes a scalar 1-D: an observer's range)
         pair = self._pairs.get(key)
         if pair is not None:
             current = pair[self._current[key]]

@@ -129,6 +129,9 @@ def run(args) -> int:
             raise UsageError(f"{option} compares the validation losses of the epochs: give --val-data")
     comm = distributed.world()  # under mpiexec: data-parallel, rank 0 writing every file and line
     ranks = distributed.size(comm)
+    if comm is not None and args.qat is not None:
+        raise UsageError(f"--qat {args.qat} does not combine with data-parallel training (mpiexec) yet: its "
+                         "gradient accumulation's models do not count the optimiser's steps the observers read")
     if args.batch_size % ranks:
         raise UsageError(f"--batch-size {args.batch_size} is the global batch: it must divide among the {ranks} "
                          f"ranks (give a multiple of {ranks})")

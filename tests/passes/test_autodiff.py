@@ -859,3 +859,23 @@ def test_an_if_whose_condition_is_known_has_the_types_of_the_branch_it_takes():
     assert_gradients(model, feeds, ["x3", "W"])
     out, _ = differentiate(model, of="y", wrt=["x3", "W"])
     assert not {"Einsum", "Shape"} & {n.op_type for n in out.graph.node}
+
+
+def test_stop_gradient_blocks_the_flow_through_a_value():
+    # y = sum(x · stop(x)): dy/dx = stop(x), not 2x (torch's x * x.detach())
+    from onnx_autodiff.passes.autodiff import stop_gradient
+
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([3]))
+    held = ir.node("Identity", [x])
+    product = ir.node("Mul", [x, held.outputs[0]])
+    total = ir.node("ReduceSum", [product.outputs[0]], attributes={"keepdims": 0})
+    total.outputs[0].name = "y"
+    graph = ir.Graph([x], [total.outputs[0]], nodes=[held, product, total], opset_imports={"": 18})
+    stop_gradient(held.outputs[0])
+    model = ir.Model(graph, ir_version=10)
+    autodiff_pass(of="y", wrt=["x"])(model)
+    proto = ir.serde.serialize_model(model)
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    value = np.array([1.0, -2.0, 3.0], np.float32)
+    outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": value})))
+    np.testing.assert_allclose(outputs[[n for n in outputs if n != "y"][0]], value)

@@ -82,10 +82,10 @@ class FakeQuantizePass(ir.passes.InPlacePass):
                 continue
             start = len(op.nodes)
             node.replace_input_with(1, self._weight(weight, layout, node.name or weight.name))
-            x = node.inputs[0]
-            if config.activations and x is not None and x.dtype in FLOAT_TYPES:
+            x = node.inputs[0]  # (of the weight's type: these ops read one float type)
+            if config.activations and x is not None:
                 if x not in activations:
-                    activations[x] = self._activation(x)
+                    activations[x] = self._activation(x, weight.dtype)
                 node.replace_input_with(0, activations[x])
             graph.insert_before(node, op.nodes[start:])
             self.quantized.append(node.name or "")
@@ -128,9 +128,9 @@ class FakeQuantizePass(ir.passes.InPlacePass):
         attributes = {"axis": layout.axis} | ({"block_size": layout.block} if layout.block else {})
         return quantized(op, weight, scale, zero, dtype, attributes)
 
-    def _activation(self, x: ir.Value) -> ir.Value:
+    def _activation(self, x: ir.Value, float_type: ir.DataType) -> ir.Value:
         op = self.op
-        dtype = x.dtype.numpy()
+        dtype = float_type.numpy()
         stem = x.name or "x"
         minimum = fresh_initializer(self.graph, self.namer, np.array(0, dtype), f"{stem}_observed_min")
         maximum = fresh_initializer(self.graph, self.namer, np.array(0, dtype), f"{stem}_observed_max")
@@ -149,11 +149,12 @@ def quantized(op: OpBuilder, x: ir.Value, scale: ir.Value, zero: ir.Value, dtype
 
 
 def symmetric_qparams(op: OpBuilder, magnitude: ir.Value, dtype: ir.DataType, shape: list[int]):
-    """The scale and zero point (0, of ``shape``) of a symmetric range ±``magnitude`` in ``dtype``."""
-    qmin, qmax = RANGES[dtype]
+    """The scale and zero point (0, of ``shape``) of a symmetric range ±``magnitude`` in ``dtype``,
+    on the restricted range ±qmax (±127, ±7) as onnxruntime's quantizer takes symmetric weights:
+    the range's ends fall on integers, no rounding tie (±127.5 on [−128, 127]) clips them."""
+    qmax = RANGES[dtype][1]
     float_type = (magnitude.dtype or ir.DataType.FLOAT).numpy()
-    scale = op.Max(op.Div(magnitude, op.const(np.array((qmax - qmin) / 2, float_type))),
-                   op.const(np.array(EPSILON, float_type)))
+    scale = op.Max(op.Div(magnitude, op.const(np.array(qmax, float_type))), op.const(np.array(EPSILON, float_type)))
     return scale, op.const(np.zeros(shape, _INTEGERS[dtype]), dtype=dtype)
 
 

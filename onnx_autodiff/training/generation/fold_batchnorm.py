@@ -45,13 +45,11 @@ class FoldBatchNormPass(ir.passes.InPlacePass):
             _set(graph, namer, conv, 2, folded_b, old_bias.name if old_bias is not None else f"{conv.name or 'conv'}.bias")
             y, out = norm.outputs[0], conv.outputs[0]
             name = y.name
-            y.replace_all_uses_with(out)
-            for i, output in enumerate(graph.outputs):
-                if output is y:
-                    graph.outputs[i] = out
+            y.replace_all_uses_with(out, replace_graph_outputs=True)
+            statistics = list(norm.inputs[1:])
             graph.remove(norm, safe=True)
             out.name = name  # the model's value names stay (the folded convolution's output is the norm's)
-            for value in norm.inputs[1:]:
+            for value in statistics:
                 if value is not None and value.is_initializer() and not value.uses():
                     graph.initializers.pop(value.name)
             self.folded.append(norm.name or "")

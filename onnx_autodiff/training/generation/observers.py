@@ -56,7 +56,7 @@ class ObserversPass(ir.passes.InPlacePass):
             readers = [list(old.uses()) for old in olds]
             earliest = min((user for uses in readers for user, _ in uses), key=position.__getitem__)
             start = len(op.nodes)
-            constant = op.const(np.array(config.averaging_constant, x.dtype.numpy()))
+            constant = op.const(np.array(config.averaging_constant, olds[0].dtype.numpy()))
             news = []
             for old, reduce in zip(olds, ("ReduceMin", "ReduceMax")):
                 seen = stop_gradient(op.reduce(reduce, x, None, keepdims=False))

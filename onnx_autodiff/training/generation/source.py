@@ -19,7 +19,6 @@ from onnx_autodiff.modelfile import base_dir_of, from_proto, to_proto
 from onnx_autodiff.passes.lift import LiftedWeight, LiftWeightConstantsPass
 from onnx_autodiff.passes.opsets import OpsetError, convert_in_place, default_opset
 from onnx_autodiff.toolkit import FLOAT_TYPES, proto_graphs
-from onnx_autodiff.toolkit.inference import infer_shapes
 from onnx_autodiff.training.generation.config import ArtifactsConfig
 from onnx_autodiff.training.generation.fake_quantize import FakeQuantization, FakeQuantizePass
 from onnx_autodiff.training.generation.fold_batchnorm import FoldBatchNormPass
@@ -222,7 +221,6 @@ class Source:
             if self.base_dir:
                 ir.external_data.set_base_dir(self.model.graph, self.base_dir)
         FoldBatchNormPass()(self.model)
-        infer_shapes(self.model, missing_only=True)  # (which inputs are float activations)
         inserted = FakeQuantizePass(qat)
         inserted(self.model)
         if not inserted.quantized:

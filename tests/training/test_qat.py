@@ -1,0 +1,165 @@
+"""Quantization-aware training end to end: steps equal torch.ao.quantization's FakeQuantize with the
+same observers, the exported QDQ model runs on onnxruntime's quantized kernels and agrees with the
+eval model."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnx_autodiff.errors import TrainingError
+from onnx_autodiff.training import Trainer, generate_artifacts
+from onnx_autodiff.training.qat import QatConfig
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+quantization = pytest.importorskip("torch.ao.quantization")
+
+
+class Net:
+    """conv 1→4 (3×3, pad 1), ReLU, conv 4→6 (3×3), ReLU, flatten, linear 96→5: in torch and as ONNX
+    (opset 17, dynamic batch), the same weights."""
+
+    def __init__(self, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.conv1, self.conv2 = torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.Conv2d(4, 6, 3)
+        self.fc = torch.nn.Linear(6 * 4 * 4, 5)
+        self.params = {"c1.w": self.conv1.weight, "c1.b": self.conv1.bias, "c2.w": self.conv2.weight,
+                       "c2.b": self.conv2.bias, "fc.w": self.fc.weight, "fc.b": self.fc.bias}
+
+    def onnx(self) -> onnx.ModelProto:
+        inits = [numpy_helper.from_array(p.detach().numpy().copy(), n) for n, p in self.params.items()]
+        nodes = [helper.make_node("Conv", ["x", "c1.w", "c1.b"], ["y1"], pads=[1, 1, 1, 1], name="conv1"),
+                 helper.make_node("Relu", ["y1"], ["r1"]),
+                 helper.make_node("Conv", ["r1", "c2.w", "c2.b"], ["y2"], name="conv2"),
+                 helper.make_node("Relu", ["y2"], ["r2"]), helper.make_node("Flatten", ["r2"], ["f"]),
+                 helper.make_node("Gemm", ["f", "fc.w", "fc.b"], ["logits"], transB=1, name="fc")]
+        graph = helper.make_graph(nodes, "net", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 1, 6, 6])],
+                                  [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 5])], inits)
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def activation_fake_quant():
+    return quantization.FakeQuantize(observer=quantization.MovingAverageMinMaxObserver, quant_min=0, quant_max=255,
+                                     dtype=torch.quint8, qscheme=torch.per_tensor_affine, averaging_constant=0.01)
+
+
+def weight_fake_quant(bits: int):
+    # the weights' range of each step: torch's per-channel observer with averaging constant 1
+    qmax = 2 ** (bits - 1) - 1
+    return quantization.FakeQuantize(observer=quantization.MovingAveragePerChannelMinMaxObserver, quant_min=-qmax,
+                                     quant_max=qmax, dtype=torch.qint8, qscheme=torch.per_channel_symmetric,
+                                     averaging_constant=1.0, ch_axis=0)
+
+
+def batches(count: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        yield (2 * rng.standard_normal((8, 1, 6, 6))).astype(np.float32), rng.integers(0, 5, 8)
+
+
+@pytest.mark.parametrize("scheme, skip", [("int8", ()), ("int4-weights", ("fc",)),
+                                          ("int4-weights-int8-activations", ("fc",))])
+def test_steps_equal_torch_fake_quantize_with_the_same_observers(scheme, skip):
+    net, calibration = Net(), 2
+    qat = QatConfig(scheme, calibration_steps=calibration, skip=skip)
+    acts = [activation_fake_quant() for _ in range(3)] if qat.activations else None
+    weights = [weight_fake_quant(qat.weight_bits) for _ in range(3)]
+    quantized_fc = "fc" not in skip
+
+    def forward(x):
+        act = (lambda i, v: acts[i](v)) if acts else (lambda i, v: v)
+        y = F.relu(F.conv2d(act(0, x), weights[0](net.conv1.weight), net.conv1.bias, padding=1))
+        y = F.relu(F.conv2d(act(1, y), weights[1](net.conv2.weight), net.conv2.bias)).flatten(1)
+        if quantized_fc:
+            return F.linear(act(2, y), weights[2](net.fc.weight), net.fc.bias)
+        return F.linear(y, net.fc.weight, net.fc.bias)
+
+    trainer = Trainer(generate_artifacts(net.onnx(), qat=qat, optimizer="sgd", optimizer_options={"lr": 0.1}))
+    optimizer = torch.optim.SGD(list(net.params.values()), lr=0.1)
+    for step, (x, labels) in enumerate(batches(5), start=1):
+        if step == calibration + 1:
+            for fake_quant in acts or ():
+                fake_quant.disable_observer()
+        loss = trainer.step({"x": x, "labels": labels})
+        optimizer.zero_grad()
+        expected = F.cross_entropy(forward(torch.from_numpy(x)), torch.from_numpy(labels))
+        expected.backward()
+        optimizer.step()
+        if acts and not quantized_fc:
+            assert "f_observed_min" not in trainer.state_dict()
+        assert loss == pytest.approx(expected.item(), rel=1e-5, abs=1e-6)
+        state = trainer.state_dict()
+        for name, p in net.params.items():
+            np.testing.assert_allclose(state[name], p.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=f"{name} at step {step}")
+        for fake_quant, observed in zip(acts or (), ["x", "r1", "f"][: 3 if quantized_fc else 2]):
+            observer = fake_quant.activation_post_process
+            np.testing.assert_allclose(state[f"{observed}_observed_min"].reshape(()), observer.min_val.item(), rtol=1e-6)
+            np.testing.assert_allclose(state[f"{observed}_observed_max"].reshape(()), observer.max_val.item(), rtol=1e-6)
+
+
+def optimized_ops(path) -> set[str]:
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(path) + ".optimized.onnx"
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return {node.op_type for node in onnx.load(options.optimized_model_filepath).graph.node}
+
+
+@pytest.mark.parametrize("scheme, kernel", [("int8", "QLinearConv"), ("int4-weights", "MatMulNBits")])
+def test_export_runs_on_quantized_kernels_and_agrees_with_the_eval_model(tmp_path, scheme, kernel):
+    trainer = Trainer(generate_artifacts(Net().onnx(), qat=QatConfig(scheme, calibration_steps=2), optimizer="sgd",
+                                         optimizer_options={"lr": 0.05}))
+    for x, labels in batches(4):
+        trainer.step({"x": x, "labels": labels})
+    path = tmp_path / "quantized.onnx"
+    exported = trainer.export(path)
+    onnx.checker.check_model(exported, full_check=True)
+    integers = {t.name for t in exported.graph.initializer if t.data_type in (TensorProto.INT8, TensorProto.INT4)}
+    assert integers and all(n.op_type != "QuantizeLinear" for n in exported.graph.node if n.input[0] in integers)
+    assert kernel in optimized_ops(path)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for size in (1, 7):  # the forward's dynamic batch
+        x = np.random.default_rng(size).standard_normal((size, 1, 6, 6)).astype(np.float32)
+        expected = trainer.evaluate({"x": x, "labels": np.zeros(size, np.int64)})["logits"]
+        (got,) = session.run(None, {"x": x})
+        # the kernels' own accumulation order: within a fraction of one output quantization step
+        np.testing.assert_allclose(got, expected, atol=0.02)
+    with pytest.raises(AssertionError):  # (the check can fail: the float model's output is another)
+        float_out = ort.InferenceSession(Net().onnx().SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+        np.testing.assert_allclose(got, float_out, atol=1e-4)
+
+
+def test_batchnorm_is_folded_into_the_conv_before_its_weight_is_quantized():
+    net = Net().onnx()
+    rng = np.random.default_rng(3)
+    norm = [numpy_helper.from_array(a.astype(np.float32), n) for n, a in [
+        ("bn.scale", rng.uniform(0.5, 1.5, 4)), ("bn.bias", rng.normal(0, 0.1, 4)),
+        ("bn.mean", rng.normal(0, 0.1, 4)), ("bn.var", rng.uniform(0.5, 1.5, 4))]]
+    graph = net.graph
+    graph.initializer.extend(norm)
+    graph.node[1].input[0] = "n1"
+    graph.node.insert(1, helper.make_node("BatchNormalization", ["y1", "bn.scale", "bn.bias", "bn.mean", "bn.var"], ["n1"]))
+    artifacts = generate_artifacts(net, qat="int8")
+    assert not {"bn.scale", "bn.bias", "bn.mean", "bn.var"} & set(artifacts.manifest.params + artifacts.manifest.buffers)
+    assert all(n.op_type != "BatchNormalization" for n in artifacts.train_model.graph.node)
+
+
+def test_builds_are_byte_identical_and_pass_the_full_check():
+    first = generate_artifacts(Net().onnx(), qat="int4-weights-int8-activations", check_output=True)
+    second = generate_artifacts(Net().onnx(), qat="int4-weights-int8-activations", check_output=True)
+    for name in ("train_model", "eval_model"):
+        assert getattr(first, name).SerializeToString(deterministic=True) == getattr(second, name).SerializeToString(deterministic=True)
+    assert first.manifest.to_json()["qat"]["scheme"] == "int4-weights-int8-activations"
+
+
+def test_refusals_say_why():
+    with pytest.raises(TrainingError, match="gradient accumulation"):
+        generate_artifacts(Net().onnx(), qat="int8", gradient_accumulation=True)
+    with pytest.raises(TrainingError, match="no Conv, ConvTranspose, Gemm or MatMul"):
+        generate_artifacts(Net().onnx(), qat=QatConfig("int8", skip=("conv*", "fc")))
+    with pytest.raises(TrainingError, match="qat must be one of"):
+        generate_artifacts(Net().onnx(), qat="int3")
