@@ -38,7 +38,7 @@ class Exporter:
         proto = onnx.ModelProto()
         proto.CopyFrom(self.artifacts.inference_model)
         trained = self._trained()
-        lora = self.manifest.lora
+        lora = self.manifest.lora if self.manifest.qat is None else None  # (QAT's model merges them itself)
         if lora and not merge:
             proto = unmerged(self._bases_lifted(proto), lora.config, lora.adapters)
         elif lora:

@@ -147,9 +147,10 @@ class _Site:
 class LoraPass(ir.passes.InPlacePass):
     """Adds a LoRA adapter (A random, B zeros) to every target weight that ``config.targets`` selects."""
 
-    def __init__(self, config: LoraConfig, trained: Sequence[str] = ()) -> None:
+    def __init__(self, config: LoraConfig, trained: Sequence[str] = (), merged: bool = False) -> None:
         super().__init__()
         self.config = config
+        self.merged = merged  # W + scale·A·B read in W's place (what quantization-aware training quantizes)
         self.trained = tuple(trained)  # other initializers that are trained: never quantized
         self.adapters: list[Adapter] = []
         self.extra: list[str] = []  # the biases and norm parameters the config also trains
@@ -190,6 +191,9 @@ class LoraPass(ir.passes.InPlacePass):
                 first = site.nodes[0] if site.base == "MatMulNBits" else weight.uses()[0][0]
                 parts = first.inputs[1:4] if site.base == "MatMulNBits" else first.inputs
                 record_kept(model, [v.name for v in parts if v is not None and v.is_initializer()])
+            if self.merged:
+                self._merge(graph, op, namer, weight, site, a, b, stem)
+                continue
             for node in nodes:
                 self._adapt(graph, op, namer, node, a, b, dtype)
         if config.reads_nbits_as_dequantizelinear:  # after the adapters: they record the model's own form
@@ -199,6 +203,30 @@ class LoraPass(ir.passes.InPlacePass):
                                     "MatMulNBits weights through DequantizeLinear; this model has none")
             record_kept(model, stored)
         return ir.passes.PassResult(model, modified=bool(self.adapters))
+
+    def _merge(self, graph: ir.Graph, op: OpBuilder, namer: Namer, weight: ir.Value, site: _Site, a: ir.Value,
+               b: ir.Value, stem: str) -> None:
+        """The nodes of ``site`` read W + scale · A·B (its transpose where they multiply by Wᵀ) in W's place."""
+        if site.base != "float":
+            raise TrainingError(f"LoRA merged into its base '{weight.name}' (quantization-aware training) needs a float "
+                                f"base, not one read through {site.base}")
+        if self.config.dropout:
+            raise TrainingError("LoRA dropout cannot be merged into the base weights (quantization-aware training "
+                                "quantizes the merged weight): use dropout 0")
+        start = len(op.nodes)
+        delta = op.MatMul(a, b)
+        if self.config.scale != 1.0:
+            delta = op.Mul(delta, op.const(np.array(self.config.scale, site.dtype.numpy())))
+        if site.transposed:
+            delta = op.Transpose(delta, perm=[1, 0])
+        total = op.Add(weight, delta)
+        total.name, total.type, total.shape = namer.fresh(f"{stem}.merged"), weight.type, weight.shape
+        position = {node: i for i, node in enumerate(graph)}
+        graph.insert_before(min(site.nodes, key=position.__getitem__), op.nodes[start:])
+        for node in site.nodes:
+            for index, value in enumerate(node.inputs):
+                if value is weight:
+                    node.replace_input_with(index, total)
 
     def _adapt(self, graph: ir.Graph, op: OpBuilder, namer: Namer, node: ir.Node, a: ir.Value, b: ir.Value, dtype) -> None:
         """``node``'s output plus scale · (dropout(X) @ A) @ B, under the output's name."""
@@ -427,17 +455,17 @@ def merged_weights(adapters: Sequence[Adapter | Mapping], scale: float, weights:
     return merged
 
 
-def adapt(model: ir.Model, config: LoraConfig, trained: Sequence[str] = ()) -> LoraPass:
+def adapt(model: ir.Model, config: LoraConfig, trained: Sequence[str] = (), merged: bool = False) -> LoraPass:
     """Adds the adapters of ``config`` to ``model`` (in place) and returns the pass (its adapters
     and extras); ``trained``: other initializers to be trained, which a ``quantize_base`` leaves as
-    they are."""
+    they are; ``merged``: the adapters merged into the weights they adapt (see :class:`LoraPass`)."""
     if not isinstance(config, LoraConfig):
         raise TrainingError(f"lora must be an onnx_autodiff.training.lora.LoraConfig, not a {type(config).__name__}")
     if config.quantization is not None and config.quantization.format == "matmulnbits":
         # onnx's inference stops at MatMulNBits (no schema): the shapes after the products it
         # replaces are found while they are still MatMuls
         infer_shapes(model)
-    lora = LoraPass(config, trained)
+    lora = LoraPass(config, trained, merged)
     lora(model)
     return lora
 

@@ -163,3 +163,39 @@ def test_refusals_say_why():
         generate_artifacts(Net().onnx(), qat=QatConfig("int8", skip=("conv*", "fc")))
     with pytest.raises(TrainingError, match="qat must be one of"):
         generate_artifacts(Net().onnx(), qat="int3")
+
+
+def test_lora_adapters_are_merged_before_the_weight_is_fake_quantized(tmp_path):
+    from onnx_autodiff.training.lora import LoraConfig
+
+    net = Net()
+    artifacts = generate_artifacts(net.onnx(), lora=LoraConfig(rank=2, alpha=4, targets=["fc.w"]), qat="int8",
+                                   optimizer="sgd", optimizer_options={"lr": 0.1})
+    adapter = artifacts.manifest.lora.adapters[0]
+    assert set(artifacts.manifest.params) == {adapter.A, adapter.B}
+    trainer = Trainer(artifacts)
+    state = trainer.state_dict()
+    a = torch.tensor(state[adapter.A], requires_grad=True)  # [96, 2]: x @ A @ B
+    b = torch.tensor(state[adapter.B] + 0.01, requires_grad=True)  # (B starts at 0: move it so A gets a gradient)
+    trainer.load_state_dict({**state, adapter.B: b.detach().numpy()})
+    acts, weight = [activation_fake_quant() for _ in range(3)], weight_fake_quant(8)
+    conv_weights = [weight_fake_quant(8) for _ in range(2)]
+    x, labels = next(batches(1))
+    with torch.no_grad():
+        y = F.relu(F.conv2d(acts[0](torch.from_numpy(x)), conv_weights[0](net.conv1.weight), net.conv1.bias, padding=1))
+        y = F.relu(F.conv2d(acts[1](y), conv_weights[1](net.conv2.weight), net.conv2.bias)).flatten(1)
+    merged = net.fc.weight.detach() + 2.0 * (a @ b).T  # scale alpha / rank = 2, W [5, 96] multiplied transposed
+    expected = F.cross_entropy(F.linear(acts[2](y), weight(merged), net.fc.bias.detach()), torch.from_numpy(labels))
+    expected.backward()
+    loss = trainer.step({"x": x, "labels": labels})
+    assert loss == pytest.approx(expected.item(), rel=1e-5)
+    after = trainer.state_dict()
+    np.testing.assert_allclose(after[adapter.A], (a - 0.1 * a.grad).detach().numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(after[adapter.B], (b - 0.1 * b.grad).detach().numpy(), rtol=1e-5, atol=1e-7)
+    # the export quantizes the merged weight: no adapter is left in it
+    exported = trainer.export(tmp_path / "merged.onnx")
+    names = {t.name for t in exported.graph.initializer}
+    assert adapter.A not in names and adapter.B not in names
+    x = np.random.default_rng(5).standard_normal((3, 1, 6, 6)).astype(np.float32)
+    (got,) = ort.InferenceSession(str(tmp_path / "merged.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(got, trainer.evaluate({"x": x, "labels": np.zeros(3, np.int64)})["logits"], atol=0.02)

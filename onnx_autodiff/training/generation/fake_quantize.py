@@ -170,12 +170,26 @@ def affine_qparams(op: OpBuilder, minimum: ir.Value, maximum: ir.Value, dtype: i
     return scale, op.Cast(zero, to=dtype)
 
 
+def _of_initializers(value: ir.Value, depth: int = 8) -> bool:
+    """Whether ``value`` is an initializer or computed from initializers alone (within ``depth`` nodes)."""
+    if value.is_initializer():
+        return True
+    producer = value.producer()
+    if producer is None or depth == 0 or value.is_graph_input():
+        return False
+    return all(v is None or _of_initializers(v, depth - 1) for v in producer.inputs) and not any(
+        attr.type == ir.AttributeType.GRAPH for attr in producer.attributes.values())
+
+
 def _layout(node: ir.Node, bits: int, block: int) -> _Layout | None:
-    """How ``node``'s weight is fake-quantized, or None where it has no float initializer weight."""
+    """How ``node``'s weight is fake-quantized, or None where it has no float weight computed from
+    initializers alone (an initializer; LoRA's merged W + s·A·B)."""
     if node.op_type not in WEIGHTED or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
         return None
     weight = node.inputs[1]
-    if weight is None or not weight.is_initializer() or weight.dtype not in FLOAT_TYPES or weight.shape is None:
+    if weight is None or weight.dtype not in FLOAT_TYPES or weight.shape is None or not _of_initializers(weight):
+        return None
+    if node.inputs[0] is None or _of_initializers(node.inputs[0]):  # a weight's computation (LoRA's A·B), no layer
         return None
     shape = list(weight.shape)
     if not all(isinstance(d, int) for d in shape):

@@ -64,7 +64,7 @@ def read_forward(model, config: ArtifactsConfig, target: Target) -> Forward:
     injected = None
     if config.lora is not None:
         extra = [requires_grad] if isinstance(requires_grad, str) else list(requires_grad or [])
-        injected = source.adapt(config.lora, extra, config.upgrade_opset, target)
+        injected = source.adapt(config.lora, extra, config.upgrade_opset, target, merged=config.qat is not None)
         frozen = {frozen_params} if isinstance(frozen_params, str) else set(frozen_params or [])
         adapters = [name for a in injected.adapters for name in (a.A, a.B)]
         requires_grad = list(dict.fromkeys([*adapters, *(n for n in injected.extra if n not in frozen), *extra]))
@@ -190,14 +190,18 @@ class Source:
             chosen.extend(f for f in found if f not in chosen)
         return chosen
 
-    def adapt(self, lora, trained: list[str], upgrade: bool, target: Target) -> LoraPass:
-        """Adds the adapters of ``lora`` to the model to train; where their base is stored anew,
-        the inference model stores it as the train model does."""
+    def adapt(self, lora, trained: list[str], upgrade: bool, target: Target, merged: bool = False) -> LoraPass:
+        """Adds the adapters of ``lora`` to the model to train (``merged`` into their weights: for
+        quantization-aware training); where their base is stored anew, the inference model stores
+        it as the train model does."""
         if self.model is None:
             self.model = from_proto(self.proto, self.base_dir)
         lora = self._nbits_read_by_default(lora, upgrade, target)
         inference_reason = self._upgrade_for(lora, upgrade)
-        injected = adapt(self.model, lora, trained=trained)
+        if merged and isinstance(lora, LoraConfig) and lora.quantization is not None:
+            raise TrainingError("quantization-aware training fake-quantizes the float weights: it does not combine "
+                                "with quantize_base (train on the float model)")
+        injected = adapt(self.model, lora, trained=trained, merged=merged)
         if injected.quantized:
             if self.inference is None:
                 self.inference = from_proto(self.forward, self.base_dir)
