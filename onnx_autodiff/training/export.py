@@ -47,7 +47,7 @@ class Exporter:
         if self.manifest.qat is not None:
             from onnx_autodiff.training.qat_export import frozen_quantization
 
-            proto = frozen_quantization(self._written(proto, trained, None, False))
+            proto = frozen_quantization(self._written(proto, trained, None, False), self.manifest.qat.quantize_format)
             if path is not None:
                 write_atomically(os.fspath(path), proto.SerializeToString(deterministic=True))
             return proto

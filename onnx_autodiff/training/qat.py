@@ -39,6 +39,7 @@ SCHEMES = {
 """The quantization schemes of ``--qat``."""
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)
+EXPORT_FORMATS = ("dequantizelinear", "matmulnbits")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +48,10 @@ class QatConfig:
     the optimiser steps the activations' ranges are observed for, before they freeze;
     ``skip``: shell-style patterns of node or weight names left in float (``*lm_head*``);
     ``symmetric``: the weights' zero point 0; ``block_size``: the int4 blocks of MatMul and Gemm
-    weights; ``averaging_constant``: the observers' moving-average weight of a new batch."""
+    weights; ``averaging_constant``: the observers' moving-average weight of a new batch;
+    ``quantize_format``: how the exported model stores int4 weights of MatMul and Gemm:
+    "dequantizelinear" (QDQ, which onnxruntime fuses into MatMulNBits where it can) or
+    "matmulnbits" (onnxruntime's com.microsoft.MatMulNBits, which on-device runtimes load)."""
 
     scheme: str = "int8"
     calibration_steps: int = 100
@@ -55,6 +59,7 @@ class QatConfig:
     symmetric: bool = True
     block_size: int = 32
     averaging_constant: float = 0.01
+    quantize_format: str = "dequantizelinear"
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -67,6 +72,10 @@ class QatConfig:
         object.__setattr__(self, "skip", tuple(self.skip))
         if self.block_size not in BLOCK_SIZES:
             raise TrainingError(f"the int4 block size must be one of {', '.join(map(str, BLOCK_SIZES))}, not {self.block_size!r}")
+        if self.quantize_format not in EXPORT_FORMATS:
+            raise TrainingError(f"the quantized model's format must be one of {', '.join(EXPORT_FORMATS)}, not {self.quantize_format!r}")
+        if self.quantize_format == "matmulnbits" and self.weight_bits != 4:
+            raise TrainingError("quantize_format 'matmulnbits' stores 4-bit weights: use an int4 qat scheme")
         if not 0.0 < self.averaging_constant <= 1.0:
             raise TrainingError(f"the observers' averaging constant must be in (0, 1], not {self.averaging_constant!r}")
 

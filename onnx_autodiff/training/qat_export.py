@@ -9,13 +9,16 @@ import onnx
 from onnx import numpy_helper
 from onnx.reference import ReferenceEvaluator
 
+from onnx_autodiff.weights.quantized import nbits_packed
 
-def frozen_quantization(proto: onnx.ModelProto) -> onnx.ModelProto:
+
+def frozen_quantization(proto: onnx.ModelProto, quantize_format: str = "dequantizelinear") -> onnx.ModelProto:
     """``proto`` (a fake-quantized model in evaluation form, its weights and observers' ranges
     set) with every value computed from initializers alone, except by DequantizeLinear, computed
     once and stored: the weights' QuantizeLinear become integer initializers read by their
     DequantizeLinear, the ranges' scales and zero points constants. Computed by onnx's reference
-    implementation, whose arithmetic (float32, round half to even) is the runtime's."""
+    implementation, whose arithmetic (float32, round half to even) is the runtime's.
+    ``quantize_format`` "matmulnbits": MatMuls by a 4-bit weight in blocks become MatMulNBits."""
     graph = proto.graph
     constant = {t.name for t in graph.initializer}
     folded, kept = [], []
@@ -50,7 +53,66 @@ def frozen_quantization(proto: onnx.ModelProto) -> onnx.ModelProto:
     del frozen.graph.value_info[:]
     frozen.graph.value_info.extend(kept_info)
     _blocked_gemms_as_matmuls(frozen.graph)
+    if quantize_format == "matmulnbits":
+        _as_matmulnbits(frozen)
     return frozen
+
+
+def _as_matmulnbits(proto: onnx.ModelProto) -> None:
+    """Each MatMul by a DequantizeLinear of a 2-D int4/uint4 initializer in blocks along axis 0
+    (which nothing else reads) becomes onnxruntime's MatMulNBits of the same integers."""
+    graph = proto.graph
+    producers = {out: node for node in graph.node for out in node.output}
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    inits = {t.name: t for t in graph.initializer}
+    nodes, dropped, reads, added = [], set(), set(), []
+    for node in graph.node:
+        read = producers.get(node.input[1]) if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") else None
+        parts = [name for name in read.input if name] if read is not None and read.op_type == "DequantizeLinear" else []
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in read.attribute} if parts else {}
+        stored = inits.get(parts[0]) if parts else None
+        if stored is None or stored.data_type not in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4) \
+                or len(stored.dims) != 2 or attrs.get("axis") != 0 or not attrs.get("block_size") \
+                or readers[node.input[1]] != 1 or any(p not in inits or readers[p] != 1 for p in parts):
+            nodes.append(node)
+            continue
+        q = numpy_helper.to_array(stored).astype(np.int64)
+        scale = numpy_helper.to_array(inits[parts[1]])
+        zero = numpy_helper.to_array(inits[parts[2]]).astype(np.int64) if len(parts) > 2 else None
+        signed = stored.data_type == onnx.TensorProto.INT4
+        if zero is not None and signed:  # MatMulNBits' integers are unsigned: both shifted alike
+            q, zero = q + 8, zero + 8
+        elif zero is None and not signed:
+            zero = np.zeros_like(scale, np.int64)
+        K, N = q.shape
+        block = attrs["block_size"]
+        packed, zero_points = nbits_packed(q, zero, 4, block)
+        name = stored.name
+        inputs = [node.input[0], name, f"{name}.scales"]
+        added += [numpy_helper.from_array(packed, name),
+                  numpy_helper.from_array(np.ascontiguousarray(scale.T).reshape(-1), f"{name}.scales")]
+        if zero_points is not None:
+            inputs.append(f"{name}.zero_points")
+            added.append(numpy_helper.from_array(zero_points.reshape(-1), f"{name}.zero_points"))
+        dropped.update(parts)
+        reads.add(read.output[0])
+        nodes.append(onnx.helper.make_node("MatMulNBits", inputs, list(node.output), name=node.name or name,
+                                           domain="com.microsoft", K=K, N=N, bits=4, block_size=block))
+    if not dropped:
+        return
+    kept = [t for t in graph.initializer if t.name not in dropped]
+    del graph.node[:]
+    graph.node.extend(n for n in nodes if not set(n.output) & reads)
+    del graph.initializer[:]
+    graph.initializer.extend([*kept, *added])
+    info = [v for v in graph.value_info if v.name not in reads]
+    del graph.value_info[:]
+    graph.value_info.extend(info)
+    if not any(o.domain == "com.microsoft" for o in proto.opset_import):
+        proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
 
 
 def _blocked_gemms_as_matmuls(graph: onnx.GraphProto) -> None:

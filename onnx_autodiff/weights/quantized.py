@@ -360,18 +360,31 @@ def nbits_parts(w: np.ndarray, bits: int, block: int, symmetric: bool, after_sli
     zero_points = None if symmetric else np.empty((N, -(-blocks * bits // 8)), np.uint8)
     for columns in column_slices(K, N):
         q, scale, zero = quantized(w[:, columns], bits, block, symmetric)
-        offset = 2 ** (bits - 1) if zero is None else 0  # symmetric: the kernel's default zero point
-        padded = np.full((blocks * block, q.shape[1]), offset, np.int16)
-        padded[:K] = q
-        padded[:K] += offset
-        if zero is not None:  # the padding rows dequantize to 0
-            padded[K:] = np.repeat(zero, block, axis=0)[K:]
-            zero_points[columns] = _packed(zero.T.astype(np.int64), bits, pad=True)
-        packed[columns] = _packed(padded.T.reshape(-1, blocks, block), bits)
+        packed[columns], packed_zero = nbits_packed(q, zero, bits, block)
+        if zero is not None:
+            zero_points[columns] = packed_zero
         scales[columns] = scale.T
         if after_slice is not None:
             after_slice()
     return packed, scales.reshape(-1), zero_points
+
+
+def nbits_packed(q: np.ndarray, zero: np.ndarray | None, bits: int, block: int):
+    """Integers q [K, N] in blocks of ``block`` rows as MatMulNBits stores them: (packed B [N,
+    blocks, block · bits / 8] uint8, packed zero points [N, ·] or None). Without ``zero`` q is
+    signed, the kernel's default zero point 2^(bits−1) added; with ``zero`` [blocks, N] both are
+    unsigned. The padding rows of a short last block dequantize to 0."""
+    K, N = q.shape
+    blocks = -(-K // block)
+    offset = 2 ** (bits - 1) if zero is None else 0  # symmetric: the kernel's default zero point
+    padded = np.full((blocks * block, N), offset, np.int16)
+    padded[:K] = q
+    padded[:K] += offset
+    zero_points = None
+    if zero is not None:
+        padded[K:] = np.repeat(zero, block, axis=0)[K:]
+        zero_points = _packed(zero.T.astype(np.int64), bits, pad=True)
+    return _packed(padded.T.reshape(-1, blocks, block), bits), zero_points
 
 
 def _unpacked(packed: np.ndarray, bits: int) -> np.ndarray:

@@ -199,3 +199,18 @@ def test_lora_adapters_are_merged_before_the_weight_is_fake_quantized(tmp_path):
     x = np.random.default_rng(5).standard_normal((3, 1, 6, 6)).astype(np.float32)
     (got,) = ort.InferenceSession(str(tmp_path / "merged.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     np.testing.assert_allclose(got, trainer.evaluate({"x": x, "labels": np.zeros(3, np.int64)})["logits"], atol=0.02)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_export_as_matmulnbits_computes_what_the_qdq_form_does(tmp_path, symmetric):
+    qat = QatConfig("int4-weights", quantize_format="matmulnbits", symmetric=symmetric, block_size=64)  # (a short block)
+    trainer = Trainer(generate_artifacts(Net().onnx(), qat=qat,
+                                         optimizer="sgd", optimizer_options={"lr": 0.05}))
+    for x, labels in batches(2):
+        trainer.step({"x": x, "labels": labels})
+    exported = trainer.export(tmp_path / "nbits.onnx")
+    assert [n.op_type for n in exported.graph.node if n.domain == "com.microsoft"] == ["MatMulNBits"]
+    assert not any(t.data_type == TensorProto.INT4 and len(t.dims) == 2 and t.dims[0] == 96 for t in exported.graph.initializer)
+    x = np.random.default_rng(9).standard_normal((4, 1, 6, 6)).astype(np.float32)
+    (got,) = ort.InferenceSession(str(tmp_path / "nbits.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(got, trainer.evaluate({"x": x, "labels": np.zeros(4, np.int64)})["logits"], atol=0.02)
