@@ -343,11 +343,13 @@ def test_keep_best_exports_the_epoch_of_the_lowest_validation_loss(files, tmp_pa
     assert "--keep-best compares the validation losses of the epochs: give --val-data" in capsys.readouterr().err
 
 
-def test_qat_run_exports_a_quantized_model_that_onnxruntime_runs(tmp_path, capsys):
+def test_qat_run_exports_a_quantized_model_that_onnxruntime_runs(tmp_path, capsys, monkeypatch):
     """train --qat int8: model.onnx is the QDQ model (integer weights read by DequantizeLinear,
     BatchNormalization folded), computing what the eval model does; the run resumes exactly (the
     observers' ranges are scalars of the checkpoint)."""
     from helpers import small_cnn, small_cnn_data
+
+    from onnx_autodiff.training import distributed
 
     model, data = tmp_path / "cnn.onnx", small_cnn_data()
     onnx.save(small_cnn(), model)
@@ -355,8 +357,9 @@ def test_qat_run_exports_a_quantized_model_that_onnxruntime_runs(tmp_path, capsy
     out, resumed = tmp_path / "run", tmp_path / "resumed"
 
     def run(directory, epochs, *extra):
-        return main(["train", str(model), "--data", str(tmp_path / "data.npz"), "-o", str(directory), "--qat", "int8",
-                     "--qat-calibration-steps", "2", "--batch-size", "8", "--lr", "0.01", "--epochs", str(epochs), *extra])
+        return main(["train", str(model), "--data", str(tmp_path / "data.npz"), "-o", str(directory),
+                     "--qat", "int8", "--qat-calibration-steps", "2", "--batch-size", "8", "--lr", "0.01",
+                     "--epochs", str(epochs), *extra])
 
     assert run(out, 2) == 0
     assert "2 epochs, 6 steps" in capsys.readouterr().out
@@ -375,9 +378,14 @@ def test_qat_run_exports_a_quantized_model_that_onnxruntime_runs(tmp_path, capsy
     plain.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     for options in (plain, None):  # as written, and with onnxruntime's quantized kernels where it fuses them
         session = ort.InferenceSession(exported.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        np.testing.assert_allclose(session.run(None, {"X": data["X"]})[0], expected, atol=1e-5 if options else 1e-2)
+        atol = 1e-5 if options is plain else 1e-2
+        np.testing.assert_allclose(session.run(None, {"X": data["X"]})[0], expected, atol=atol)
     assert run(resumed, 1) == 0 and run(resumed, 2, "--resume") == 0
     assert (resumed / "model.onnx").read_bytes() == (out / "model.onnx").read_bytes()
     assert main(["train", str(model), "--data", str(tmp_path / "data.npz"), "-o", str(tmp_path / "y"),
                  "--qat-asymmetric"]) == 2
     assert "--qat-asymmetric needs --qat SCHEME" in capsys.readouterr().err
+    two_ranks = type("World", (), {"Get_size": lambda self: 2, "Get_rank": lambda self: 0})()
+    monkeypatch.setattr(distributed, "world", lambda: two_ranks)  # as under mpiexec -n 2
+    assert run(tmp_path / "z", 1) == 2
+    assert "--qat int8 does not combine with data-parallel training" in capsys.readouterr().err
