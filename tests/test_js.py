@@ -13,6 +13,7 @@ import pytest
 
 from onnx_autodiff.demo import blobs, classifier_model
 from onnx_autodiff.training import Trainer, generate_artifacts
+from onnx_autodiff.training.qat import QatConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 JS = ROOT / "js"
@@ -473,3 +474,16 @@ def test_a_learning_rate_schedule_steps_as_in_python(batch, tmp_path):
     factors = json.loads(result.stdout)
     for schedule, js in zip(schedules, factors):
         assert js == pytest.approx([schedule.factor(k) for k in range(14)], rel=1e-15, abs=0)
+
+
+def test_quantization_aware_training_steps_as_in_python(batch, tmp_path):
+    # the observers' ranges are buffers the train model carries, calibrated over the first steps
+    directory = tmp_path / "qat"
+    save_artifacts(generate_artifacts(logits_model(), qat=QatConfig("int8", calibration_steps=3), optimizer="sgd",
+                                      optimizer_options={"lr": 0.1}), str(directory))
+    data = write_data(tmp_path / "batch.safetensors", batch)
+    out = tmp_path / "trained.safetensors"
+    node(directory, "--data", data, "--steps", 5, "--out", out)
+    python, _ = python_state(directory, [batch] * 5)
+    assert any(key.endswith("_observed_max") and value.max() > 0 for key, value in python.items())
+    assert_same_state(safetensors_numpy.load_file(str(out)), python)

@@ -35,6 +35,7 @@ from onnx_autodiff.training.generation.config import ArtifactsConfig
 from onnx_autodiff.training.cli import add_arguments, run, run_training_demo
 from onnx_autodiff.training.losses import LOSSES
 from onnx_autodiff.training.manifest import FORMAT_VERSION, Manifest
+from onnx_autodiff.training.qat import QatConfig
 from onnx_autodiff.training.optimizers import (
     OPTIMIZERS,
     SGD,
@@ -45,7 +46,7 @@ from onnx_autodiff.training.optimizers import (
 from onnx_autodiff.training.trainer import Trainer, default_providers
 
 __all__ = [
-    "ArtifactsConfig", "FORMAT_VERSION", "LOSSES", "Manifest", "OPTIMIZERS", "SGD", "Adam", "AdamW", "BatchError", "LoraConfig", "Trainer", "TrainingArtifacts",
+    "ArtifactsConfig", "FORMAT_VERSION", "LOSSES", "Manifest", "OPTIMIZERS", "SGD", "Adam", "AdamW", "BatchError", "LoraConfig", "QatConfig", "Trainer", "TrainingArtifacts",
     "TrainingError", "add_arguments", "default_providers", "generate_artifacts", "make_optimizer", "run",
     "run_training_demo",
 ]

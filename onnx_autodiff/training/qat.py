@@ -51,7 +51,10 @@ class QatConfig:
     weights; ``averaging_constant``: the observers' moving-average weight of a new batch;
     ``quantize_format``: how the exported model stores int4 weights of MatMul and Gemm:
     "dequantizelinear" (QDQ, which onnxruntime fuses into MatMulNBits where it can) or
-    "matmulnbits" (onnxruntime's com.microsoft.MatMulNBits, which on-device runtimes load)."""
+    "matmulnbits" (onnxruntime's com.microsoft.MatMulNBits, which on-device runtimes load);
+    ``learn_scales``: each scale is the observed one times exp(t), t a parameter from 0 trained
+    with the others by the scale's LSQ gradient (Esser et al. 2020), so that the ranges keep
+    adapting once the observers freeze."""
 
     scheme: str = "int8"
     calibration_steps: int = 100
@@ -60,6 +63,7 @@ class QatConfig:
     block_size: int = 32
     averaging_constant: float = 0.01
     quantize_format: str = "dequantizelinear"
+    learn_scales: bool = False
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:

@@ -214,3 +214,44 @@ def test_int4_export_as_matmulnbits_computes_what_the_qdq_form_does(tmp_path, sy
     x = np.random.default_rng(9).standard_normal((4, 1, 6, 6)).astype(np.float32)
     (got,) = ort.InferenceSession(str(tmp_path / "nbits.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     np.testing.assert_allclose(got, trainer.evaluate({"x": x, "labels": np.zeros(4, np.int64)})["logits"], atol=0.02)
+
+
+def test_learned_scales_step_as_torch_learnable_fake_quantize():
+    """Scales s0·exp(t): t's gradient is LSQ's scale gradient times s (torch's learnable fake
+    quantization, grad_factor 1, autograd through exp), the observed s0 and the zero points fixed."""
+    net = Net()
+    trainer = Trainer(generate_artifacts(net.onnx(), qat=QatConfig("int8", calibration_steps=1, learn_scales=True),
+                                         optimizer="sgd", optimizer_options={"lr": 0.1}))
+    logs = [k for k in trainer.state_dict() if k.endswith("_scale_log")]
+    assert len(logs) == 6  # three weights' (per channel) and three activations'
+    first, second = batches(2)
+    trainer.step({"x": first[0], "labels": first[1]})  # observes the ranges, then they freeze
+    state = trainer.state_dict()
+    params = {name: torch.tensor(state[name], requires_grad=True) for name in [*net.params, *logs]}
+    stems = {"conv1": "x", "conv2": "r1", "fc": "f"}
+
+    def activation(v, stem):
+        low, high = min(float(state[f"{stem}_observed_min"].item()), 0.0), max(float(state[f"{stem}_observed_max"].item()), 0.0)
+        scale = torch.tensor(max((high - low) / 255, float(np.finfo(np.float32).eps))) * torch.exp(params[f"{stem}_scale_log"])
+        zero = torch.clamp(-torch.round(torch.tensor(low) / scale.detach()), 0, 255)
+        return torch._fake_quantize_learnable_per_tensor_affine(v, scale.reshape(1), zero.reshape(1), 0, 255, 1.0)
+
+    def weight(name, node):
+        w = params[name]
+        magnitude = w.detach().abs().reshape(w.shape[0], -1).amax(1)
+        scale = torch.clamp(magnitude / 127, min=float(np.finfo(np.float32).eps)) * torch.exp(params[f"{node}_weight_scale_log"])
+        return torch._fake_quantize_learnable_per_channel_affine(w, scale, torch.zeros_like(scale), 0, -128, 127, 1.0)
+
+    x, labels = torch.from_numpy(second[0]), torch.from_numpy(second[1])
+    y = F.relu(F.conv2d(activation(x, "x"), weight("c1.w", "conv1"), params["c1.b"], padding=1))
+    y = F.relu(F.conv2d(activation(y, "r1"), weight("c2.w", "conv2"), params["c2.b"])).flatten(1)
+    expected = F.cross_entropy(F.linear(activation(y, "f"), weight("fc.w", "fc"), params["fc.b"]), labels)
+    expected.backward()
+    loss = trainer.step({"x": second[0], "labels": second[1]})
+    assert loss == pytest.approx(expected.item(), rel=1e-5)
+    after = trainer.state_dict()
+    moved = 0
+    for name, value in params.items():
+        np.testing.assert_allclose(after[name], (value - 0.1 * value.grad).detach().numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+        moved += name in logs and bool(np.any(after[name] != state[name]))
+    assert moved == len(logs)

@@ -39,6 +39,7 @@ class FakeQuantization:
     config: QatConfig
     observers: tuple[Observer, ...]
     ranges: tuple[str, ...]
+    learned: tuple[str, ...] = ()  # the scales' learned log-factors (parameters)
 
     @property
     def buffers(self) -> list[str]:
@@ -67,6 +68,7 @@ class FakeQuantizePass(ir.passes.InPlacePass):
         self.config = config
         self.observers: list[Observer] = []
         self.ranges: list[str] = []
+        self.learned: list[str] = []
         self.quantized: list[str] = []
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -93,7 +95,15 @@ class FakeQuantizePass(ir.passes.InPlacePass):
 
     @property
     def added(self) -> FakeQuantization:
-        return FakeQuantization(self.config, tuple(self.observers), tuple(self.ranges))
+        return FakeQuantization(self.config, tuple(self.observers), tuple(self.ranges), tuple(self.learned))
+
+    def _factor(self, shape: list[int], float_type: ir.DataType, stem: str) -> ir.Value | None:
+        """exp(t) of a new parameter t of ``shape`` (0: the observed scale), where the scales are learned."""
+        if not self.config.learn_scales:
+            return None
+        t = fresh_initializer(self.graph, self.namer, np.zeros(shape, float_type.numpy()), f"{stem}_scale_log")
+        self.learned.append(t.name)
+        return self.op.Exp(t)
 
     def _weight(self, weight: ir.Value, layout: _Layout, stem: str) -> ir.Value:
         op, config = self.op, self.config
@@ -121,10 +131,11 @@ class FakeQuantizePass(ir.passes.InPlacePass):
         for i, value in enumerate(ranges):
             value.name = self.namer.fresh(f"{stem}_weight_{'max' if len(ranges) == 1 or i else 'min'}")
             self.ranges.append(value.name)
+        factor = self._factor(scale_shape, weight.dtype, f"{stem}_weight")
         if config.symmetric:
-            scale, zero = symmetric_qparams(op, ranges[0], dtype, scale_shape)
+            scale, zero = symmetric_qparams(op, ranges[0], dtype, scale_shape, factor)
         else:
-            scale, zero = affine_qparams(op, *ranges, dtype)
+            scale, zero = affine_qparams(op, *ranges, dtype, factor)
         attributes = {"axis": layout.axis} | ({"block_size": layout.block} if layout.block else {})
         return quantized(op, weight, scale, zero, dtype, attributes)
 
@@ -135,7 +146,7 @@ class FakeQuantizePass(ir.passes.InPlacePass):
         minimum = fresh_initializer(self.graph, self.namer, np.array(0, dtype), f"{stem}_observed_min")
         maximum = fresh_initializer(self.graph, self.namer, np.array(0, dtype), f"{stem}_observed_max")
         self.observers.append(Observer(minimum.name, maximum.name, x.name))
-        scale, zero = affine_qparams(op, minimum, maximum, ir.DataType.UINT8)
+        scale, zero = affine_qparams(op, minimum, maximum, ir.DataType.UINT8, self._factor([], float_type, stem))
         return quantized(op, x, scale, zero, ir.DataType.UINT8, {})
 
 
@@ -148,36 +159,42 @@ def quantized(op: OpBuilder, x: ir.Value, scale: ir.Value, zero: ir.Value, dtype
     return y
 
 
-def symmetric_qparams(op: OpBuilder, magnitude: ir.Value, dtype: ir.DataType, shape: list[int]):
+def symmetric_qparams(op: OpBuilder, magnitude: ir.Value, dtype: ir.DataType, shape: list[int], factor=None):
     """The scale and zero point (0, of ``shape``) of a symmetric range ±``magnitude`` in ``dtype``,
     on the restricted range ±qmax (±127, ±7) as onnxruntime's quantizer takes symmetric weights:
-    the range's ends fall on integers, no rounding tie (±127.5 on [−128, 127]) clips them."""
+    the range's ends fall on integers, no rounding tie (±127.5 on [−128, 127]) clips them. A
+    ``factor`` (a learned one) multiplies the scale."""
     qmax = RANGES[dtype][1]
     float_type = (magnitude.dtype or ir.DataType.FLOAT).numpy()
     scale = op.Max(op.Div(magnitude, op.const(np.array(qmax, float_type))), op.const(np.array(EPSILON, float_type)))
+    if factor is not None:
+        scale = op.Mul(scale, factor)
     return scale, op.const(np.zeros(shape, _INTEGERS[dtype]), dtype=dtype)
 
 
-def affine_qparams(op: OpBuilder, minimum: ir.Value, maximum: ir.Value, dtype: ir.DataType):
-    """The scale and zero point of the range [``minimum``, ``maximum``] (widened to hold 0) in ``dtype``."""
+def affine_qparams(op: OpBuilder, minimum: ir.Value, maximum: ir.Value, dtype: ir.DataType, factor=None):
+    """The scale and zero point of the range [``minimum``, ``maximum``] (widened to hold 0) in
+    ``dtype``; a ``factor`` (a learned one) multiplies the scale, and the zero point follows it."""
     qmin, qmax = RANGES[dtype]
     float_type = minimum.dtype.numpy()
     zero_f = op.const(np.array(0, float_type))
     low, high = op.Min(minimum, zero_f), op.Max(maximum, zero_f)
     scale = op.Max(op.Div(op.Sub(high, low), op.const(np.array(qmax - qmin, float_type))),
                    op.const(np.array(EPSILON, float_type)))
+    if factor is not None:
+        scale = op.Mul(scale, factor)
     zero = op.clip(op.Sub(op.const(np.array(qmin, float_type)), op.Round(op.Div(low, scale))), qmin, qmax)
     return scale, op.Cast(zero, to=dtype)
 
 
-def _of_initializers(value: ir.Value, depth: int = 8) -> bool:
+def of_initializers(value: ir.Value, depth: int = 8) -> bool:
     """Whether ``value`` is an initializer or computed from initializers alone (within ``depth`` nodes)."""
     if value.is_initializer():
         return True
     producer = value.producer()
     if producer is None or depth == 0 or value.is_graph_input():
         return False
-    return all(v is None or _of_initializers(v, depth - 1) for v in producer.inputs) and not any(
+    return all(v is None or of_initializers(v, depth - 1) for v in producer.inputs) and not any(
         attr.type == ir.AttributeType.GRAPH for attr in producer.attributes.values())
 
 
@@ -187,9 +204,9 @@ def _layout(node: ir.Node, bits: int, block: int) -> _Layout | None:
     if node.op_type not in WEIGHTED or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
         return None
     weight = node.inputs[1]
-    if weight is None or weight.dtype not in FLOAT_TYPES or weight.shape is None or not _of_initializers(weight):
+    if weight is None or weight.dtype not in FLOAT_TYPES or weight.shape is None or not of_initializers(weight):
         return None
-    if node.inputs[0] is None or _of_initializers(node.inputs[0]):  # a weight's computation (LoRA's A·B), no layer
+    if node.inputs[0] is None or of_initializers(node.inputs[0]):  # a weight's computation (LoRA's A·B), no layer
         return None
     shape = list(weight.shape)
     if not all(isinstance(d, int) for d in shape):

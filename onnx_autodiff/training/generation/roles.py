@@ -96,6 +96,9 @@ def analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=None
                 raise TrainingError(f"'{name}' is a fake quantization's observed range: it is updated by the forward pass, not trained")
         if len(set(params)) != len(params):
             raise TrainingError(f"requires_grad names a parameter twice: {params}")
+    if quantization is not None:  # the learned scales train with whatever else does
+        params += [name for name in quantization.learned if name not in params]
+        left_out = [name for name in left_out if name not in quantization.learned]
     if not params:
         constants = f"; the default left out {names_summary(left_out)}: name them in requires_grad" if left_out else ""
         raise TrainingError(f"there is no parameter to train: the model has no floating-point initializer left after freezing{constants}")

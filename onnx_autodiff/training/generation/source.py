@@ -19,8 +19,10 @@ from onnx_autodiff.modelfile import base_dir_of, from_proto, to_proto
 from onnx_autodiff.passes.lift import LiftedWeight, LiftWeightConstantsPass
 from onnx_autodiff.passes.opsets import OpsetError, convert_in_place, default_opset
 from onnx_autodiff.toolkit import FLOAT_TYPES, proto_graphs
+from onnx_autodiff.toolkit.inference import infer_shapes
 from onnx_autodiff.training.generation.config import ArtifactsConfig
-from onnx_autodiff.training.generation.fake_quantize import FakeQuantization, FakeQuantizePass
+from onnx_autodiff.training.generation.fake_quantize import (
+    WEIGHTED, FakeQuantization, FakeQuantizePass, of_initializers)
 from onnx_autodiff.training.generation.fold_batchnorm import FoldBatchNormPass
 from onnx_autodiff.training.generation.roles import proto_default_opset
 from onnx_autodiff.training.lora import LoraConfig, LoraPass, adapt, quantize_bases
@@ -225,6 +227,10 @@ class Source:
             if self.base_dir:
                 ir.external_data.set_base_dir(self.model.graph, self.base_dir)
         FoldBatchNormPass()(self.model)
+        if any(node.op_type in WEIGHTED and len(node.inputs) > 1 and node.inputs[1] is not None
+               and not node.inputs[1].is_initializer() and node.inputs[1].shape is None
+               and of_initializers(node.inputs[1]) for node in self.model.graph):
+            infer_shapes(self.model, missing_only=True)  # (the shapes of weights computed from initializers)
         inserted = FakeQuantizePass(qat)
         inserted(self.model)
         if not inserted.quantized:
