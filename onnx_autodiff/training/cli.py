@@ -89,7 +89,9 @@ def add_generation_arguments(parser) -> list[str]:
                             help="how the train models read a quantized base, stored so by --quantize-base or the "
                                  "model's own MatMulNBits: standard DequantizeLinear (default; int4 needs opset 21, "
                                  "converted; each weight held once, dequantized at each read) or onnxruntime's "
-                                 "com.microsoft.MatMulNBits kernel (which keeps a pre-packed copy of its weights)"),
+                                 "com.microsoft.MatMulNBits kernel (which keeps a pre-packed copy of its weights); "
+                                 "with --qat int4-*: how the exported model stores the MatMul and Gemm weights "
+                                 "(default DequantizeLinear, which onnxruntime fuses into MatMulNBits)"),
         parser.add_argument("--quantize-block", type=int, choices=BLOCK_SIZES, metavar="SIZE",
                             help="int4 block size along the reduction axis (default 32)"),
         parser.add_argument("--quantize-asymmetric", action="store_true",
@@ -106,6 +108,9 @@ def add_generation_arguments(parser) -> list[str]:
                                  "e.g. '*lm_head*'"),
         parser.add_argument("--qat-asymmetric", action="store_true",
                             help="--qat: weights with a zero point per channel or block (default symmetric)"),
+        parser.add_argument("--qat-learn-scales", action="store_true",
+                            help="--qat: learn each scale (the observed one times exp(t), t trained by its LSQ "
+                                 "gradient), so that the ranges keep adapting once the observers freeze"),
         parser.add_argument("--no-upgrade", action="store_true", help=NO_UPGRADE_HELP),
     ]
     return [action.dest for action in actions]
@@ -190,7 +195,7 @@ def _lora_config(args, usage_error) -> LoraConfig | None:
     """The LoRA options as a LoraConfig (None without --lora); bad values are usage errors."""
     given = [flag for flag, value in (("--lora-alpha", args.lora_alpha), ("--lora-targets", args.lora_targets),
                                       ("--lora-dropout", args.lora_dropout), ("--quantize-base", args.quantize_base),
-                                      ("--quantize-format", args.quantize_format),
+                                      ("--quantize-format", args.quantize_format if args.qat is None else None),
                                       ("--quantize-block", args.quantize_block),
                                       ("--quantize-asymmetric", args.quantize_asymmetric or None)) if value is not None]
     if args.lora is None:
@@ -202,7 +207,7 @@ def _lora_config(args, usage_error) -> LoraConfig | None:
             raise usage_error("--quantize-block and --quantize-asymmetric need --quantize-base")
         return LoraConfig(rank=args.lora, alpha=args.lora_alpha, targets=args.lora_targets,
                           dropout=args.lora_dropout or 0.0, quantize_base=args.quantize_base,
-                          quantize_format=args.quantize_format,
+                          quantize_format=args.quantize_format if args.qat is None else None,
                           quantize_block=args.quantize_block or 32, quantize_symmetric=not args.quantize_asymmetric)
     except TrainingError as error:
         raise usage_error(str(error)) from error
@@ -212,14 +217,18 @@ def _qat_config(args) -> QatConfig | None:
     """The QAT options as a QatConfig (None without --qat); --qat-* without --qat is a usage error."""
     given = [flag for flag, value in (("--qat-calibration-steps", args.qat_calibration_steps),
                                       ("--qat-skip", args.qat_skip),
-                                      ("--qat-asymmetric", args.qat_asymmetric or None)) if value is not None]
+                                      ("--qat-asymmetric", args.qat_asymmetric or None),
+                                      ("--qat-learn-scales", args.qat_learn_scales or None)) if value is not None]
     if args.qat is None:
         if given:
             raise UsageError(f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} --qat SCHEME")
         return None
     options = {"calibration_steps": args.qat_calibration_steps} if args.qat_calibration_steps is not None else {}
+    if args.quantize_format is not None:  # (with --qat, the exported model's format)
+        options["quantize_format"] = args.quantize_format
     try:
-        return QatConfig(args.qat, skip=tuple(args.qat_skip or ()), symmetric=not args.qat_asymmetric, **options)
+        return QatConfig(args.qat, skip=tuple(args.qat_skip or ()), symmetric=not args.qat_asymmetric,
+                         learn_scales=args.qat_learn_scales, **options)
     except TrainingError as error:
         raise UsageError(str(error)) from error
 

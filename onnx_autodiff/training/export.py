@@ -47,6 +47,9 @@ class Exporter:
         if self.manifest.qat is not None:
             from onnx_autodiff.training.qat_export import frozen_quantization
 
+            if self.manifest.qat.activations and self.state.step_count == 0:
+                raise TrainingError("the quantized model's activation ranges are observed by the training steps, and "
+                                    "none was taken: export after at least one step (or load a trained checkpoint)")
             proto = frozen_quantization(self._written(proto, trained, None, False), self.manifest.qat.quantize_format)
             if path is not None:
                 write_atomically(os.fspath(path), proto.SerializeToString(deterministic=True))

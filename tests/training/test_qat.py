@@ -255,3 +255,12 @@ def test_learned_scales_step_as_torch_learnable_fake_quantize():
         np.testing.assert_allclose(after[name], (value - 0.1 * value.grad).detach().numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
         moved += name in logs and bool(np.any(after[name] != state[name]))
     assert moved == len(logs)
+
+
+def test_export_before_any_step_is_refused_where_activations_are_observed(tmp_path):
+    trainer = Trainer(generate_artifacts(Net().onnx(), qat="int8"))
+    with pytest.raises(TrainingError, match="export after at least one step"):
+        trainer.export(tmp_path / "early.onnx")
+    assert not (tmp_path / "early.onnx").exists()
+    weights_only = Trainer(generate_artifacts(Net().onnx(), qat="int4-weights"))
+    assert any(t.data_type == TensorProto.INT4 for t in weights_only.export(tmp_path / "ptq.onnx").graph.initializer)

@@ -137,7 +137,7 @@ class FakeQuantizePass(ir.passes.InPlacePass):
         else:
             scale, zero = affine_qparams(op, *ranges, dtype, factor)
         attributes = {"axis": layout.axis} | ({"block_size": layout.block} if layout.block else {})
-        return quantized(op, weight, scale, zero, dtype, attributes)
+        return quantized(op, weight, scale, zero, dtype, attributes, self.namer, weight.name or stem)
 
     def _activation(self, x: ir.Value, float_type: ir.DataType) -> ir.Value:
         op = self.op
@@ -147,13 +147,17 @@ class FakeQuantizePass(ir.passes.InPlacePass):
         maximum = fresh_initializer(self.graph, self.namer, np.array(0, dtype), f"{stem}_observed_max")
         self.observers.append(Observer(minimum.name, maximum.name, x.name))
         scale, zero = affine_qparams(op, minimum, maximum, ir.DataType.UINT8, self._factor([], float_type, stem))
-        return quantized(op, x, scale, zero, ir.DataType.UINT8, {})
+        return quantized(op, x, scale, zero, ir.DataType.UINT8, {}, self.namer, stem)
 
 
-def quantized(op: OpBuilder, x: ir.Value, scale: ir.Value, zero: ir.Value, dtype: ir.DataType, attributes) -> ir.Value:
-    """``x`` through QuantizeLinear to ``dtype`` and back by DequantizeLinear."""
+def quantized(op: OpBuilder, x: ir.Value, scale: ir.Value, zero: ir.Value, dtype: ir.DataType, attributes,
+              namer: Namer, stem: str) -> ir.Value:
+    """``x`` through QuantizeLinear to ``dtype`` and back by DequantizeLinear; the integers, scale
+    and zero point named after ``stem`` (what the exported model stores them as)."""
     q = op.QuantizeLinear(x, scale, zero, **attributes)
     q.type = ir.TensorType(dtype)
+    for value, suffix in ((q, "quantized"), (scale, "scale"), (zero, "zero_point")):
+        value.name = namer.fresh(f"{stem}.{suffix}")
     y = op.DequantizeLinear(q, scale, zero, **attributes)
     y.type, y.shape = x.type, x.shape
     return y

@@ -79,7 +79,7 @@ def analyse(proto, requires_grad, frozen_params, freeze_batchnorm, registry=None
     left_out: list[str] = []
     if requires_grad is None:
         default = default_parameters(model if model is not None else from_proto(proto, base_dir), registry)
-        left_out = [n for n in default.left_out if n not in stats and n not in frozen]
+        left_out = [n for n in default.left_out if n not in stats and n not in frozen and n not in observers]
         params = [v.name for v in default.parameters if v.name not in frozen and v.name not in stats
                   and v.name not in observers]
     else:

@@ -236,7 +236,7 @@ class Source:
         if not inserted.quantized:
             raise TrainingError(f"quantization-aware training ({qat.scheme}) found no Conv, ConvTranspose, Gemm or "
                                 "MatMul with a float initializer weight to quantize"
-                                + (f" that qat_skip {list(qat.skip)} leaves" if qat.skip else ""))
+                                + (f" that the skip patterns {list(qat.skip)} leave" if qat.skip else ""))
         self.inference = self.model.clone()
         return inserted.added
 
