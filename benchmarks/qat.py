@@ -2,14 +2,17 @@
 
     python benchmarks/qat.py [--epochs 15] [--qat-epochs 2] [--qat-lr 3e-4] [--calibration-steps 40]
         [--batch 32] [--latency-batch 256] [--latency-runs 200] [--timing-steps 300] [--seed 0]
-        [--quick] [--llama] [--llama-steps 40] [--dir DIR] [--keep]
+        [--seeds 10] [--quick] [--llama] [--llama-steps 100] [--dir DIR] [--keep]
 
 The digits CNN of ``examples/train_digits.py`` (conv 16 → pool → conv 32 → pool → Gemm 128-64 →
 Gemm 64-10, seeded), on scikit-learn's bundled digits split as that example splits them (75% train,
-25% held out, stratified, ``random_state=0``):
+25% held out, stratified, ``random_state=0``), once per seed (``--seeds``: the initial weights and
+the batches' order), the accuracies averaged over the seeds (450 held-out rows: one row is 0.22
+points, so a single run resolves little):
 
 - float: trained as the example trains it (AdamW, lr 3e-3, weight decay 1e-4, a cosine step of the
-  learning rate per epoch, batches of 32), exported;
+  learning rate per epoch, batches of 32), exported; its nodes, which ``cnn()`` leaves unnamed, are
+  then named (the benchmark checks whether the int4 export of the unnamed model loads);
 - post-training quantization of that float model:
   - int8: onnxruntime's ``quantize_static`` (QDQ, int8 weights per channel, uint8 activations per
     tensor, MinMax calibration over every training batch);
@@ -28,11 +31,19 @@ Gemm 64-10, seeded), on scikit-learn's bundled digits split as that example spli
   quantization (what the extra steps alone give).
 
 Every model is run by onnxruntime (default session options) on the held-out rows. Columns:
-``acc %`` held-out accuracy; ``size KB`` the exported file; ``ms/batch`` the median of
-``--latency-runs`` runs on a batch of ``--latency-batch`` held-out rows; ``step ms`` the train step
-(median of single steps); ``recovered %`` = (acc QAT − acc PTQ) / (acc float − acc PTQ) against the
-PTQ of the same scheme (n/a where the PTQ loses nothing). The step times are measured apart, on one
-fixed training batch, the float step and each QAT step taking turns step by step after a warmup.
+``acc %`` held-out accuracy; ``held-out loss`` its mean cross-entropy; ``size KB`` the exported
+file; ``ms/batch`` the median of ``--latency-runs`` runs on a batch of ``--latency-batch`` held-out
+rows; ``quantized kernels`` the weighted ops of onnxruntime's optimized graph that run a quantized
+kernel (QLinearConv, QGemm, MatMulNBits, ...); ``step ms`` the train step (median of single steps);
+``recovered %`` = (QAT − PTQ) / (float − PTQ) of the accuracy or the loss, against the PTQ of the same
+scheme (n/a where the PTQ loses nothing). The step times are measured apart, on one fixed training
+batch, the float step and each QAT step taking turns by blocks of 10 steps after a warmup.
+
+Checks: each exported QAT model against its Trainer's eval model, with onnxruntime's default options
+(its fused kernels round differently: QLinearConv, QGemm, and the MatMulNBits it makes of
+DequantizeLinear → MatMul, whose default accuracy level 4 quantizes the activations to int8) and
+with its graph optimisations off (the arithmetic the QDQ nodes define); the int4 export at step 0
+against numpy's round to nearest of the float weights.
 
 ``--llama`` adds the Llama-shaped decoder of ``benchmarks/llama_lora.py`` at its smallest size
 ("tiny": vocabulary 512, hidden 64, 2 layers; needs torch, transformers, onnxscript), exported as
@@ -76,10 +87,16 @@ SCHEMES = ("int8", "int4-weights")
 # helpers
 
 
-def session(path: str):
+def session(path: str, exact: bool = False):
+    """An onnxruntime session of ``path``, default options; ``exact``: graph optimisations off, so
+    that QuantizeLinear and DequantizeLinear run as the float arithmetic they define (no fused
+    quantized kernel, whose own rounding differs: see :func:`kernels`)."""
     import onnxruntime as ort
 
-    return ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    if exact:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 
 
 def size_kb(path: str) -> float:
@@ -102,22 +119,32 @@ def latency_ms(path: str, feeds: dict, runs: int) -> float:
     return statistics.median(times)
 
 
-def step_times(trainers: dict, batch: dict, steps: int, warmup: int) -> dict[str, float]:
-    """Median ms of single train steps of each trainer on ``batch``, taking turns step by step."""
+def step_times(trainers: dict, batch: dict, steps: int, warmup: int, block: int = 10) -> dict[str, tuple[float, float]]:
+    """Median and minimum ms of ``steps`` single train steps of each trainer on ``batch``: after ``warmup`` steps
+    each, the trainers take turns by blocks of ``block`` timed steps, each block after one untimed
+    step (the other sessions' onnxruntime threads still spin for a while after their run, taking the
+    cores from the first step after a switch)."""
     for trainer in trainers.values():
         for _ in range(warmup):
             trainer.step(batch)
     times: dict[str, list[float]] = {name: [] for name in trainers}
-    for _ in range(steps):
+    while any(len(t) < steps for t in times.values()):
         for name, trainer in trainers.items():
-            start = time.perf_counter()
             trainer.step(batch)
-            times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
+            for _ in range(min(block, steps - len(times[name]))):
+                start = time.perf_counter()
+                trainer.step(batch)
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
+
+
+def worst(values: list[float], lowest: bool) -> float:
+    return min(values) if lowest else max(values)
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|"]
+    rule = "|" + "|".join("---" if i == 0 else "---:" for i in range(len(headers))) + "|"
+    lines = ["| " + " | ".join(headers) + " |", rule]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
 
@@ -128,6 +155,9 @@ def must(text: str, measured: str, ok: bool | None) -> str:
 
 
 def quiet_quantizers() -> None:
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(3)  # (warnings of the graph optimisations it cannot apply)
     for name in ("onnxruntime.quantization", "root"):
         logging.getLogger(name).setLevel(logging.ERROR)
     logging.getLogger().setLevel(logging.ERROR)
@@ -180,22 +210,32 @@ def matmul_nbits(model: onnx.ModelProto, path: str) -> int:
 
 
 def rtn_int4(w: np.ndarray, layout: str, block: int = 32) -> np.ndarray:
-    """``w`` rounded to nearest symmetric int4 and back, as the QAT build's weights at step 0:
-    scale = max|w| / 7.5 (torch's symmetric observer: (qmax − qmin) / 2), clip to [−8, 7];
-    ``layout`` "channel" (a convolution: per output channel, axis 0) or "gemm_transb" (a [N, K]
-    Gemm weight read transposed: blocks of ``block`` along K, axis 1)."""
+    """``w`` rounded to nearest symmetric int4 and back, as the QAT build's weights at step 0 (and
+    onnxruntime's quantizer) take them: the restricted range, scale = max|w| / 7, integers in
+    [−7, 7]; ``layout`` "channel" (a convolution: per output channel, axis 0) or "gemm_transb" (a
+    [N, K] Gemm weight read transposed: blocks of ``block`` along K, axis 1)."""
     eps = np.float32(np.finfo(np.float32).eps)
     if layout == "channel":
         magnitude = np.abs(w).reshape(w.shape[0], -1).max(1).reshape(-1, *[1] * (w.ndim - 1))
-        scale = np.maximum(magnitude / np.float32(7.5), eps)
-        return (np.clip(np.rint(w / scale), -8, 7) * scale).astype(np.float32)
+        scale = np.maximum(magnitude / np.float32(7), eps)
+        return (np.clip(np.rint(w / scale), -7, 7) * scale).astype(np.float32)
     n, k = w.shape
     blocks = -(-k // block)
     padded = np.zeros((n, blocks * block), np.float32)
     padded[:, :k] = w
     split = padded.reshape(n, blocks, block)
-    scale = np.maximum(np.abs(split).max(2, keepdims=True) / np.float32(7.5), eps)
-    return (np.clip(np.rint(split / scale), -8, 7) * scale).reshape(n, -1)[:, :k].astype(np.float32)
+    scale = np.maximum(np.abs(split).max(2, keepdims=True) / np.float32(7), eps)
+    return (np.clip(np.rint(split / scale), -7, 7) * scale).reshape(n, -1)[:, :k].astype(np.float32)
+
+
+def named_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with a unique name for each node that has none (``op_type`` and its index)."""
+    named = onnx.ModelProto()
+    named.CopyFrom(model)
+    for i, node in enumerate(named.graph.node):
+        if not node.name:
+            node.name = f"{node.op_type}_{i}"
+    return named
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,7 +294,7 @@ def kernels(path: str, folder: str) -> str:
     return f"{len(quantized)} of {sum(op in WEIGHTED_KERNELS for op in ops)}" + (f" ({named})" if named else "")
 
 
-# the rows of the CNN's table, in order: (key, label)
+# the rows of the CNN's table, in order
 CNN_ROWS = ("float", "ptq-int8", "qat-int8", "ptq-int4-rtn", "ptq-int4-matmulnbits", "qat-int4-weights", "float-finetuned")
 
 
@@ -264,6 +304,7 @@ def cnn_seed(args, seed: int, folder: str, data) -> dict:
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
     from train_digits import cnn
 
+    from onnx_autodiff.errors import TrainingError
     from onnx_autodiff.training import Trainer, generate_artifacts
     from onnx_autodiff.training.qat import QatConfig
 
@@ -287,7 +328,16 @@ def cnn_seed(args, seed: int, folder: str, data) -> dict:
     steps["float"] = fit(trainer, X_train, y_train, args.epochs, args.batch, args.lr, seed)
     trainer.export(path("float"))
     seconds["float"] = time.perf_counter() - start
-    float_model = onnx.load(paths["float"])
+    # cnn()'s nodes have no names: check that its int4 export loads, then name them for every build below
+    unnamed = os.path.join(folder, "unnamed-int4.onnx")
+    try:
+        Trainer(qat("int4-weights", paths["float"])).export(unnamed)
+        session(unnamed)
+        unnamed_loads = "yes"
+    except Exception as error:  # noqa: BLE001 - reported, whatever onnxruntime raises
+        unnamed_loads = "NO: " + str(error).strip().splitlines()[-1]
+    float_model = named_nodes(onnx.load(paths["float"]))
+    onnx.save(float_model, paths["float"])
 
     # post-training quantization, int8: onnxruntime's quantize_static over every training batch
     class Batches(CalibrationDataReader):
@@ -311,10 +361,14 @@ def cnn_seed(args, seed: int, folder: str, data) -> dict:
             rounded = rtn_int4(numpy_helper.to_array(tensor), "channel" if tensor.name[0] == "C" else "gemm_transb")
             tensor.CopyFrom(numpy_helper.from_array(rounded, tensor.name))
     onnx.save(reference, path("rtn-reference"))
-    ours, theirs = (session(paths[n]).run(None, {"X": X_test})[0] for n in ("ptq-int4-rtn", "rtn-reference"))
+    ours, theirs = (session(paths[n], exact=True).run(None, {"X": X_test})[0] for n in ("ptq-int4-rtn", "rtn-reference"))
     rtn_error = float(np.abs(ours - theirs).max())
     # the same export before any step for the scheme with activations: its observers have seen nothing
-    Trainer(qat("int4-weights-int8-activations", paths["float"])).export(path("w4a8-step0"))
+    try:
+        Trainer(qat("int4-weights-int8-activations", paths["float"])).export(os.path.join(folder, "w4a8-step0.onnx"))
+        w4a8 = predictions(os.path.join(folder, "w4a8-step0.onnx"), X_test, y_test)[0]
+    except TrainingError as error:
+        w4a8 = f"refused ({error})"
 
     # post-training quantization, int4: onnxruntime's MatMulNBitsQuantizer (the Gemms alone)
     nbits = matmul_nbits(gemms_as_matmul(float_model), path("ptq-int4-matmulnbits"))
@@ -330,12 +384,15 @@ def cnn_seed(args, seed: int, folder: str, data) -> dict:
         seconds[name] = time.perf_counter() - start
         # the exported QDQ model against the Trainer's own (fake-quantized) eval model
         evaluated = t.evaluate({"X": X_test, "labels": y_test})["logits"]
-        exported = session(paths[name]).run(None, {"X": X_test})[0]
+        exported, exact = (session(paths[name], e).run(None, {"X": X_test})[0] for e in (False, True))
         consistency[name] = (float(np.mean(evaluated.argmax(1) == exported.argmax(1))) * 100,
-                             float(np.abs(evaluated - exported).max()))
+                             float(np.abs(evaluated - exported).max()),
+                             float(np.mean(evaluated.argmax(1) == exact.argmax(1))) * 100,
+                             float(np.abs(evaluated - exact).max()))
     scores = {name: predictions(p, X_test, y_test) for name, p in paths.items()}
     return {"paths": paths, "steps": steps, "seconds": seconds, "nbits": nbits, "rtn_error": rtn_error,
-            "consistency": consistency, "acc": {n: s[0] for n, s in scores.items()}, "loss": {n: s[1] for n, s in scores.items()}}
+            "consistency": consistency, "w4a8": w4a8, "unnamed_loads": unnamed_loads,
+            "acc": {n: s[0] for n, s in scores.items()}, "loss": {n: s[1] for n, s in scores.items()}}
 
 
 def run_cnn(args, folder: str) -> int:
@@ -358,13 +415,15 @@ def run_cnn(args, folder: str) -> int:
           f"{time.perf_counter() - start:.1f} s; onnxruntime {ort.__version__}")
 
     # step times on the first seed's float model: fresh trainers of the float and QAT builds
-    qat_options = {"loss": "cross_entropy", "optimizer": "adamw", "optimizer_options": {"lr": args.qat_lr, "weight_decay": 1e-4}}
+    qat_options = {"loss": "cross_entropy", "optimizer": "adamw",
+                   "optimizer_options": {"lr": args.qat_lr, "weight_decay": 1e-4}}
     timing = {"float": Trainer(generate_artifacts(first["paths"]["float"], **qat_options))}
     for scheme in SCHEMES:
         timing[scheme] = Trainer(generate_artifacts(first["paths"]["float"], **qat_options,
                                                     qat=QatConfig(scheme, calibration_steps=args.calibration_steps)))
     rows = np.random.default_rng(args.seed).choice(len(X_train), args.batch, replace=False)
-    step_ms = step_times(timing, {"X": X_train[rows], "labels": y_train[rows]}, args.timing_steps, warmup=20)
+    measured = step_times(timing, {"X": X_train[rows], "labels": y_train[rows]}, args.timing_steps, warmup=20)
+    step_ms, low = ({k: v[i] for k, v in measured.items()} for i in (0, 1))
 
     # latency, size and kernels of the first seed's models (the same graphs for every seed)
     latency_x = np.resize(X_test, (args.latency_batch, *X_test.shape[1:]))  # (the held-out rows, repeated past 450)
@@ -402,7 +461,8 @@ def run_cnn(args, folder: str) -> int:
                  "quantized kernels", "step ms", "recovered % (acc)", "recovered % (loss)"], [
         [labels[n], f"{acc[n]:.2f}", f"{spread[n][0]:.2f}–{spread[n][1]:.2f}", f"{loss[n]:.4f}",
          f"{size_kb(first['paths'][n]):.1f}", f"{lat[n]:.3f}", kernel[n], f"{steps_col[n]:.3f}" if n in steps_col else "",
-         recovered(acc, n, ptq_of[n], True) if n in ptq_of else "", recovered(loss, n, ptq_of[n], False) if n in ptq_of else ""]
+         recovered(acc, n, ptq_of[n], True) if n in ptq_of else "",
+         recovered(loss, n, ptq_of[n], False) if n in ptq_of else ""]
         for n in CNN_ROWS]))
     if len(seeds) > 1:
         print("\nPer seed, held-out accuracy %:\n")
@@ -411,38 +471,49 @@ def run_cnn(args, folder: str) -> int:
 
     print(f"\nQAT wall time per seed (build, steps, export), first seed: "
           + ", ".join(f"{n} {s:.1f} s" for n, s in first["seconds"].items()))
-    worst = {n: (min(r["consistency"][n][0] for r in runs.values()), max(r["consistency"][n][1] for r in runs.values()))
-             for n in first["consistency"]}
-    for name, (agree, error) in worst.items():
+    for name in first["consistency"]:
+        agree, error, agree_exact, error_exact = (worst([r["consistency"][name][i] for r in runs.values()], i % 2 == 0)
+                                                  for i in range(4))
         print(f"check: {name}, the exported model against the Trainer's eval model (worst seed): argmax agreement "
-              f"{agree:.2f}%, max |logit difference| {error:.2e}")
-        code |= name.startswith("qat") and agree < 99.0
+              f"{agree:.2f}%, max |logit difference| {error:.2e} (onnxruntime's default options); {agree_exact:.2f}%, "
+              f"{error_exact:.2e} (its optimisations off)")
+        code |= agree_exact < 99.0
     rtn_error = max(r["rtn_error"] for r in runs.values())
     print(f"check: int4-weights QAT export at step 0 against numpy round-to-nearest int4 of the float weights "
-          f"(per channel / blocks of 32), worst seed: max |logit difference| {rtn_error:.2e}"
-          + (" (the same)" if rtn_error < 1e-4 else " (DIFFERENT)"))
+          f"(per channel / blocks of 32; onnxruntime's optimisations off), worst seed: max |logit difference| "
+          f"{rtn_error:.2e}" + (" (the same)" if rtn_error < 1e-4 else " (DIFFERENT)"))
     code |= rtn_error >= 1e-4
-    print(f"note: int4-weights-int8-activations exported at step 0 (its observers' ranges [0, 0], uncalibrated: not a "
-          f"PTQ): held-out accuracy {acc['w4a8-step0']:.2f}%")
+    loads = first["unnamed_loads"]
+    print(f"check: the int4-weights QAT export of the CNN as cnn() builds it (its nodes unnamed) loads in onnxruntime: "
+          f"{loads}" + ("" if loads == "yes" else "; the benchmark names the float model's nodes (Gemm_7, ...) before "
+                        "its builds, so that its exports load"))
+    w4a8 = first["w4a8"]
+    print(f"note: int4-weights-int8-activations exported before any step (its observers have seen no batch: not a PTQ): "
+          + (f"held-out accuracy {w4a8:.2f}%" if isinstance(w4a8, float) else w4a8))
     ratio = {scheme: step_ms[scheme] / step_ms["float"] for scheme in SCHEMES}
-    print(f"step time, ms (median of {args.timing_steps} single steps, taking turns, batch {args.batch}): float "
-          f"{step_ms['float']:.3f}, " + ", ".join(f"{s} QAT {step_ms[s]:.3f}" for s in SCHEMES)
-          + "; qat/float " + ", ".join(f"{s} {ratio[s]:.2f}" for s in SCHEMES))
+    print(f"step time, ms, median (min) of {args.timing_steps} single steps, taking turns by blocks of 10, batch "
+          f"{args.batch}: float {step_ms['float']:.3f} ({low['float']:.3f}), "
+          + ", ".join(f"{s} QAT {step_ms[s]:.3f} ({low[s]:.3f})" for s in SCHEMES)
+          + "; qat/float " + ", ".join(f"{s} {ratio[s]:.2f} ({low[s] / low['float']:.2f})" for s in SCHEMES))
 
     print()
     lost4 = acc["float"] - acc["ptq-int4-rtn"]
-    figures = (f"float {acc['float']:.2f}, PTQ {acc['ptq-int4-rtn']:.2f}, QAT {acc['qat-int4-weights']:.2f}, "
-               f"mean of {len(seeds)} seeds")
-    if lost4 > 0:
+    row = 100 / len(X_test)  # one held-out row, in points
+    figures = (f"float {acc['float']:.2f}, PTQ {acc['ptq-int4-rtn']:.2f}, QAT {acc['qat-int4-weights']:.2f}, mean of "
+               f"{len(seeds)} seeds; held-out loss recovered: {recovered(loss, 'qat-int4-weights', 'ptq-int4-rtn', False)}%")
+    text = "int4-weight QAT recovers >= 80% of the held-out accuracy int4 PTQ loses against float"
+    if lost4 <= 0:
+        print(must(text, f"n/a, int4 PTQ loses nothing ({figures})", None))
+    elif lost4 < row:  # fewer rows than seeds: the share is the noise of a row or two
         share = (acc["qat-int4-weights"] - acc["ptq-int4-rtn"]) / lost4 * 100
-        print(must("int4-weight QAT recovers >= 80% of the held-out accuracy int4 PTQ loses against float",
-                   f"{share:.0f}% ({figures})", share >= 80))
+        print(must(text, f"{share:.0f}%, but int4 PTQ loses {lost4:.2f} points, less than one held-out row per seed "
+                         f"({row:.2f} points): below what this held-out set resolves ({figures})", None))
     else:
-        print(must("int4-weight QAT recovers >= 80% of the held-out accuracy int4 PTQ loses against float",
-                   f"n/a, int4 PTQ loses nothing ({figures})", None))
+        share = (acc["qat-int4-weights"] - acc["ptq-int4-rtn"]) / lost4 * 100
+        print(must(text, f"{share:.0f}% ({figures})", share >= 80))
     gap = acc["float"] - acc["qat-int8"]
     print(must("int8 QAT within 0.5 points of float (held-out accuracy)",
-               f"{gap:+.2f} points below float ({acc['qat-int8']:.2f} against {acc['float']:.2f}, mean of "
+               f"float − QAT = {gap:+.2f} points ({acc['qat-int8']:.2f} against {acc['float']:.2f}, mean of "
                f"{len(seeds)} seeds)", gap <= 0.5))
     for scheme in SCHEMES:
         print(must(f"a QAT step costs <= 1.5x a float step ({scheme}, CNN, batch {args.batch})",
@@ -464,7 +535,7 @@ def fold_transposed_weights(model: onnx.ModelProto) -> int:
     for node in graph.node:
         for position, name in enumerate(node.input):
             readers.setdefault(name, []).append((node, position))
-    folded = 0
+    folded = set()
     for node in list(graph.node):
         if (node.op_type != "Transpose" or node.input[0] not in weights or len(weights[node.input[0]].dims) != 2
                 or len(readers[node.input[0]]) != 1
@@ -475,8 +546,11 @@ def fold_transposed_weights(model: onnx.ModelProto) -> int:
         for reader, position in readers[node.output[0]]:
             reader.input[position] = tensor.name
         graph.node.remove(node)
-        folded += 1
-    return folded
+        folded.add(tensor.name)
+    stale = [v for v in graph.value_info if v.name in folded]  # (the export records W's [N, K] there)
+    for info in stale:
+        graph.value_info.remove(info)
+    return len(folded)
 
 
 def run_llama(args, folder: str) -> int:
@@ -494,11 +568,14 @@ def run_llama(args, folder: str) -> int:
     folded = fold_transposed_weights(model)
     for tensor in model.graph.initializer:  # one file, no external data (the model is 1 MB)
         tensor.ClearField("data_location")
+    for node in model.graph.node:  # the exporter's stack traces: half the file, kept by some exports, not others
+        del node.metadata_props[:]
     onnx.save(model, os.path.join(folder, "folded.onnx"))
     batches = llama_lora.batches(spec, size["vocab"])
     held = np.random.default_rng(2).integers(0, size["vocab"], (spec.batch, spec.seq)).astype(np.int64)
     held_out = {"ids": held, "labels": held}
-    print(f"\nLlama (llama_lora.py --size tiny: vocabulary {size['vocab']}, hidden {size['hidden']}, {size['layers']} layers, "
+    print(f"\nLlama (llama_lora.py --size tiny: vocabulary {size['vocab']}, hidden {size['hidden']}, {size['layers']} "
+          f"layers, "
           f"{exported['params']:,} parameters), batch {spec.batch} x {spec.seq} tokens; {folded} MatMul(x, Transpose(W)) "
           f"folded; export {time.perf_counter() - start:.1f} s")
     options = {"loss": None, "optimizer": "adamw", "optimizer_options": {"lr": args.llama_lr, "weight_decay": 0.01}}
@@ -506,8 +583,8 @@ def run_llama(args, folder: str) -> int:
     calibration = args.calibration_steps
     paths, losses = {}, {}
     trainers = {"float": Trainer(generate_artifacts(source, **options)),
-                "qat-int4-weights": Trainer(generate_artifacts(source, qat=QatConfig("int4-weights", calibration_steps=calibration),
-                                                               **options))}
+                "qat-int4-weights": Trainer(generate_artifacts(
+                    source, qat=QatConfig("int4-weights", calibration_steps=calibration), **options))}
     for name, trainer in trainers.items():
         losses[name] = [trainer.step(batch) for batch in batches]
         paths[name] = os.path.join(folder, f"{name}.onnx")
@@ -518,32 +595,51 @@ def run_llama(args, folder: str) -> int:
     paths["ptq-rtn"] = os.path.join(folder, "ptq-rtn.onnx")
     Trainer(generate_artifacts(paths["float"], qat=QatConfig("int4-weights", calibration_steps=calibration),
                                **options)).export(paths["ptq-rtn"])
-    # step times, fresh trainers
-    timing = {"float": Trainer(generate_artifacts(source, **options)),
-              "int4-weights": Trainer(generate_artifacts(source, qat=QatConfig("int4-weights", calibration_steps=calibration),
-                                                         **options))}
-    step_ms = step_times(timing, batches[0], args.llama_timing_steps, warmup=3)
+    # step times, fresh trainers (int8: for information, no must)
+    timing = {"float": Trainer(generate_artifacts(source, **options))}
+    for scheme in SCHEMES[::-1]:
+        timing[scheme] = Trainer(generate_artifacts(source, qat=QatConfig(scheme, calibration_steps=calibration), **options))
+    measured = step_times(timing, batches[0], args.llama_timing_steps, warmup=10)
+    step_ms, low = ({k: v[i] for k, v in measured.items()} for i in (0, 1))
 
     def loss(p: str, batch) -> float:
         return float(session(p).run(None, batch)[0])
 
-    labels = {"float": f"float, {args.llama_steps} steps", "ptq-matmulnbits": f"int4 PTQ of it: MatMulNBitsQuantizer ({nbits} MatMul)",
-              "ptq-rtn": "int4-weights PTQ of it: round to nearest (QAT build at step 0)",
+    rows = ("float", "ptq-matmulnbits", "ptq-rtn", "qat-int4-weights")
+    train_loss = {n: loss(paths[n], batches[0]) for n in rows}
+    labels = {"float": f"float, {args.llama_steps} steps",
+              "ptq-matmulnbits": f"int4 PTQ of that: MatMulNBitsQuantizer ({nbits} MatMul; embedding float)",
+              "ptq-rtn": "int4-weights PTQ of that: round to nearest (the QAT build at step 0)",
               "qat-int4-weights": f"int4-weights QAT, {args.llama_steps} steps"}
     steps_col = {"float": step_ms["float"], "qat-int4-weights": step_ms["int4-weights"]}
-    print(f"\nLosses of the exported models on onnxruntime (the training batch; a held-out batch of random ids, chance "
-          f"ln {size['vocab']} = {np.log(size['vocab']):.3f}); latency: the loss model on the training batch, median of "
-          f"{args.latency_runs}; step: median of {args.llama_timing_steps}, taking turns:\n")
-    print(table(["method", "train-batch loss", "held-out loss", "size KB", "ms/batch", "step ms"], [
-        [labels[n], f"{loss(paths[n], batches[0]):.4f}", f"{loss(paths[n], held_out):.4f}", f"{size_kb(paths[n]):.1f}",
-         f"{latency_ms(paths[n], batches[0], args.latency_runs):.3f}", f"{steps_col[n]:.2f}" if n in steps_col else ""]
-        for n in ("float", "ptq-matmulnbits", "ptq-rtn", "qat-int4-weights")]))
-    print("\n  training losses, float:            " + " ".join(f"{x:.3f}" for x in losses["float"][:: max(1, len(batches) // 8)]))
-    print("  training losses, int4-weights QAT: " + " ".join(f"{x:.3f}" for x in losses["qat-int4-weights"][:: max(1, len(batches) // 8)]))
-    ratio = step_ms["int4-weights"] / step_ms["float"]
-    print(f"step time, ms: float {step_ms['float']:.2f}, int4-weights QAT {step_ms['int4-weights']:.2f}; qat/float {ratio:.2f}")
-    print(must("a QAT step costs <= 1.5x a float step (int4-weights, Llama tiny)",
-               f"{ratio:.2f}x ({step_ms['int4-weights']:.2f} / {step_ms['float']:.2f} ms)", ratio <= 1.5))
+    lost = train_loss["ptq-rtn"] - train_loss["float"]
+    recovered = (f"{(train_loss['ptq-rtn'] - train_loss['qat-int4-weights']) / lost * 100:.0f}" if lost > 0
+                 else "n/a (PTQ loses nothing)")
+    print(f"\nLosses of the exported models on onnxruntime: the training batch, and a held-out batch of other random ids "
+          f"(chance: ln {size['vocab']} = {np.log(size['vocab']):.3f}); latency: the loss model on the training batch, "
+          f"median of {args.latency_runs}; the MatMuls onnxruntime runs with quantized kernels; step: median of "
+          f"{args.llama_timing_steps} single steps, taking turns by blocks of 10; recovered: (PTQ − QAT) / (PTQ − float), "
+          f"training-batch loss, against the round-to-nearest PTQ:\n")
+    print(table(["method", "train-batch loss", "held-out loss", "size KB", "ms/batch", "quantized kernels", "step ms",
+                 "recovered % (loss)"], [
+        [labels[n], f"{train_loss[n]:.4f}", f"{loss(paths[n], held_out):.4f}", f"{size_kb(paths[n]):.1f}",
+         f"{latency_ms(paths[n], batches[0], args.latency_runs):.3f}", kernels(paths[n], folder),
+         f"{steps_col[n]:.2f}" if n in steps_col else "", recovered if n == "qat-int4-weights" else ""]
+        for n in rows]))
+    every = max(1, len(batches) // 10)
+    for name, label in (("float", "float"), ("qat-int4-weights", "int4-weights QAT")):
+        print(f"\n  training losses, {label}, every {every} steps: " if name == "float" else
+              f"  training losses, {label}, every {every} steps: ", end="")
+        print(" ".join(f"{x:.3f}" for x in losses[name][::every]) + f" (last {losses[name][-1]:.3f})")
+    ratio = {scheme: step_ms[scheme] / step_ms["float"] for scheme in SCHEMES}
+    print(f"step time, ms, median (min): float {step_ms['float']:.2f} ({low['float']:.2f}), int4-weights QAT "
+          f"{step_ms['int4-weights']:.2f} ({low['int4-weights']:.2f}), int8 QAT {step_ms['int8']:.2f} ({low['int8']:.2f}) "
+          f"(information); qat/float int4-weights {ratio['int4-weights']:.2f} ({low['int4-weights'] / low['float']:.2f}), "
+          f"int8 {ratio['int8']:.2f} ({low['int8'] / low['float']:.2f})")
+    print()
+    print(must("a QAT step costs <= 1.5x a float step (int4-weights, Llama tiny, batch 2 x 32 tokens)",
+               f"{ratio['int4-weights']:.2f}x ({step_ms['int4-weights']:.2f} / {step_ms['float']:.2f} ms)",
+               ratio["int4-weights"] <= 1.5))
     return 0
 
 
@@ -567,16 +663,16 @@ def main(argv=None) -> int:
                         help="CNN runs, seeds --seed, --seed + 1, ...: the means are reported (default 10)")
     parser.add_argument("--quick", action="store_true", help="a small run (seconds): the tests' configuration")
     parser.add_argument("--llama", action="store_true", help="also the Llama of llama_lora.py at its tiny size")
-    parser.add_argument("--llama-steps", type=int, default=40)
+    parser.add_argument("--llama-steps", type=int, default=100, help="Llama training steps (default 100)")
     parser.add_argument("--llama-lr", type=float, default=1e-3)
-    parser.add_argument("--llama-timing-steps", type=int, default=20)
+    parser.add_argument("--llama-timing-steps", type=int, default=200)
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where to write the models")
     parser.add_argument("--keep", action="store_true", help="keep the models")
     args = parser.parse_args(argv)
     if args.quick:
         args.epochs, args.qat_epochs, args.calibration_steps, args.seeds = 4, 1, 20, 2
         args.latency_runs, args.timing_steps = 5, 20
-        args.llama_steps, args.llama_timing_steps = 4, 3
+        args.llama_steps, args.llama_timing_steps = 4, 5
     np.random.seed(args.seed)
     folder = tempfile.mkdtemp(prefix="onnx-autodiff-qat-", dir=args.dir)
     try:

@@ -160,6 +160,30 @@ def test_llama_lora_trains_a_shipped_matmulnbits_file_at_a_toy_size(tmp_path, ca
     assert "MatMulNBits" not in ops["artifacts-shipped"] and "MatMulNBits" in ops["artifacts-shipped-kernels"]
 
 
+def test_qat_benchmark_prints_its_table_and_musts_in_quick_mode(tmp_path, capsys):
+    """benchmarks/qat.py --quick: the CNN's table (every method, accuracies and sizes), its own checks
+    (the exported QDQ models agree with the Trainer's eval models; the int4 export at step 0 is round to
+    nearest) and the four must lines, whatever they say (quick mode trains too little to judge them)."""
+    pytest.importorskip("sklearn")
+    bench = load("qat")
+    assert bench.main(["--quick", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = table_rows(out, "recovered % (acc)")
+    methods = ("float (", "int8 PTQ", "int8 QAT", "int4-weights PTQ", "int4 PTQ: MatMulNBitsQuantizer", "int4-weights QAT",
+               "float, fine-tuned")
+    for method in methods:
+        (row,) = [row for label, row in rows.items() if label.startswith(method)]
+        assert 50 < float(row["acc %"]) <= 100 and float(row["size KB"]) > 0 and float(row["ms/batch 256"]) > 0
+    steps = [float(row["step ms"]) for row in rows.values() if row["step ms"]]  # float twice, the two QAT schemes
+    assert len(steps) == 4 and all(ms > 0 for ms in steps)
+    sizes = {method: float(row["size KB"]) for method in methods for label, row in rows.items() if label.startswith(method)}
+    assert sizes["int4-weights QAT"] < sizes["int8 QAT"] < sizes["float ("]  # the exports store integers
+    assert "(the same)" in out  # the int4 export at step 0 against numpy's round to nearest
+    musts = re.findall(r"^must: .* : measured .* \((PASS|FAIL|n/a)\)$", out, re.MULTILINE)
+    assert len(musts) == 4, out
+    assert not list(tmp_path.iterdir())  # the models are removed
+
+
 @pytest.mark.slow
 def test_build_time_per_node_and_per_parameter_stays_flat():
     """Growth is linear: the pass and cleanup's microseconds per forward node on the 20,001-node
