@@ -115,6 +115,15 @@ def _as_matmulnbits(proto: onnx.ModelProto) -> None:
         proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
 
 
+def _fresh(name: str, taken: set[str]) -> str:
+    """``name``, or with a number appended where a node has it already; then taken."""
+    fresh, number = name, 1
+    while fresh in taken:
+        fresh, number = f"{name}_{number}", number + 1
+    taken.add(fresh)
+    return fresh
+
+
 def _blocked_gemms_as_matmuls(graph: onnx.GraphProto) -> None:
     """Each Gemm (transB=1, transA=0, alpha = beta = 1) whose weight a DequantizeLinear reads in
     blocks along its reduction axis becomes a MatMul by the transposed weight (blocks along axis 0)
@@ -125,6 +134,7 @@ def _blocked_gemms_as_matmuls(graph: onnx.GraphProto) -> None:
         for name in node.input:
             readers[name] = readers.get(name, 0) + 1
     inits = {t.name: t for t in graph.initializer}
+    taken = {node.name for node in graph.node}
     nodes, transposed = [], set()
     for node in graph.node:
         read = producers.get(node.input[1]) if node.op_type == "Gemm" and len(node.input) > 1 else None
@@ -147,7 +157,8 @@ def _blocked_gemms_as_matmuls(graph: onnx.GraphProto) -> None:
         transposed.add(read.output[0])
         if len(node.input) > 2 and node.input[2]:
             product = f"{node.output[0]}_product"
-            nodes.append(onnx.helper.make_node("MatMul", [node.input[0], node.input[1]], [product], name=f"{node.name}_matmul"))
+            name = _fresh(f"{node.name or node.output[0]}_matmul", taken)
+            nodes.append(onnx.helper.make_node("MatMul", [node.input[0], node.input[1]], [product], name=name))
             nodes.append(onnx.helper.make_node("Add", [product, node.input[2]], list(node.output), name=node.name))
         else:
             nodes.append(onnx.helper.make_node("MatMul", [node.input[0], node.input[1]], list(node.output), name=node.name))

@@ -57,9 +57,12 @@ class _Layout:
 
 
 class FakeQuantizePass(ir.passes.InPlacePass):
-    """QuantizeLinear → DequantizeLinear on the weight and (where the scheme says) the first input
-    of each Conv, ConvTranspose, Gemm and MatMul whose weight is a float initializer, unless
-    ``config.skip`` names the node or the weight. The model imports ``config.opset`` or newer.
+    """QuantizeLinear → DequantizeLinear on the weight and, where the scheme quantizes activations,
+    on the first input and the output (after a Relu that alone reads it) of each Conv,
+    ConvTranspose, Gemm and MatMul whose weight is computed from initializers alone, unless
+    ``config.skip`` names the node or the weight: the QDQ form onnxruntime's quantizer writes, whose
+    nodes its quantized kernels replace. An input already fake-quantized (a previous layer's
+    output) is read as it is. The model imports ``config.opset`` or newer.
     ``observers``: the activations' observers, whose buffers it adds (range [0, 0] until the first
     step observes one); ``ranges``: the values holding a weight's range; ``quantized``: the nodes' names."""
 
@@ -70,6 +73,7 @@ class FakeQuantizePass(ir.passes.InPlacePass):
         self.ranges: list[str] = []
         self.learned: list[str] = []
         self.quantized: list[str] = []
+        self._made: set[ir.Value] = set()  # the fake-quantized activations (read as they are)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph, config = model.graph, self.config
@@ -85,11 +89,13 @@ class FakeQuantizePass(ir.passes.InPlacePass):
             start = len(op.nodes)
             node.replace_input_with(1, self._weight(weight, layout, node.name or weight.name))
             x = node.inputs[0]  # (of the weight's type: these ops read one float type)
-            if config.activations and x is not None:
+            if config.activations and x is not None and x not in self._made:
                 if x not in activations:
                     activations[x] = self._activation(x, weight.dtype)
                 node.replace_input_with(0, activations[x])
             graph.insert_before(node, op.nodes[start:])
+            if config.activations:
+                self._output(node, weight.dtype)
             self.quantized.append(node.name or "")
         return ir.passes.PassResult(model, modified=bool(self.quantized))
 
@@ -139,15 +145,40 @@ class FakeQuantizePass(ir.passes.InPlacePass):
         attributes = {"axis": layout.axis} | ({"block_size": layout.block} if layout.block else {})
         return quantized(op, weight, scale, zero, dtype, attributes, self.namer, weight.name or stem)
 
-    def _activation(self, x: ir.Value, float_type: ir.DataType) -> ir.Value:
+    def _output(self, node: ir.Node, float_type: ir.DataType) -> None:
+        """Fake-quantizes what ``node`` gives the next layer: its output, or a Relu's of it where
+        only that Relu reads it (what onnxruntime's quantized kernels write, the Relu in their
+        range); its readers, and the graph output it may be, read the fake-quantized value under
+        the output's name."""
+        y = node.outputs[0]
+        uses = y.uses()
+        if len(uses) == 1 and not y.is_graph_output() and uses[0][0].op_type == "Relu" and uses[0][0].domain in ("", "ai.onnx"):
+            y = uses[0][0].outputs[0]
+        readers = list(y.uses())
+        start = len(self.op.nodes)
+        name, output = y.name, y.is_graph_output()
+        if output:  # (renamed first: the observer finds what it observes by name)
+            y.name = self.namer.fresh(f"{name}_float")
+        quantized = self._activation(y, float_type, stem=name)
+        self.graph.insert_after(y.producer(), self.op.nodes[start:])
+        for user, index in readers:
+            user.replace_input_with(index, quantized)
+        if output:
+            outputs = self.graph.outputs
+            outputs[outputs.index(y)] = quantized
+            quantized.name = name
+
+    def _activation(self, x: ir.Value, float_type: ir.DataType, stem: str | None = None) -> ir.Value:
         op = self.op
         dtype = float_type.numpy()
-        stem = x.name or "x"
+        stem = stem or x.name or "x"
         minimum = fresh_initializer(self.graph, self.namer, np.array(0, dtype), f"{stem}_observed_min")
         maximum = fresh_initializer(self.graph, self.namer, np.array(0, dtype), f"{stem}_observed_max")
         self.observers.append(Observer(minimum.name, maximum.name, x.name))
         scale, zero = affine_qparams(op, minimum, maximum, ir.DataType.UINT8, self._factor([], float_type, stem))
-        return quantized(op, x, scale, zero, ir.DataType.UINT8, {}, self.namer, stem)
+        made = quantized(op, x, scale, zero, ir.DataType.UINT8, {}, self.namer, stem)
+        self._made.add(made)
+        return made
 
 
 def quantized(op: OpBuilder, x: ir.Value, scale: ir.Value, zero: ir.Value, dtype: ir.DataType, attributes,

@@ -65,10 +65,14 @@ def test_int8_per_channel_weights_and_observed_activations():
     proto, w = matmuls(k=8)
     fake_quantized, fake = inserted(proto, QatConfig("int8"))
     assert fake.quantized == ["body", "head"]
+    # each layer's input and output; the head's input is the body's output, quantized once; the
+    # graph output keeps its name, read from the fake quantization of what the head computes
     assert [(o.observed, o.minimum, o.maximum) for o in fake.observers] == [
-        ("x", "x_observed_min", "x_observed_max"), ("h", "h_observed_min", "h_observed_max")]
+        ("x", "x_observed_min", "x_observed_max"), ("h", "h_observed_min", "h_observed_max"),
+        ("y_float", "y_observed_min", "y_observed_max")]
     quantizers = [n for n in fake_quantized.graph.node if n.op_type == "QuantizeLinear"]
-    assert len(quantizers) == 4 and sorted(n.input[0] for n in quantizers) == ["h", "v", "w", "x"]
+    assert sorted(n.input[0] for n in quantizers) == ["h", "v", "w", "x", "y_float"]
+    assert fake_quantized.graph.output[0].name == "y"
     # the observers' buffers hold [0, 0] until a step observes a range: the eval form stays finite
     out = ReferenceEvaluator(fake_quantized).run(None, {"x": np.ones((2, 8), np.float32)})[0]
     assert np.isfinite(out).all()
@@ -85,5 +89,6 @@ def test_int8_per_channel_weights_and_observed_activations():
     h_q = np.clip(np.round(h / scale), 0, 255) * scale
     v = numpy_helper.to_array(proto.graph.initializer[1])
     v_scale = (np.abs(v).max(0) / np.float32(127)).astype(np.float32)
-    expected = h_q @ (np.clip(np.round(v / v_scale), -128, 127) * v_scale)
+    y = h_q @ (np.clip(np.round(v / v_scale), -128, 127) * v_scale)
+    expected = np.clip(np.round(y / scale), 0, 255) * scale
     np.testing.assert_allclose(ReferenceEvaluator(fake_quantized).run(None, {"x": x})[0], expected, rtol=1e-5, atol=1e-5)
