@@ -52,6 +52,7 @@ def frozen_quantization(proto: onnx.ModelProto, quantize_format: str = "dequanti
     kept_info = [v for v in frozen.graph.value_info if v.name not in stale]
     del frozen.graph.value_info[:]
     frozen.graph.value_info.extend(kept_info)
+    _transposes_stored(frozen.graph)
     _blocked_gemms_as_matmuls(frozen.graph)
     if quantize_format == "matmulnbits":
         _as_matmulnbits(frozen)
@@ -113,6 +114,53 @@ def _as_matmulnbits(proto: onnx.ModelProto) -> None:
     graph.value_info.extend(info)
     if not any(o.domain == "com.microsoft" for o in proto.opset_import):
         proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+
+
+def _readers(graph: onnx.GraphProto) -> dict[str, int]:
+    """How many node inputs and graph outputs read each value."""
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    for value in graph.output:
+        readers[value.name] = readers.get(value.name, 0) + 1
+    return readers
+
+
+def _transposes_stored(graph: onnx.GraphProto) -> None:
+    """Each 2-D Transpose of a DequantizeLinear of initializers that nothing else reads is stored
+    transposed instead (the integers, scales and zero points; the axis swapped): the weight read as
+    the product reads it, which onnxruntime's kernels fuse."""
+    producers = {out: node for node in graph.node for out in node.output}
+    readers = _readers(graph)
+    inits = {t.name: t for t in graph.initializer}
+    dropped, renamed = set(), set()
+    for node in graph.node:
+        read = producers.get(node.input[0]) if node.op_type == "Transpose" and node.domain in ("", "ai.onnx") else None
+        perm = [list(a.ints) for a in node.attribute if a.name == "perm"]
+        if read is None or read.op_type != "DequantizeLinear" or perm not in ([], [[1, 0]]) or readers[node.input[0]] != 1:
+            continue
+        stored = [name for name in read.input if name]
+        if any(name not in inits or readers[name] != 1 for name in stored) or len(inits[stored[0]].dims) != 2:
+            continue
+        for name in stored:
+            array = numpy_helper.to_array(inits[name])
+            if array.ndim == 2:
+                inits[name].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(array.T), name))
+        for attribute in read.attribute:
+            if attribute.name == "axis":
+                attribute.i = 1 - (attribute.i % 2)
+        renamed.add(read.output[0])
+        read.output[0] = node.output[0]
+        dropped.add(id(node))
+    if not dropped:
+        return
+    kept = [node for node in graph.node if id(node) not in dropped]
+    del graph.node[:]
+    graph.node.extend(kept)
+    info = [v for v in graph.value_info if v.name not in renamed and v.name not in {n.output[0] for n in kept if n.op_type == "DequantizeLinear"}]
+    del graph.value_info[:]
+    graph.value_info.extend(info)
 
 
 def _fresh(name: str, taken: set[str]) -> str:

@@ -40,6 +40,9 @@ class FakeQuantization:
     observers: tuple[Observer, ...]
     ranges: tuple[str, ...]
     learned: tuple[str, ...] = ()  # the scales' learned log-factors (parameters)
+    # (weight, its fake quantization) of each weight whose range holds all of it (symmetric, not
+    # learned): round(w / s) never clips, the straight-through gradient is the identity
+    unclipped: tuple[tuple[str, str], ...] = ()
 
     @property
     def buffers(self) -> list[str]:
@@ -72,6 +75,7 @@ class FakeQuantizePass(ir.passes.InPlacePass):
         self.observers: list[Observer] = []
         self.ranges: list[str] = []
         self.learned: list[str] = []
+        self.unclipped: list[tuple[str, str]] = []
         self.quantized: list[str] = []
         self._made: set[ir.Value] = set()  # the fake-quantized activations (read as they are)
 
@@ -87,7 +91,15 @@ class FakeQuantizePass(ir.passes.InPlacePass):
             if weight is None or config.skips(node.name, weight.name):
                 continue
             start = len(op.nodes)
-            node.replace_input_with(1, self._weight(weight, layout, node.name or weight.name))
+            read = _transposed(weight)
+            if read is not None:  # the stored matrix quantized, then transposed (see _transposed)
+                source = read.inputs[0]
+                swapped = dataclasses.replace(layout, axis=1 - layout.axis)
+                read.replace_input_with(0, self._weight(source, swapped, source.name or node.name))
+                graph.insert_before(read, op.nodes[start:])
+                start = len(op.nodes)
+            else:
+                node.replace_input_with(1, self._weight(weight, layout, node.name or weight.name))
             x = node.inputs[0]  # (of the weight's type: these ops read one float type)
             if config.activations and x is not None and x not in self._made:
                 if x not in activations:
@@ -101,7 +113,8 @@ class FakeQuantizePass(ir.passes.InPlacePass):
 
     @property
     def added(self) -> FakeQuantization:
-        return FakeQuantization(self.config, tuple(self.observers), tuple(self.ranges), tuple(self.learned))
+        return FakeQuantization(self.config, tuple(self.observers), tuple(self.ranges), tuple(self.learned),
+                                tuple(self.unclipped))
 
     def _factor(self, shape: list[int], float_type: ir.DataType, stem: str) -> ir.Value | None:
         """exp(t) of a new parameter t of ``shape`` (0: the observed scale), where the scales are learned."""
@@ -143,7 +156,11 @@ class FakeQuantizePass(ir.passes.InPlacePass):
         else:
             scale, zero = affine_qparams(op, *ranges, dtype, factor)
         attributes = {"axis": layout.axis} | ({"block_size": layout.block} if layout.block else {})
-        return quantized(op, weight, scale, zero, dtype, attributes, self.namer, weight.name or stem)
+        made = quantized(op, weight, scale, zero, dtype, attributes, self.namer, weight.name or stem)
+        if config.symmetric and factor is None:
+            made.name = self.namer.fresh(f"{weight.name or stem}.fake_quantized")
+            self.unclipped.append((weight.name, made.name))
+        return made
 
     def _output(self, node: ir.Node, float_type: ir.DataType) -> None:
         """Fake-quantizes what ``node`` gives the next layer: its output, or a Relu's of it where
@@ -220,6 +237,20 @@ def affine_qparams(op: OpBuilder, minimum: ir.Value, maximum: ir.Value, dtype: i
         scale = op.Mul(scale, factor)
     zero = op.clip(op.Sub(op.const(np.array(qmin, float_type)), op.Round(op.Div(low, scale))), qmin, qmax)
     return scale, op.Cast(zero, to=dtype)
+
+
+def _transposed(weight: ir.Value) -> ir.Node | None:
+    """The Transpose of a 2-D matrix that alone makes ``weight`` (a PyTorch export's ``x @ W.T``),
+    or None. Its input is quantized instead, along the matching axis: the same values, and the form
+    onnxruntime's graph optimizer handles (it moves a Transpose below a blocked QuantizeLinear
+    without transposing the scales, and the step then fails)."""
+    read = weight.producer()
+    if read is None or read.op_type != "Transpose" or read.domain not in ("", "ai.onnx") or len(weight.uses()) != 1:
+        return None
+    source = read.inputs[0]
+    if source is None or source.shape is None or len(source.shape) != 2 or list(shapes.attr(read, "perm", [1, 0])) != [1, 0]:
+        return None
+    return read
 
 
 def of_initializers(value: ir.Value, depth: int = 8) -> bool:

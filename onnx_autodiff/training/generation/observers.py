@@ -43,6 +43,9 @@ class ObserversPass(ir.passes.InPlacePass):
             values.update((out.name, out) for out in node.outputs)
         for name in self.quantization.ranges:
             stop_gradient(values[name])
+        for weight, made in self.quantization.unclipped:
+            if weight in values:  # (a frozen weight, an initializer still, needs no gradient)
+                self._straight_through(graph, op, values[weight], values[made])
         position = {node: i for i, node in enumerate(graph)}
         step = fresh_value(self.namer, "step", ir.DataType.INT64, [])
         observing = op.LessOrEqual(step, op.const(np.array(config.calibration_steps, np.int64)))
@@ -71,3 +74,17 @@ class ObserversPass(ir.passes.InPlacePass):
                     user.replace_input_with(index, new)
         graph.inputs.append(step)
         return Observed(model, bool(updates), updates, step)
+
+    @staticmethod
+    def _straight_through(graph: ir.Graph, op: OpBuilder, w: ir.Value, fake: ir.Value) -> None:
+        """``fake`` (w fake-quantized, never clipped) read as w + stop_gradient(fake − w): the same
+        values (fake − w is exact, Sterbenz: fake is 0 or within a factor 2 of w), and a gradient
+        that passes to w unchanged, as the straight-through estimator's all-true mask gives it,
+        with no backward nodes for the pair."""
+        readers = list(fake.uses())
+        start = len(op.nodes)
+        same = op.Add(w, stop_gradient(op.Sub(fake, w)))
+        same.type, same.shape = fake.type, fake.shape
+        graph.insert_after(fake.producer(), op.nodes[start:])
+        for user, index in readers:
+            user.replace_input_with(index, same)
