@@ -278,3 +278,28 @@ def test_export_before_any_step_is_refused_where_activations_are_observed(tmp_pa
     assert not (tmp_path / "early.onnx").exists()
     weights_only = Trainer(generate_artifacts(Net().onnx(), qat="int4-weights"))
     assert any(t.data_type == TensorProto.INT4 for t in weights_only.export(tmp_path / "ptq.onnx").graph.initializer)
+
+
+@pytest.mark.parametrize("scheme", ["int4-weights", "int8"])
+def test_a_transposed_weight_is_quantized_as_stored(tmp_path, scheme):
+    """PyTorch's exporter writes x @ W.T as MatMul(x, Transpose(W)): the stored W is quantized
+    along the matching axis, the step runs with onnxruntime's default optimizations (which move a
+    Transpose below a blocked QuantizeLinear wrongly), and the export reads it as the kernels do."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.normal(0, 0.3, (5, 64)).astype(np.float32), "linear.weight")  # [out, in]
+    graph = helper.make_graph(
+        [helper.make_node("Transpose", ["linear.weight"], ["wt"], perm=[1, 0]),
+         helper.make_node("MatMul", ["x", "wt"], ["logits"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 64])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 5])], [w])
+    trainer = Trainer(generate_artifacts(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]),
+                                         qat=scheme, optimizer="sgd", optimizer_options={"lr": 0.1}))
+    x = rng.normal(size=(8, 64)).astype(np.float32)
+    losses = [trainer.step({"x": x, "labels": np.arange(8) % 5}) for _ in range(3)]
+    assert losses[-1] < losses[0]
+    path = tmp_path / "linear.onnx"
+    exported = trainer.export(path)
+    assert "Transpose" not in {n.op_type for n in exported.graph.node}
+    assert ("MatMulNBits" if scheme == "int4-weights" else "QLinearMatMul") in optimized_ops(path)
+    (got,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(got, trainer.evaluate({"x": x, "labels": np.zeros(8, np.int64)})["logits"], atol=0.05)
