@@ -2,7 +2,7 @@
 
     python benchmarks/qat.py [--epochs 15] [--qat-epochs 2] [--qat-lr 3e-4] [--calibration-steps 40]
         [--batch 32] [--latency-batch 256] [--latency-runs 200] [--timing-steps 300] [--seed 0]
-        [--seeds 10] [--quick] [--llama] [--llama-steps 100] [--dir DIR] [--keep]
+        [--seeds 10] [--quick] [--llama] [--llama-steps 100] [--llama-qat-steps 30] [--dir DIR] [--keep]
 
 The digits CNN of ``examples/train_digits.py`` (conv 16 → pool → conv 32 → pool → Gemm 128-64 →
 Gemm 64-10, seeded), on scikit-learn's bundled digits split as that example splits them (75% train,
@@ -11,8 +11,8 @@ the batches' order), the accuracies averaged over the seeds (450 held-out rows: 
 points, so a single run resolves little):
 
 - float: trained as the example trains it (AdamW, lr 3e-3, weight decay 1e-4, a cosine step of the
-  learning rate per epoch, batches of 32), exported; its nodes, which ``cnn()`` leaves unnamed, are
-  then named (the benchmark checks whether the int4 export of the unnamed model loads);
+  learning rate per epoch, batches of 32), exported (its nodes unnamed, as ``cnn()`` writes them: the
+  benchmark checks that the int4 export of such a model loads);
 - post-training quantization of that float model:
   - int8: onnxruntime's ``quantize_static`` (QDQ, int8 weights per channel, uint8 activations per
     tensor, MinMax calibration over every training batch);
@@ -48,11 +48,12 @@ against numpy's round to nearest of the float weights.
 ``--llama`` adds the Llama-shaped decoder of ``benchmarks/llama_lora.py`` at its smallest size
 ("tiny": vocabulary 512, hidden 64, 2 layers; needs torch, transformers, onnxscript), exported as
 there and trained on its data (random token ids, the labels the ids: one fixed batch, on which the
-loss falls), every parameter, for ``--llama-steps`` AdamW steps: float against "int4-weights" QAT
-from the same export, and int4 PTQ of the float-trained model (``MatMulNBitsQuantizer``; ours,
-round to nearest). Its linear layers are ``MatMul(x, Transpose(W))`` in that export: the benchmark
-folds them into ``MatMul(x, Wᵀ)`` first, as llama_lora.py's ``--shipped-int4`` does, since both
-quantizers read MatMul weights that are initializers. Losses by onnxruntime on the exported models,
+loss falls), every parameter, for ``--llama-steps`` AdamW steps (float); from that model, int4 PTQ
+(``MatMulNBitsQuantizer``; ours, round to nearest), "int4-weights" QAT fine-tuning for
+``--llama-qat-steps`` (AdamW, a tenth of the learning rate) and the same fine-tuning in float. Its
+linear layers are ``MatMul(x, Transpose(W))`` in that export, which the QAT build quantizes as they
+are; for ``MatMulNBitsQuantizer`` alone (it reads MatMul initializers) they are folded into
+``MatMul(x, Wᵀ)`` first, as llama_lora.py's ``--shipped-int4`` does. Losses by onnxruntime on the exported models,
 on the training batch and on a held-out batch of other random ids (no more than chance can be
 learnt there: it shows how far quantization moves the model, not generalisation).
 
@@ -228,20 +229,6 @@ def rtn_int4(w: np.ndarray, layout: str, block: int = 32) -> np.ndarray:
     return (np.clip(np.rint(split / scale), -7, 7) * scale).reshape(n, -1)[:, :k].astype(np.float32)
 
 
-def named_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` with a unique name for each node that has none (``op_type`` and its index)."""
-    named = onnx.ModelProto()
-    named.CopyFrom(model)
-    for i, node in enumerate(named.graph.node):
-        if not node.name:
-            node.name = f"{node.op_type}_{i}"
-    return named
-
-
-# ---------------------------------------------------------------------------------------------
-# the digits CNN
-
-
 def digits():
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -328,7 +315,7 @@ def cnn_seed(args, seed: int, folder: str, data) -> dict:
     steps["float"] = fit(trainer, X_train, y_train, args.epochs, args.batch, args.lr, seed)
     trainer.export(path("float"))
     seconds["float"] = time.perf_counter() - start
-    # cnn()'s nodes have no names: check that its int4 export loads, then name them for every build below
+    # cnn()'s nodes have no names: check that its int4 export loads
     unnamed = os.path.join(folder, "unnamed-int4.onnx")
     try:
         Trainer(qat("int4-weights", paths["float"])).export(unnamed)
@@ -336,8 +323,7 @@ def cnn_seed(args, seed: int, folder: str, data) -> dict:
         unnamed_loads = "yes"
     except Exception as error:  # noqa: BLE001 - reported, whatever onnxruntime raises
         unnamed_loads = "NO: " + str(error).strip().splitlines()[-1]
-    float_model = named_nodes(onnx.load(paths["float"]))
-    onnx.save(float_model, paths["float"])
+    float_model = onnx.load(paths["float"])
 
     # post-training quantization, int8: onnxruntime's quantize_static over every training batch
     class Batches(CalibrationDataReader):
@@ -565,37 +551,42 @@ def run_llama(args, folder: str) -> int:
     start = time.perf_counter()
     exported = llama_lora.phase_export(folder, spec)
     model = onnx.load(os.path.join(folder, "model.onnx"))
-    folded = fold_transposed_weights(model)
     for tensor in model.graph.initializer:  # one file, no external data (the model is 1 MB)
         tensor.ClearField("data_location")
     for node in model.graph.node:  # the exporter's stack traces: half the file, kept by some exports, not others
         del node.metadata_props[:]
-    onnx.save(model, os.path.join(folder, "folded.onnx"))
+    source = os.path.join(folder, "exported.onnx")
+    onnx.save(model, source)
     batches = llama_lora.batches(spec, size["vocab"])
     held = np.random.default_rng(2).integers(0, size["vocab"], (spec.batch, spec.seq)).astype(np.int64)
     held_out = {"ids": held, "labels": held}
     print(f"\nLlama (llama_lora.py --size tiny: vocabulary {size['vocab']}, hidden {size['hidden']}, {size['layers']} "
-          f"layers, "
-          f"{exported['params']:,} parameters), batch {spec.batch} x {spec.seq} tokens; {folded} MatMul(x, Transpose(W)) "
-          f"folded; export {time.perf_counter() - start:.1f} s")
+          f"layers, {exported['params']:,} parameters, its linear layers MatMul(x, Transpose(W)) as exported), batch "
+          f"{spec.batch} x {spec.seq} tokens; export {time.perf_counter() - start:.1f} s")
     options = {"loss": None, "optimizer": "adamw", "optimizer_options": {"lr": args.llama_lr, "weight_decay": 0.01}}
-    source = os.path.join(folder, "folded.onnx")
+    tune = dict(options, optimizer_options={"lr": args.llama_lr / 10, "weight_decay": 0.01})
     calibration = args.calibration_steps
     paths, losses = {}, {}
-    trainers = {"float": Trainer(generate_artifacts(source, **options)),
-                "qat-int4-weights": Trainer(generate_artifacts(
-                    source, qat=QatConfig("int4-weights", calibration_steps=calibration), **options))}
-    for name, trainer in trainers.items():
-        losses[name] = [trainer.step(batch) for batch in batches]
+
+    def trained(name: str, model: str, steps: int, **build) -> None:
+        trainer = Trainer(generate_artifacts(model, **build))
+        losses[name] = [trainer.step(batches[i % len(batches)]) for i in range(steps)]
         paths[name] = os.path.join(folder, f"{name}.onnx")
         trainer.export(paths[name])
-    # PTQ of the float-trained model: MatMulNBitsQuantizer, and ours (round to nearest: the QAT build at step 0)
+
+    # float, then from it: int4 QAT fine-tuning, the same fine-tuning in float, and the PTQs
+    trained("float", source, args.llama_steps, **options)
+    tuning = args.llama_qat_steps
+    trained("qat-int4-weights", paths["float"], tuning, qat=QatConfig("int4-weights", calibration_steps=calibration), **tune)
+    trained("float-finetuned", paths["float"], tuning, **tune)
     paths["ptq-matmulnbits"] = os.path.join(folder, "ptq-matmulnbits.onnx")
-    nbits = matmul_nbits(onnx.load(paths["float"]), paths["ptq-matmulnbits"])
+    transposes_folded = onnx.load(paths["float"])  # (MatMulNBitsQuantizer reads MatMul initializers alone)
+    folded = fold_transposed_weights(transposes_folded)
+    nbits = matmul_nbits(transposes_folded, paths["ptq-matmulnbits"])
     paths["ptq-rtn"] = os.path.join(folder, "ptq-rtn.onnx")
     Trainer(generate_artifacts(paths["float"], qat=QatConfig("int4-weights", calibration_steps=calibration),
                                **options)).export(paths["ptq-rtn"])
-    # step times, fresh trainers (int8: for information, no must)
+    # step times, fresh trainers of the exported float model (int8: for information, no must)
     timing = {"float": Trainer(generate_artifacts(source, **options))}
     for scheme in SCHEMES[::-1]:
         timing[scheme] = Trainer(generate_artifacts(source, qat=QatConfig(scheme, calibration_steps=calibration), **options))
@@ -605,12 +596,13 @@ def run_llama(args, folder: str) -> int:
     def loss(p: str, batch) -> float:
         return float(session(p).run(None, batch)[0])
 
-    rows = ("float", "ptq-matmulnbits", "ptq-rtn", "qat-int4-weights")
+    rows = ("float", "ptq-matmulnbits", "ptq-rtn", "qat-int4-weights", "float-finetuned")
     train_loss = {n: loss(paths[n], batches[0]) for n in rows}
     labels = {"float": f"float, {args.llama_steps} steps",
               "ptq-matmulnbits": f"int4 PTQ of that: MatMulNBitsQuantizer ({nbits} MatMul; embedding float)",
               "ptq-rtn": "int4-weights PTQ of that: round to nearest (the QAT build at step 0)",
-              "qat-int4-weights": f"int4-weights QAT, {args.llama_steps} steps"}
+              "qat-int4-weights": f"int4-weights QAT from the float model, {tuning} steps",
+              "float-finetuned": f"float, fine-tuned the same {tuning} steps"}
     steps_col = {"float": step_ms["float"], "qat-int4-weights": step_ms["int4-weights"]}
     lost = train_loss["ptq-rtn"] - train_loss["float"]
     recovered = (f"{(train_loss['ptq-rtn'] - train_loss['qat-int4-weights']) / lost * 100:.0f}" if lost > 0
@@ -619,15 +611,22 @@ def run_llama(args, folder: str) -> int:
           f"(chance: ln {size['vocab']} = {np.log(size['vocab']):.3f}); latency: the loss model on the training batch, "
           f"median of {args.latency_runs}; the MatMuls onnxruntime runs with quantized kernels; step: median of "
           f"{args.llama_timing_steps} single steps, taking turns by blocks of 10; recovered: (PTQ − QAT) / (PTQ − float), "
-          f"training-batch loss, against the round-to-nearest PTQ:\n")
+          f"training-batch loss, against the round-to-nearest PTQ; QAT and the float fine-tuning: AdamW lr "
+          f"{args.llama_lr / 10:g} from the float model ({folded} MatMul(x, Transpose(W)) folded for MatMulNBitsQuantizer "
+          f"alone):\n")
     print(table(["method", "train-batch loss", "held-out loss", "size KB", "ms/batch", "quantized kernels", "step ms",
                  "recovered % (loss)"], [
         [labels[n], f"{train_loss[n]:.4f}", f"{loss(paths[n], held_out):.4f}", f"{size_kb(paths[n]):.1f}",
          f"{latency_ms(paths[n], batches[0], args.latency_runs):.3f}", kernels(paths[n], folder),
          f"{steps_col[n]:.2f}" if n in steps_col else "", recovered if n == "qat-int4-weights" else ""]
         for n in rows]))
+    gap, ptq_gap = train_loss["qat-int4-weights"] - train_loss["float-finetuned"], lost
+    print(f"\nQAT against the same fine-tuning in float: its training-batch loss is {gap:+.4f} from the float "
+          f"fine-tuning's, where int4 PTQ's is {ptq_gap:+.4f} from the float model's (the fine-tuning's own gain "
+          f"counted out, QAT's gap is {gap / ptq_gap * 100:.0f}% of PTQ's: under 100% is better than PTQ)" if ptq_gap > 0 else
+          f"\nQAT against the same fine-tuning in float: {gap:+.4f} (PTQ loses nothing here)")
     every = max(1, len(batches) // 10)
-    for name, label in (("float", "float"), ("qat-int4-weights", "int4-weights QAT")):
+    for name, label in (("float", "float"), ("qat-int4-weights", "int4-weights QAT"), ("float-finetuned", "float fine-tuning")):
         print(f"\n  training losses, {label}, every {every} steps: " if name == "float" else
               f"  training losses, {label}, every {every} steps: ", end="")
         print(" ".join(f"{x:.3f}" for x in losses[name][::every]) + f" (last {losses[name][-1]:.3f})")
@@ -664,7 +663,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="a small run (seconds): the tests' configuration")
     parser.add_argument("--llama", action="store_true", help="also the Llama of llama_lora.py at its tiny size")
     parser.add_argument("--llama-steps", type=int, default=100, help="Llama training steps (default 100)")
-    parser.add_argument("--llama-lr", type=float, default=1e-3)
+    parser.add_argument("--llama-lr", type=float, default=1e-3, help="the float run's AdamW lr (QAT and the fine-tuning: a tenth)")
+    parser.add_argument("--llama-qat-steps", type=int, default=30, help="QAT (and float) fine-tuning steps from the float model")
     parser.add_argument("--llama-timing-steps", type=int, default=200)
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where to write the models")
     parser.add_argument("--keep", action="store_true", help="keep the models")
