@@ -50,6 +50,10 @@ class ObserversPass(ir.passes.InPlacePass):
         step = fresh_value(self.namer, "step", ir.DataType.INT64, [])
         observing = op.LessOrEqual(step, op.const(np.array(config.calibration_steps, np.int64)))
         first = op.Equal(step, op.const(np.array(1, np.int64)))
+        rates = {}  # per float type: the weight of the batch's range this step (1, the constant, 0)
+        for dtype in dict.fromkeys(values[o.minimum].dtype for o in self.quantization.observers):
+            number = lambda n: op.const(np.array(n, dtype.numpy()))  # noqa: E731
+            rates[dtype] = op.Where(first, number(1), op.Where(observing, number(config.averaging_constant), number(0)))
         if len(graph):
             graph.insert_before(graph.node(0), op.nodes)
         updates: dict[str, ir.Value] = {}
@@ -59,12 +63,12 @@ class ObserversPass(ir.passes.InPlacePass):
             readers = [list(old.uses()) for old in olds]
             earliest = min((user for uses in readers for user, _ in uses), key=position.__getitem__)
             start = len(op.nodes)
-            constant = op.const(np.array(config.averaging_constant, olds[0].dtype.numpy()))
             news = []
             for old, reduce in zip(olds, ("ReduceMin", "ReduceMax")):
                 seen = stop_gradient(op.reduce(reduce, x, None, keepdims=False))
-                averaged = op.Add(old, op.Mul(constant, op.Sub(seen, old)))
-                new = stop_gradient(op.Where(observing, op.Where(first, seen, averaged), old))
+                # old + rate·(seen − old): the first batch's range as it is (0 + 1·seen), the
+                # moving average while observing, the range unchanged after
+                new = stop_gradient(op.Add(old, op.Mul(rates[old.dtype], op.Sub(seen, old))))
                 new.name = self.namer.fresh(f"{old.name}_new")
                 news.append(new)
                 updates[old.name] = new
