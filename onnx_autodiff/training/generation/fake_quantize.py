@@ -19,6 +19,7 @@ from onnx_autodiff.training.values import fresh_initializer
 
 EPSILON = float(np.finfo(np.float32).eps)  # the smallest scale, as torch's observers take it
 WEIGHTED = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+_ON_GRID = ("MaxPool", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Identity")  # (values kept as they are)
 _INTEGERS = {ir.DataType.INT8: np.int8, ir.DataType.UINT8: np.uint8, ir.DataType.INT4: ml_dtypes.int4}
 
 
@@ -101,7 +102,7 @@ class FakeQuantizePass(ir.passes.InPlacePass):
             else:
                 node.replace_input_with(1, self._weight(weight, layout, node.name or weight.name))
             x = node.inputs[0]  # (of the weight's type: these ops read one float type)
-            if config.activations and x is not None and x not in self._made:
+            if config.activations and x is not None and not self._on_grid(x):
                 if x not in activations:
                     activations[x] = self._activation(x, weight.dtype)
                 node.replace_input_with(0, activations[x])
@@ -161,6 +162,17 @@ class FakeQuantizePass(ir.passes.InPlacePass):
             made.name = self.namer.fresh(f"{weight.name or stem}.fake_quantized")
             self.unclipped.append((weight.name, made.name))
         return made
+
+    def _on_grid(self, x: ir.Value) -> bool:
+        """Whether ``x`` is a fake-quantized activation, or what a MaxPool or a change of shape
+        makes of one: its values on that grid already, as torch's QAT leaves them and onnxruntime
+        reads them (it carries the quantization through those ops)."""
+        while x not in self._made:
+            producer = x.producer()
+            if producer is None or producer.domain not in ("", "ai.onnx") or producer.op_type not in _ON_GRID:
+                return False
+            x = producer.inputs[0]
+        return True
 
     def _output(self, node: ir.Node, float_type: ir.DataType) -> None:
         """Fake-quantizes what ``node`` gives the next layer: its output, or a Relu's of it where

@@ -92,3 +92,20 @@ def test_int8_per_channel_weights_and_observed_activations():
     y = h_q @ (np.clip(np.round(v / v_scale), -128, 127) * v_scale)
     expected = np.clip(np.round(y / scale), 0, 255) * scale
     np.testing.assert_allclose(ReferenceEvaluator(fake_quantized).run(None, {"x": x})[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_maxpool_of_a_quantized_output_is_read_as_it_is():
+    """conv → relu → MaxPool → conv: the pooled values are on the first output's grid already (as
+    torch's QAT and onnxruntime's kernels take them), so the second conv's input gets no observer."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.normal(0, 0.3, shape).astype(np.float32), name)
+             for name, shape in (("w1", (4, 1, 3, 3)), ("w2", (2, 4, 3, 3)))]
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Conv", ["p1", "w2"], ["y"], name="conv2")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 1, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    _, fake = inserted(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), QatConfig("int8"))
+    assert fake.quantized == ["conv1", "conv2"]
+    assert [o.observed for o in fake.observers] == ["x", "r1", "y_float"]
