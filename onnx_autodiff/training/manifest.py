@@ -27,11 +27,11 @@ from onnx_autodiff.passes.lift import LiftedWeight
 from onnx_autodiff.training.lora import Adapter, LoraConfig
 from onnx_autodiff.training.qat import QatConfig
 from onnx_autodiff.training.schedules import LRSchedule
+from onnx_autodiff.training.targets import DEFAULT as DEFAULT_TARGET
 from onnx_autodiff.training.optimizers import (
     COEFFICIENT_OPERATORS,
-    SGD,
-    Adam,
-    AdamW,
+    OPTIMIZER_CLASSES,
+    Optimizer,
     optimizer_from_json,
     optimizer_to_json,
 )
@@ -47,7 +47,6 @@ READABLE_FORMATS = (1, 2, 3)
 # A coefficient expression (optimizers.coefficient_formulas): a number, the name of a value the
 # trainer gives ("lr", "step", "micro_batch", "grad_scale"), or [operator, operand, ...].
 Expression = Union[float, str, list]
-Optimizer = Union[SGD, Adam, AdamW]
 
 
 class Carried(NamedTuple):
@@ -233,7 +232,7 @@ fake-quantize by (None: none), whose observers' ranges are among the ``buffers``
     eval: Evaluation
     accumulate: Step | None = None
     apply: Step | None = None
-    target: str | None = "onnxruntime"
+    target: str | None = DEFAULT_TARGET.name
     class_axis: int | None = 1
     modules: tuple[ModuleParameter, ...] | None = None
     constants: tuple[LiftedWeight, ...] | None = None
@@ -256,7 +255,7 @@ fake-quantize by (None: none), whose observers' ranges are among the ``buffers``
             document["accumulate"] = self.accumulate.to_json()
         if self.apply is not None:
             document["apply"] = self.apply.to_json()
-        if self.target != "onnxruntime":
+        if self.target != DEFAULT_TARGET.name:
             document["target"] = self.target
         if self.class_axis != 1:
             document["class_axis"] = self.class_axis
@@ -292,7 +291,7 @@ fake-quantize by (None: none), whose observers' ranges are among the ``buffers``
                        optimizer=optimizer_from_json(document["optimizer"]), max_grad_norm=document["max_grad_norm"],
                        train=Step.from_json(document["train"]), eval=Evaluation.from_json(document["eval"]),
                        accumulate=optional("accumulate", Step.from_json), apply=optional("apply", Step.from_json),
-                       target=document.get("target", "onnxruntime"), class_axis=document.get("class_axis", 1),
+                       target=document.get("target", DEFAULT_TARGET.name), class_axis=document.get("class_axis", 1),
                        modules=each("modules", ModuleParameter.from_json),
                        constants=each("constants", LiftedWeight.from_json),
                        lora=optional("lora", LoraRecord.from_json),
@@ -325,7 +324,6 @@ def upgrade(document: Mapping, source: str = "artifacts.json") -> Mapping:
 # sequence is an array (a NamedTuple or fixed tuple one of that length), a mapping an object.
 
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
-_OPTIMIZERS = (SGD, Adam, AdamW)  # written with their "name" (optimizer_to_json)
 
 
 def _expression_schema() -> dict:
@@ -363,7 +361,7 @@ def _description(cls) -> str:
 def _object_schema(cls, definitions: dict) -> dict:
     hints = typing.get_type_hints(cls)
     properties, required = {}, []
-    if cls in _OPTIMIZERS:
+    if issubclass(cls, Optimizer):  # written with its "name" (optimizer_to_json)
         properties["name"] = {"const": cls.name}
         required.append("name")
     for field in dataclasses.fields(cls):
@@ -387,6 +385,8 @@ def _schema(hint, definitions: dict) -> dict:
     """The schema of a field of type ``hint`` (a class in ``definitions``, by reference)."""
     if hint == Expression:
         return {"$ref": "#/$defs/Expression"}
+    if hint is Optimizer:  # one of the registered optimisers
+        return {"anyOf": [_schema(cls, definitions) for cls in OPTIMIZER_CLASSES.values()]}
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (Union, types.UnionType):
         options = [_schema(a, definitions) for a in args if a is not type(None)]

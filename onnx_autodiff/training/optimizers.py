@@ -1,4 +1,6 @@
-"""Optimisers as graphs: SGD, Adam and AdamW specs (torch.optim semantics) and their update nodes."""
+"""Optimisers as graphs: the table of optimiser classes (:mod:`~onnx_autodiff.training.update_rules`:
+SGD, Adam and AdamW with torch.optim's semantics), their specs made and read, and the update nodes
+every one shares (clipping, the finite check, the gate of a failed step, grouped updates)."""
 
 from __future__ import annotations
 
@@ -12,89 +14,38 @@ import onnx_ir as ir
 from onnx_autodiff.errors import TrainingError
 from onnx_autodiff.toolkit import Namer, OpBuilder
 from onnx_autodiff.toolkit.shapes import cast_like, typed_like
+from onnx_autodiff.training import update_rules  # noqa: F401  (registers the built-in optimisers)
+from onnx_autodiff.training.update_rules.adam import Adam, AdamW  # noqa: F401  (imported from here too)
+from onnx_autodiff.training.update_rules.base import (  # noqa: F401  (register_optimizer imported from here too)
+    OPTIMIZER_CLASSES, Optimizer, StepScalars, register_optimizer)
+from onnx_autodiff.training.update_rules.sgd import SGD  # noqa: F401  (imported from here too)
 from onnx_autodiff.training.values import dim_value, fresh_value
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
-
-
-# Optimisers: hyper-parameters are constants of the graph; lr and step are inputs of every step.
-
-
-@dataclasses.dataclass(frozen=True)
-class SGD:
-    """torch.optim.SGD: g += wd·p; buf = momentum·buf + (1 − dampening)·g (buf = g on step 1);
-    g = g + momentum·buf (nesterov) or buf; p −= lr·g."""
-
-    lr: float = 1e-3
-    momentum: float = 0.0
-    dampening: float = 0.0
-    nesterov: bool = False
-    weight_decay: float = 0.0
-    name = "sgd"
-
-    def __post_init__(self):
-        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
-            raise TrainingError("SGD with nesterov=True needs momentum > 0 and dampening = 0")
-        if self.momentum < 0 or self.weight_decay < 0:
-            raise TrainingError("SGD momentum and weight_decay must be >= 0")
-
-    def state_names(self) -> list[str]:
-        return ["momentum_buffer"] if self.momentum else []
-
-
-@dataclasses.dataclass(frozen=True)
-class Adam:
-    """torch.optim.Adam: g += wd·p; m = lerp(m, g, 1 − β1); v = β2·v + (1 − β2)·g²;
-    p −= lr/(1 − β1^t) · m / (√v / √(1 − β2^t) + eps) (√max(v) with amsgrad)."""
-
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    amsgrad: bool = False
-    name = "adam"
-    decoupled = False
-
-    def __post_init__(self):
-        b1, b2 = self.betas
-        if not (0 <= b1 < 1 and 0 <= b2 < 1) or self.eps < 0 or self.weight_decay < 0:
-            raise TrainingError(f"{type(self).__name__} needs 0 <= betas < 1, eps >= 0 and weight_decay >= 0")
-
-    def state_names(self) -> list[str]:
-        return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self.amsgrad else [])
-
-
-@dataclasses.dataclass(frozen=True)
-class AdamW(Adam):
-    """torch.optim.AdamW: p ·= 1 − lr·wd (decoupled weight decay), then Adam without wd."""
-
-    weight_decay: float = 1e-2
-    name = "adamw"
-    decoupled = True
+# The optimisers' names, as registered (the command line's --optimizer choices).
+OPTIMIZERS = OPTIMIZER_CLASSES.names
 
 
 def make_optimizer(optimizer, **options):
-    """An optimiser spec from a name ("sgd", "adam", "adamw") and torch-style options, or as given."""
-    if isinstance(optimizer, (SGD, Adam)):
+    """An optimiser spec from a registered name ("sgd", "adam", "adamw", ...) and torch-style
+    options, or as given."""
+    if isinstance(optimizer, Optimizer):
         return dataclasses.replace(optimizer, **options) if options else optimizer
-    classes = {"sgd": SGD, "adam": Adam, "adamw": AdamW}
-    if not isinstance(optimizer, str) or optimizer.lower() not in classes:
-        raise TrainingError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)} or an SGD/Adam/AdamW instance")
-    cls = classes[optimizer.lower()]
+    if not isinstance(optimizer, str) or optimizer.lower() not in OPTIMIZER_CLASSES:
+        instances = "/".join(cls.__name__ for cls in OPTIMIZER_CLASSES.values())
+        raise TrainingError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)} or an {instances} instance")
+    cls = OPTIMIZER_CLASSES[optimizer.lower()]
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(options) - fields)
     if unknown:
         raise TrainingError(f"{cls.__name__} has no option {unknown}; its options are {sorted(fields)}")
-    if "betas" in options:
-        options["betas"] = tuple(float(b) for b in options["betas"])
-    return cls(**options)
+    return cls.from_options(**options)
 
 
-def optimizer_to_json(spec) -> dict:
+def optimizer_to_json(spec: Optimizer) -> dict:
     return {"name": spec.name, **{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}}
 
 
-def optimizer_from_json(data: dict):
+def optimizer_from_json(data: dict) -> Optimizer:
     data = dict(data)
     return make_optimizer(data.pop("name"), **data)
 
@@ -118,22 +69,10 @@ COEFFICIENT_OPERATORS = {
 }
 
 
-def coefficient_formulas(spec) -> dict[str, list]:
+def coefficient_formulas(spec: Optimizer) -> dict[str, list]:
     """The per-step coefficients ``spec``'s update reads, by key, as layout expressions (see
     :func:`evaluate_coefficient`); none for SGD, which reads lr and step themselves."""
-    if isinstance(spec, SGD):
-        return {}
-    b1, b2 = spec.betas
-    lr = ["float32", "lr"]
-    bc2_sqrt = ["sqrt", ["-", 1.0, ["pow", float(b2), "step"]]]  # √(1 − β2^t)
-    formulas = {
-        # lr/bc1 · m / (√v/√bc2 + eps) = (lr·√bc2/bc1) · m / (√v + eps·√bc2)
-        "step_size": ["/", ["*", lr, bc2_sqrt], ["-", 1.0, ["pow", float(b1), "step"]]],
-        "eps_scaled": ["*", bc2_sqrt, float(spec.eps)],
-    }
-    if spec.weight_decay and spec.decoupled:
-        formulas["decay"] = ["-", 1.0, ["*", lr, float(spec.weight_decay)]]
-    return formulas
+    return spec.coefficient_formulas()
 
 
 def compile_coefficient(expression):
@@ -312,12 +251,13 @@ def emit_update(op: OpBuilder, spec, params, grads, lr: ir.Value, step: ir.Value
     return states, rows[0], new_states, kept
 
 
-def _update(op: OpBuilder, spec, params, grads, states, lr: ir.Value, step: ir.Value, total: ir.Value,
+def _update(op: OpBuilder, spec: Optimizer, params, grads, states, lr: ir.Value, step: ir.Value, total: ir.Value,
             max_grad_norm, coefficients: Mapping[str, ir.Value] | None = None) -> list[list[ir.Value]]:
-    """One step of torch.optim's formulas, elementwise, on ``params``, ``grads`` and each column of
-    ``states`` (parameters or groups of them joined, :func:`joined`): the new values by column, the
-    parameters' then each state's (``total``: the sum of the squared gradients; ``coefficients``:
-    the scalar inputs of :func:`coefficient_formulas` by key)."""
+    """One step of ``spec``'s update (:meth:`~.update_rules.base.Optimizer.update`), elementwise,
+    on ``params``, ``grads`` and each column of ``states`` (parameters or groups of them joined,
+    :func:`joined`), after the clipping: the new values by column, the parameters' then each
+    state's (``total``: the sum of the squared gradients; ``coefficients``: the scalar inputs of
+    :func:`coefficient_formulas` by key)."""
     float32 = ir.DataType.FLOAT
     coef = None
     if max_grad_norm is not None:
@@ -325,57 +265,12 @@ def _update(op: OpBuilder, spec, params, grads, states, lr: ir.Value, step: ir.V
         coef = op.Min(op.Div(op.const(float(max_grad_norm), dtype=float32), op.Add(op.Sqrt(total), 1e-6)), 1.0)
     # scalar coefficients: computed by the runner in float64, like torch's Python-float arithmetic
     # (coefficient_formulas), fed in float32 or float64, cast per parameter dtype
-    cast: dict = {}
+    scalars = StepScalars(op, lr, step, coefficients)
 
-    def scalar(key, value, like):
-        """A coefficient in ``like``'s dtype (no cast where it has it): ``value`` a number, or an
-        input (lr, or one of ``coefficients``)."""
-        if (key, like.dtype) not in cast:
-            cast[(key, like.dtype)] = op.const(value, like=like) if isinstance(value, float) else cast_like(op, value, like)
-        return cast[(key, like.dtype)]
-
-    def update(op, p, g, *inputs):
+    def update(p, g, *inputs):
         """One parameter's (or one group's) new value and new states: elementwise."""
         if coef is not None:
             g = op.Mul(g, cast_like(op, coef, g))
-        outs = []
-        if isinstance(spec, SGD):
-            if spec.weight_decay:
-                g = op.Add(g, op.Mul(p, op.const(spec.weight_decay, like=p)))
-            if spec.momentum:
-                buf = inputs[0]
-                m = scalar("momentum", float(spec.momentum), p)
-                if spec.dampening:
-                    keep = scalar("dampening", float(1 - spec.dampening), p)
-                    mixed = op.Add(op.Mul(buf, m), op.Mul(g, keep))
-                    buf = op.Where(op.Equal(step, op.const(1, dtype=step.dtype)), g, mixed)
-                else:
-                    buf = op.Add(op.Mul(buf, m), g)  # buf = 0 before step 1: exactly g
-                outs.append(buf)
-                g = op.Add(g, op.Mul(buf, op.const(spec.momentum, like=p))) if spec.nesterov else buf
-            new_p = op.Sub(p, op.Mul(g, scalar("lr", lr, p)))
-        else:
-            b1, b2 = spec.betas
-            m, v = inputs[0], inputs[1]
-            if spec.weight_decay and not spec.decoupled:
-                g = op.Add(g, op.Mul(p, op.const(spec.weight_decay, like=p)))
-            if spec.weight_decay and spec.decoupled:
-                decay = scalar("decay", coefficients["decay"], p)
-                p_decayed = op.Mul(p, decay)
-            else:
-                p_decayed = p
-            m = op.Add(m, op.Mul(op.Sub(g, m), scalar("1-b1", float(1 - b1), p)))
-            v = op.Add(op.Mul(v, scalar("b2", float(b2), p)), op.Mul(op.Mul(g, g), scalar("1-b2", float(1 - b2), p)))
-            outs += [m, v]
-            second = v
-            if spec.amsgrad:
-                second = op.Max(inputs[2], v)
-                outs.append(second)
-            # lr/bc1 · m / (√v/√bc2 + eps) = (lr·√bc2/bc1) · m / (√v + eps·√bc2): one pass fewer
-            eps = scalar("eps_scaled", coefficients["eps_scaled"], p)
-            step_size = scalar("step_size", coefficients["step_size"], p)
-            denom = op.Add(op.Sqrt(second), eps)
-            new_p = op.Sub(p_decayed, op.Mul(op.Div(m, denom), step_size))
-        return [new_p, *outs]
+        return spec.update(op, p, g, list(inputs), scalars)
 
-    return [list(column) for column in zip(*(update(op, *row) for row in zip(params, grads, *states)))]
+    return [list(column) for column in zip(*(update(*row) for row in zip(params, grads, *states)))]

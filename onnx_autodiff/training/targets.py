@@ -2,7 +2,8 @@
 
 A :class:`Target` carries its lowering rules (what the cleanup rewrites the canonical forms into)
 and what its kernels can do, which the build steps ask instead of testing a runtime by name. A new
-target is its rewrite rules and one entry of :data:`TARGETS`.
+target is one ``Target(...)`` (with its rewrite rules) registered in :data:`TARGETS`
+(:func:`register_target`), from a module of its own or here.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from onnxscript.rewriter import RewriteRule, RewriteRuleSet
 
 from onnx_autodiff.passes.rewrite_rules.lowering import onnxruntime_rules, webgpu_target_rules
 from onnx_autodiff.training.optimizers import GROUP_LIMIT
+from onnx_autodiff.training.registry import Registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +78,19 @@ WEBGPU = Target("webgpu", rules=webgpu_target_rules, grouped_updates=False, lowe
                 batchnorm_in_standard_ops=True, hashed_dropout=True, nbits_kernel=True)
 CANONICAL = Target(None, frozen_base_reads=False)  # standard forms: no runtime's lowering, no runtime's reads
 
-TARGETS = {target.name: target for target in (ONNXRUNTIME, WEBGPU)}
+# The targets by name: what ``target="name"`` and the command line's --target read.
+TARGETS: Registry[Target] = Registry("target")
+
+
+def register_target(target: Target) -> Target:
+    """Registers ``target`` under its name."""
+    return TARGETS.register(target.name, target)
+
+
+register_target(ONNXRUNTIME)
+register_target(WEBGPU)
+# What the build lowers for unless told otherwise; the manifest leaves it out of artifacts.json.
+DEFAULT = ONNXRUNTIME
 
 
 def resolve_target(target: str | Target | None) -> Target:
