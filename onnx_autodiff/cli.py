@@ -35,6 +35,7 @@ from onnx_autodiff.modelfile import (
     to_inline_proto,
 )
 from onnx_autodiff.passes import progress
+from onnx_autodiff.passes.rewrite_rules.lowering import DEFAULT_TARGET as DEFAULT_LOWERING
 from onnx_autodiff.passes.rewrite_rules.lowering import TARGETS as LOWERING_TARGETS
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -229,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     grad.add_argument("--of", help="the value to differentiate (default: the single graph output)")
     grad.add_argument("--wrt", nargs="+", help="variables (default: the float initializers that are not constants)")
     grad.add_argument("--no-cleanup", action="store_true", help="skip the cleanup passes")
-    grad.add_argument("--target", choices=[*LOWERING_TARGETS, "none"], default="onnxruntime",
+    grad.add_argument("--target", choices=[*LOWERING_TARGETS, "none"], default=DEFAULT_LOWERING,
                       help="the runtime the cleanup lowers the graph for (webgpu: onnxruntime-web's WebGPU "
                            "provider; none: canonical standard forms)")
     grad.add_argument("--no-upgrade", action="store_true", help=NO_UPGRADE_HELP)

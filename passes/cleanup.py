@@ -39,6 +39,7 @@ from onnx_autodiff.passes.lift import LiftConstantsPass
 from onnx_autodiff.passes.metadata import differentiated, kept
 from onnx_autodiff.passes.outline import OutlinePass
 from onnx_autodiff.passes.rewrite_rules import RuleIndex, cleanup_rules, lowering_rules
+from onnx_autodiff.passes.rewrite_rules.lowering import DEFAULT_TARGET
 from onnx_autodiff.passes.rewrites import RewriteRulesPass
 from onnx_autodiff.passes.sort import SortPass
 from onnx_autodiff.passes.unused import RemoveUnusedPass
@@ -74,7 +75,7 @@ class CleanupPass(ir.passes.InPlacePass):
 
     def __init__(self, keep: Sequence[str] = (), fold: bool = True, fold_limit: int = FOLD_LIMIT,
                  cse: bool = True, max_rounds: int = 8, rules: Sequence = (),
-                 target: str | None = "onnxruntime") -> None:
+                 target: str | None = DEFAULT_TARGET) -> None:
         super().__init__()
         lowering = () if target is None else (lowering_rules(target),)
         self.rules = RuleIndex([cleanup_rules(), *rules, *lowering])
@@ -201,7 +202,7 @@ def _graph_lister(model: ir.Model) -> Callable[[ir.Model], list[ir.Graph]]:
 
 def cleanup_passes(*, keep: Sequence[str] = (), fold: bool = True, fold_limit: int = FOLD_LIMIT,
                    cse: bool = True, outline: bool = False, rules: Sequence = (),
-                   target: str | None = "onnxruntime") -> list[ir.passes.PassBase]:
+                   target: str | None = DEFAULT_TARGET) -> list[ir.passes.PassBase]:
     """Passes to run after :class:`AutodiffPass` (see :class:`CleanupPass` for the options;
     ``rules``: extra onnxscript rewrite rules, applied with the project's; ``target``: the runtime
     the graph is lowered for, None for canonical graphs).

@@ -255,6 +255,7 @@ def webgpu_target_rules() -> list[RewriteRule]:
 
 
 TARGETS = {"onnxruntime": onnxruntime_rules, "webgpu": webgpu_target_rules}
+DEFAULT_TARGET = "onnxruntime"  # what the cleanup lowers for unless told otherwise
 
 
 def lowering_rules(target) -> RewriteRuleSet:

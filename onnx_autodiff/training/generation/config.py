@@ -10,7 +10,7 @@ import onnx
 from onnx_autodiff.errors import TrainingError
 from onnx_autodiff.training.qat import QatConfig, qat_config
 from onnx_autodiff.training.schedules import LRSchedule
-from onnx_autodiff.training.targets import Target, resolve_target
+from onnx_autodiff.training.targets import DEFAULT, Target, resolve_target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +80,7 @@ class ArtifactsConfig:
     registry: object = None
     upgrade_opset: bool = True
     lora: object = None
-    target: str | Target | None = "onnxruntime"
+    target: str | Target | None = DEFAULT.name
     check_output: bool = False
     lr_schedule: LRSchedule | None = None
     qat: QatConfig | str | None = None
