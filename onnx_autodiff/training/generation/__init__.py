@@ -14,6 +14,6 @@ PyTorch export's parameters recovered, LoRA adapters added) and finds the roles 
 - :mod:`.finish`: the signature set, the optimiser's nodes lowered, :mod:`.frozen_reads`, written once.
 
 The eval model is cut out of the finished train model where it can be (:mod:`.evaluation`), and
-the apply model is built from the accumulate model's signature (:mod:`.accumulation`). The options
+the apply model is the optimiser step on the accumulated gradients (:mod:`.apply`). The options
 are one :class:`~.config.ArtifactsConfig`.
 """

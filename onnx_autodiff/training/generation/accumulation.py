@@ -1,89 +1,54 @@
-"""Gradient accumulation: the accumulate model's step (each gradient added to its accumulator) and
-the apply model (the optimiser's step by the accumulated gradients, scaled)."""
+"""Gradient accumulation: the accumulate model's step, each gradient added to its accumulator
+(the apply model then steps by the sums: :mod:`.apply`)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-import onnx
 import onnx_ir as ir
 
-from onnx_autodiff.toolkit import Namer, OpBuilder
-from onnx_autodiff.training.generation.finish import finish
-from onnx_autodiff.training.generation.optimizer_step import coefficient_signature, optimizer_step
 from onnx_autodiff.training.generation.outputs import Outputs
-from onnx_autodiff.training.generation.roles import Roles, proto_default_opset
-from onnx_autodiff.training.in_place import in_place_order
-from onnx_autodiff.training.manifest import Read, Step
 from onnx_autodiff.training.optimizers import joined, split_back, step_kept, update_groups, when_kept
 from onnx_autodiff.training.targets import Target
 from onnx_autodiff.training.values import dim_value, fresh_value
 
 
 @dataclasses.dataclass
-class Accumulation:
-    """The accumulators (one input per parameter, carried to the next micro-batch) and ``kept``,
-    True where the micro-batch counts (its loss and gradients finite)."""
+class Accumulation(ir.passes.PassResult):
+    """The accumulators (one input per parameter, carried to the next micro-batch; no graph input
+    yet) and ``kept``, True where the micro-batch counts (its loss and gradients finite)."""
 
     accumulators: list[ir.Value]
     kept: ir.Value
 
 
-def accumulation_step(outputs: Outputs, params: list[ir.Value], grads: list[ir.Value], loss: ir.Value,
-                      target: Target) -> Accumulation:
-    """Emits ``accumulator + gradient`` for each parameter (the sums unchanged where the
-    micro-batch does not count) and publishes the sums as carried outputs."""
-    op, namer = outputs.op, outputs.namer
-    groups = update_groups(params, target.group_limit)
-    grad_groups = joined(op, groups, grads)  # read by the finite check and by the sums
-    kept, _ = step_kept(op, grad_groups, loss)
-    accs = [fresh_value(namer, f"{p.name}.grad_acc", g.dtype or p.dtype, [dim_value(x) for x in p.shape])
-            for p, g in zip(params, grads)]
-    acc_groups = joined(op, groups, accs)  # read by the sums, and what a failed step returns
-    sums = split_back(op, groups, when_kept(op, kept, lambda op: [op.Add(a, g) for a, g in zip(acc_groups, grad_groups)],
-                                            acc_groups), accs)
-    for acc, new_acc in zip(accs, sums):
-        outputs.add_carried(acc, new_acc)
-    return Accumulation(accs, kept)
+class AccumulationStepPass(ir.passes.InPlacePass):
+    """Appends ``accumulator + gradient`` for each of ``params`` to the model's nodes, emitted with
+    ``outputs``' builder (grouped where ``target`` runs grouped updates; the sums unchanged where
+    the micro-batch does not count: ``loss`` or a gradient not finite), and publishes the sums as
+    carried outputs."""
 
+    def __init__(self, outputs: Outputs, params: list[ir.Value], grads: list[ir.Value], loss: ir.Value,
+                 target: Target) -> None:
+        super().__init__()
+        self.outputs = outputs
+        self.params = params
+        self.grads = grads
+        self.loss = loss
+        self.target = target
 
-def apply_model(proto: onnx.ModelProto, roles: Roles, spec, max_grad_norm, state: dict[str, list[str]],
-                accumulators: list[str], target: Target, check_output: bool = False) -> tuple[onnx.ModelProto, Step]:
-    """The apply model of the forward model ``proto``: [parameters, accumulators, optimiser state,
-    lr, step, grad_scale, coefficients] -> [new parameters, new state, kept], stepping by
-    ``grad_scale · accumulators``; ``state``: the train model's state names per parameter."""
-    inits = {t.name: t for t in proto.graph.initializer}
-    reserved = [n for names in state.values() for n in names] + accumulators
-    namer = Namer([v.name for v in proto.graph.input] + list(inits) + reserved, prefix="opt")
-    opset = max(proto_default_opset(proto), 13)
-    op = OpBuilder(opset, namer, {"": opset})
-    params, accs = [], []
-    for name, acc in zip(roles.params, accumulators):
-        t = inits[name]
-        dtype = ir.DataType(t.data_type)
-        params.append(ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(list(t.dims))))
-        accs.append(ir.Value(name=acc, type=ir.TensorType(dtype), shape=ir.Shape(list(t.dims))))
-    lr = fresh_value(namer, "lr", ir.DataType.FLOAT, [])
-    step = fresh_value(namer, "step", ir.DataType.INT64, [])
-    scale = fresh_value(namer, "grad_scale", ir.DataType.FLOAT, [])
-    grads = [op.Mul(a, op.CastLike(scale, a)) for a in accs]
-    outputs = Outputs(op, namer)
-    update = optimizer_step(outputs, spec, params, grads, max_grad_norm, target, lr, step,
-                            [state.get(p, []) for p in roles.params])
-    kept = outputs.publish(update.kept, "kept")
-    kept_name = kept.name  # (before the cleanup, as the eval model's names)
-    graph = ir.Graph([*params, *accs, *update.state_inputs, lr, step, scale, *update.coefficients.values()],
-                     outputs.values, nodes=op.nodes, opset_imports={"": opset}, name="apply")
-    model = ir.Model(graph, ir_version=max(proto.ir_version, 8), producer_name="onnx-autodiff")
-    proto_out = finish(model, list(graph.inputs), outputs.values, "apply model", target=target, check_output=check_output)
-    return proto_out, Step(
-        batch=(),
-        carry=tuple(outputs.carry),
-        reads=tuple(Read(a.name, a.name) for a in accs),
-        scalars={"lr": lr.name, "step": step.name, "grad_scale": scale.name,
-                 **{key: value.name for key, value in update.coefficients.items()}},
-        loss=None,
-        kept=kept_name,
-        coefficients=coefficient_signature(spec, update.coefficients),
-        in_place=in_place_order(proto_out, outputs.carry),
-    )
+    def call(self, model: ir.Model) -> Accumulation:
+        outputs, params, grads = self.outputs, self.params, self.grads
+        op, namer = outputs.op, outputs.namer
+        groups = update_groups(params, self.target.group_limit)
+        grad_groups = joined(op, groups, grads)  # read by the finite check and by the sums
+        kept, _ = step_kept(op, grad_groups, self.loss)
+        accs = [fresh_value(namer, f"{p.name}.grad_acc", g.dtype or p.dtype, [dim_value(x) for x in p.shape])
+                for p, g in zip(params, grads)]
+        acc_groups = joined(op, groups, accs)  # read by the sums, and what a failed step returns
+        sums = split_back(op, groups, when_kept(op, kept, lambda op: [op.Add(a, g) for a, g in zip(acc_groups, grad_groups)],
+                                                acc_groups), accs)
+        for acc, new_acc in zip(accs, sums):
+            outputs.add_carried(acc, new_acc)
+        outputs.add_nodes_to(model.graph)
+        return Accumulation(model, True, accs, kept)

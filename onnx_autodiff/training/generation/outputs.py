@@ -11,7 +11,8 @@ from onnx_autodiff.training.manifest import Carried
 
 class Outputs:
     """Outputs published in order (:attr:`values`); ``op`` emits the Identity nodes that publishing
-    needs (the caller adds ``op.nodes`` to the graph), ``namer`` names them."""
+    needs (and the steps that compute the outputs emit theirs with it; :meth:`add_nodes_to` adds
+    them to the graph), ``namer`` names them."""
 
     def __init__(self, op: OpBuilder, namer: Namer) -> None:
         self.op = op
@@ -19,6 +20,13 @@ class Outputs:
         self.values: list[ir.Value] = []
         self.carry: list[Carried] = []  # (key, input, output) of each output that replaces an input
         self._taken: set[ir.Value] = set()
+        self._added = 0  # how many of op's nodes a graph holds
+
+    def add_nodes_to(self, graph: ir.Graph) -> None:
+        """Appends to ``graph`` the nodes ``op`` emitted since the last call, in order. (One builder
+        emits a model's outputs, whichever step computes them: the nodes' names count its nodes.)"""
+        graph.extend(self.op.nodes[self._added:])
+        self._added = len(self.op.nodes)
 
     def publish(self, value: ir.Value, hint: str, like: ir.Value | None = None) -> ir.Value:
         """``value`` as an output named after ``hint`` and typed like ``like`` (an Identity where it

@@ -13,7 +13,7 @@ import onnx_ir as ir
 from onnx_autodiff.modelfile import from_proto, tensor_array
 from onnx_autodiff.passes.opsets import build_proto_upgrading
 from onnx_autodiff.toolkit.inference import onnx_inferred, take_inferred_types
-from onnx_autodiff.training.generation.accumulation import apply_model
+from onnx_autodiff.training.generation.apply import apply_model
 from onnx_autodiff.training.generation.config import ArtifactsConfig
 from onnx_autodiff.training.generation.evaluation import eval_model, prepared_alike
 from onnx_autodiff.training.generation.hashed_dropout import DROPOUT_SEEDS

@@ -11,7 +11,7 @@ import onnx_ir as ir
 
 from onnx_autodiff.passes.opsets import default_opset
 from onnx_autodiff.toolkit import Namer, OpBuilder
-from onnx_autodiff.training.generation.accumulation import accumulation_step
+from onnx_autodiff.training.generation.accumulation import AccumulationStepPass
 from onnx_autodiff.training.generation.batchnorm_in_standard_ops import BatchNormInStandardOpsPass
 from onnx_autodiff.training.generation.clean_backward import CleanBackwardPass
 from onnx_autodiff.training.generation.config import ArtifactsConfig
@@ -21,7 +21,7 @@ from onnx_autodiff.training.generation.finish import FinishPass, written
 from onnx_autodiff.training.generation.hashed_dropout import DROPOUT_SEEDS, HashedDropoutPass
 from onnx_autodiff.training.generation.loss import AttachLossPass
 from onnx_autodiff.training.generation.observers import ObserversPass
-from onnx_autodiff.training.generation.optimizer_step import coefficient_signature, optimizer_step
+from onnx_autodiff.training.generation.optimizer_step import OptimizerStepPass, coefficient_signature
 from onnx_autodiff.training.generation.outputs import Outputs
 from onnx_autodiff.training.generation.roles import Roles
 from onnx_autodiff.training.generation.training_mode import TrainingModePass
@@ -103,13 +103,13 @@ def step_model(model: ir.Model, kind: str, roles: Roles, loss_spec: LossSpec, sp
     params = [inputs_by_name[p] for p in roles.params]
     loss_out = outputs.add_loss(found.loss)
     if kind == "train":
-        update = optimizer_step(outputs, spec, params, found.grads, config.max_grad_norm, target, step=found.step,
-                                loss=found.loss)
+        update = OptimizerStepPass(outputs, spec, params, found.grads, config.max_grad_norm, target, step=found.step,
+                                   loss=found.loss)(model)
         kept, carried_inputs, coefficients = update.kept, update.state_inputs, update.coefficients
         state = {p.name: [s.name for s in inputs] for p, inputs in zip(params, update.states)}
         scalars, tail = update.scalars(), [update.lr, update.step, *coefficients.values()]
     else:
-        accumulation = accumulation_step(outputs, params, found.grads, found.loss, target)
+        accumulation = AccumulationStepPass(outputs, params, found.grads, found.loss, target)(model)
         kept, carried_inputs, coefficients = accumulation.kept, accumulation.accumulators, {}
         state, scalars, tail = {}, {}, []
     for name in roles.buffers:
@@ -119,8 +119,8 @@ def step_model(model: ir.Model, kind: str, roles: Roles, loss_spec: LossSpec, sp
             # them spare buffers, kept only when the step is)
             outputs.add_carried(inputs_by_name[name], found.updates[name])
     kept_out = outputs.publish(kept, "kept")
+    outputs.add_nodes_to(graph)  # (the Identities that publish the buffers and kept)
     added = list(outputs.op.nodes)
-    graph.extend(added)
     for domain, version in outputs.op.opsets.items():
         model.opset_imports.setdefault(domain, version)
     buffer_names = set(roles.buffers)

@@ -1,4 +1,4 @@
-"""optimizer_step: the update of each parameter and its state as carried outputs, grouped where
+"""OptimizerStepPass: the update of each parameter and its state as carried outputs, grouped where
 the target runs grouped updates."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from training.generation.build_models import values
 
 from onnx_autodiff.modelfile import to_proto
 from onnx_autodiff.toolkit import Namer, OpBuilder
-from onnx_autodiff.training.generation.optimizer_step import optimizer_step
+from onnx_autodiff.training.generation.optimizer_step import OptimizerStepPass
 from onnx_autodiff.training.generation.outputs import Outputs
 from onnx_autodiff.training.optimizers import SGD, AdamW
 from onnx_autodiff.training.targets import ONNXRUNTIME, WEBGPU
@@ -21,11 +21,14 @@ def stepped(spec, target, max_grad_norm=None):
     params, grads = values("p", "q"), values("dp", "dq")
     namer = Namer([v.name for v in (*params, *grads)], prefix="opt")
     outputs = Outputs(OpBuilder(18, namer), namer)
-    step = optimizer_step(outputs, spec, params, grads, max_grad_norm, target)
+    model = ir.Model(ir.Graph([*params, *grads], [], nodes=[], opset_imports={"": 18}), ir_version=8)
+    step = OptimizerStepPass(outputs, spec, params, grads, max_grad_norm, target)(model)
+    assert step.model is model and step.modified
     kept = outputs.publish(step.kept, "kept")
-    inputs = [*params, *grads, *step.state_inputs, step.lr, step.step, *step.coefficients.values()]
-    graph = ir.Graph(inputs, outputs.values, nodes=outputs.op.nodes, opset_imports={"": 18})
-    return ir.Model(graph, ir_version=8), step, outputs, kept
+    outputs.add_nodes_to(model.graph)
+    model.graph.inputs.extend([*step.state_inputs, step.lr, step.step, *step.coefficients.values()])
+    model.graph.outputs.extend(outputs.values)
+    return model, step, outputs, kept
 
 
 def test_sgd_steps_each_parameter_and_carries_it():
@@ -53,3 +56,15 @@ def test_grouped_updates_where_the_target_runs_them():
     apart, *_ = stepped(SGD(lr=0.1), WEBGPU)
     assert any(n.op_type == "Concat" for n in grouped.graph.all_nodes())
     assert not any(n.op_type == "Concat" for n in apart.graph.all_nodes())
+
+
+def test_the_nodes_follow_those_emitted_before_in_the_builders_order():
+    """The pass adds the builder's nodes from where the graph's last addition left off: those the
+    caller emitted before it (an apply model's scaled gradients) first, with the builder's names."""
+    params, grads = values("p"), values("dp")
+    namer = Namer(["p", "dp"], prefix="opt")
+    outputs = Outputs(OpBuilder(18, namer), namer)
+    scaled = [outputs.op.Mul(g, g) for g in grads]
+    model = ir.Model(ir.Graph([*params, *grads], [], nodes=[], opset_imports={"": 18}), ir_version=8)
+    OptimizerStepPass(outputs, SGD(lr=0.1), params, scaled, None, ONNXRUNTIME)(model)
+    assert list(model.graph) == outputs.op.nodes and list(model.graph)[0].op_type == "Mul"
