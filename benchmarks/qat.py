@@ -64,6 +64,7 @@ they pass or not (1 only where a check of the benchmark itself fails).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -155,14 +156,25 @@ def must(text: str, measured: str, ok: bool | None) -> str:
     return f"must: {text} : measured {measured} ({verdict})"
 
 
-def quiet_quantizers() -> None:
+@contextlib.contextmanager
+def quiet_quantizers():
+    """onnxruntime's quantizers' log lines and warnings silenced while the block runs (the
+    process's logging as it was after: tests run this benchmark in their own process)."""
     import onnxruntime as ort
 
     ort.set_default_logger_severity(3)  # (warnings of the graph optimisations it cannot apply)
-    for name in ("onnxruntime.quantization", "root"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    logging.getLogger().setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
+    loggers = [logging.getLogger(name) for name in ("onnxruntime.quantization", "root")] + [logging.getLogger()]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+        ort.set_default_logger_severity(2)
 
 
 def gemms_as_matmul(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -387,7 +399,6 @@ def run_cnn(args, folder: str) -> int:
     from onnx_autodiff.training import Trainer, generate_artifacts
     from onnx_autodiff.training.qat import QatConfig
 
-    quiet_quantizers()
     code = 0
     data = X_train, X_test, y_train, y_test = digits()
     seeds = list(range(args.seed, args.seed + args.seeds))
@@ -545,7 +556,6 @@ def run_llama(args, folder: str) -> int:
     from onnx_autodiff.training import Trainer, generate_artifacts
     from onnx_autodiff.training.qat import QatConfig
 
-    quiet_quantizers()
     size = llama_lora.SIZES["tiny"]
     spec = argparse.Namespace(size="tiny", layers=size["layers"], batch=2, seq=size["seq"], steps=args.llama_steps)
     start = time.perf_counter()
@@ -676,9 +686,10 @@ def main(argv=None) -> int:
     np.random.seed(args.seed)
     folder = tempfile.mkdtemp(prefix="onnx-autodiff-qat-", dir=args.dir)
     try:
-        code = run_cnn(args, folder)
-        if args.llama:
-            code |= run_llama(args, folder)
+        with quiet_quantizers():
+            code = run_cnn(args, folder)
+            if args.llama:
+                code |= run_llama(args, folder)
         return code
     finally:
         if args.keep:

@@ -299,7 +299,8 @@ def test_artifacts_qat_records_the_config_and_observes_the_activations(cnn_path,
     expected = {"scheme": "int8", "calibration_steps": 3, "skip": [], "symmetric": True, "block_size": 32}
     assert {key: layout["qat"][key] for key in expected} == expected
     observers = [name for name in layout["buffers"] if name.endswith(("_observed_min", "_observed_max"))]
-    assert sorted(observers) == ["X_observed_max", "X_observed_min", "f_observed_max", "f_observed_min"]
+    # each quantized layer's input and output (after its Relu): X, r (conv), f, logits (fc)
+    assert sorted(observers) == sorted(f"{name}_observed_{end}" for name in ("X", "r", "f", "logits") for end in ("min", "max"))
     train = onnx.load(str(out / "training_model.onnx"))
     assert {"conv.weight", "fc.weight", "X"} <= _reads(train, "QuantizeLinear")
     assert "BatchNormalization" not in {node.op_type for node in train.graph.node}
@@ -312,7 +313,8 @@ def test_artifacts_qat_skip_leaves_a_node_in_float(cnn_path, tmp_path, capsys):
     assert main(["artifacts", cnn_path, "-o", str(out), "--qat", "int8", "--qat-skip", "f*", "--qat-asymmetric"]) == 0
     layout = json.loads((out / "artifacts.json").read_text())
     assert layout["qat"]["skip"] == ["f*"] and layout["qat"]["symmetric"] is False
-    assert [name for name in layout["buffers"] if "_observed_" in name] == ["X_observed_min", "X_observed_max"]
+    assert [name for name in layout["buffers"] if "_observed_" in name] == [
+        "X_observed_min", "X_observed_max", "r_observed_min", "r_observed_max"]
     train = onnx.load(str(out / "training_model.onnx"))
     quantized = _reads(train, "QuantizeLinear")
     assert "conv.weight" in quantized and "fc.weight" not in quantized and "f" not in quantized
