@@ -44,32 +44,36 @@ def in_place_order(proto: onnx.ModelProto, carry: Sequence[tuple[str, str, str]]
 def _writable(graph: onnx.GraphProto, writes: Mapping[str, str]) -> set[str]:
     """The new values of ``writes`` (new value's name -> old value's name) that a run of ``graph``
     may write over the old ones (see :func:`in_place_keys`)."""
-    wanted = set(writes.values())
-    reads = [_reads(node) for node in graph.node]
-    index = {}  # a bit per node that reads a carried input
-    for position, names in enumerate(reads):
-        if not names.isdisjoint(wanted):
-            index[position] = len(index)
-    readers: dict[str, int] = {}
-    producer: dict[str, int] = {}
-    ancestors: list[int] = []  # per node: the reader bits of the node and of its ancestors
-    for position, node in enumerate(graph.node):
-        bits = 0
-        for name in reads[position]:
-            if name in producer:
-                bits |= ancestors[producer[name]]
-            if name in wanted:
-                readers[name] = readers.get(name, 0) | (1 << index[position])
-        ancestors.append(bits | (1 << index[position] if position in index else 0))
+    nodes = graph.node
+    reads = [_reads(node) if node.attribute else node.input for node in nodes]
+    producer = {}
+    for position, node in enumerate(nodes):
         for name in node.output:
             producer[name] = position
+    # a bit per node that writes a new value; per node, the bits of the writers it is an ancestor
+    # of (or is), in one pass from the last node back (the graph is in a dependency order)
+    writers = sorted({producer[out] for out in writes if out in producer})
+    bit = {writer: 1 << i for i, writer in enumerate(writers)}
+    below = [0] * len(nodes)
+    for position in range(len(nodes) - 1, -1, -1):
+        mask = below[position] | bit.get(position, 0)
+        if mask:
+            for name in reads[position]:
+                found = producer.get(name)
+                if found is not None:
+                    below[found] |= mask
+    wanted = set(writes.values())
+    readers: dict[str, list[int]] = {}
+    for position, names in enumerate(reads):
+        for name in wanted.intersection(names):
+            readers.setdefault(name, []).append(position)
     safe, by_if = set(), {}
     viewed = _view_edges(graph)
     for out, name in writes.items():
         writer = producer.get(out)
-        if writer is None or readers.get(name, 0) & ~ancestors[writer]:
+        if writer is None or any(r != writer and not below[r] & bit[writer] for r in readers.get(name, ())):
             continue
-        node = graph.node[writer]
+        node = nodes[writer]
         if node.op_type in _ELEMENTWISE:
             safe.add(out)
         elif node.op_type == "Split" and node.domain in ("", "ai.onnx") and not set(node.input) & _views(viewed, name):
@@ -80,7 +84,7 @@ def _writable(graph: onnx.GraphProto, writes: Mapping[str, str]) -> set[str]:
         elif node.op_type == "If" and node.domain in ("", "ai.onnx"):
             by_if.setdefault(writer, {})[out] = name
     for writer, outs in by_if.items():  # each branch must write the value in place itself
-        node = graph.node[writer]
+        node = nodes[writer]
         position = {out: i for i, out in enumerate(node.output)}
         for attribute in node.attribute:
             branch = attribute.g
