@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import weakref
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -32,15 +33,14 @@ from onnx_autodiff.toolkit.inference import infer_output_types, infer_shapes
 
 DEFAULT_OPSET = 18  # the default-domain version backward nodes use when the model imports none
 
-NO_GRADIENT = "onnx_autodiff.no_gradient"
-"""The key of an onnx-ir value's ``meta`` that :func:`stop_gradient` sets."""
+_STOPPED: weakref.WeakSet[ir.Value] = weakref.WeakSet()  # what stop_gradient marked, while it lives
 
 
 def stop_gradient(value: ir.Value) -> ir.Value:
     """Marks ``value`` (in memory, not in the saved model) as a constant to the differentiation, as
     torch's ``detach``: no gradient flows back through it, whatever computed it (an observer's range
     of the values it quantizes)."""
-    value.meta[NO_GRADIENT] = True
+    _STOPPED.add(value)
     return value
 
 
@@ -277,6 +277,7 @@ class Backward:
         none); the targets of each such unit with a rule (see :meth:`_targets`). A unit's inputs
         are all reached or not before it in ``order``, so its targets are final here."""
         reached: set[ir.Value] = set(xs)
+        stopped = set(_STOPPED)
         rules: dict[Unit, GradRule | None] = {}
         targets: dict[Unit, list[tuple[int | None, ir.Value, str | None]]] = {}
         for unit in order:
@@ -287,7 +288,7 @@ class Backward:
                 found = targets[unit] = self._targets(rule, unit, reached)
                 if not found:
                     continue
-            reached.update(out for out in unit.outputs if may_be_float(out) and not out.meta.get(NO_GRADIENT))
+            reached.update(out for out in unit.outputs if may_be_float(out) and out not in stopped)
         return reached, rules, targets
 
     def _targets(self, rule: GradRule, node: Unit, reached) -> list[tuple[int | None, ir.Value, str | None]]:
