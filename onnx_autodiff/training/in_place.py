@@ -45,9 +45,13 @@ def _writable(graph: onnx.GraphProto, writes: Mapping[str, str]) -> set[str]:
     """The new values of ``writes`` (new value's name -> old value's name) that a run of ``graph``
     may write over the old ones (see :func:`in_place_keys`)."""
     nodes = graph.node
-    reads = [_reads(node) if node.attribute else node.input for node in nodes]
-    producer = {}
+    wanted = set(writes.values())
+    reads, producer, readers = [], {}, {}
     for position, node in enumerate(nodes):
+        names = _reads(node) if node.attribute else node.input
+        reads.append(names)
+        for name in wanted.intersection(names):
+            readers.setdefault(name, []).append(position)
         for name in node.output:
             producer[name] = position
     # a bit per node that writes a new value; per node, the bits of the writers it is an ancestor
@@ -55,18 +59,14 @@ def _writable(graph: onnx.GraphProto, writes: Mapping[str, str]) -> set[str]:
     writers = sorted({producer[out] for out in writes if out in producer})
     bit = {writer: 1 << i for i, writer in enumerate(writers)}
     below = [0] * len(nodes)
+    get = producer.get
     for position in range(len(nodes) - 1, -1, -1):
         mask = below[position] | bit.get(position, 0)
         if mask:
             for name in reads[position]:
-                found = producer.get(name)
+                found = get(name)
                 if found is not None:
                     below[found] |= mask
-    wanted = set(writes.values())
-    readers: dict[str, list[int]] = {}
-    for position, names in enumerate(reads):
-        for name in wanted.intersection(names):
-            readers.setdefault(name, []).append(position)
     safe, by_if = set(), {}
     viewed = _view_edges(graph)
     for out, name in writes.items():
