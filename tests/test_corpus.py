@@ -306,6 +306,47 @@ def test_train_lowers_the_loss_and_keeps_the_structure(key, tmp_path):
     assert not differ, f"the exported model's op counts differ from the producer's: {differ}"
 
 
+# Models whose weighted layers are all inside subgraphs (If branches) or recurrent: QAT quantizes
+# the main graph's Conv, ConvTranspose, Gemm and MatMul, and says so where it finds none.
+NOTHING_TO_QUANTIZE = {"onnx_silero_like"}
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4-weights"])
+@pytest.mark.parametrize("key", list(MANIFEST))
+def test_qat_trains_and_exports_what_onnxruntime_runs_quantized(key, scheme, tmp_path):
+    """``train --qat``: the steps run, the exported QDQ model runs at every size its forward takes
+    with the producer's output shapes, and onnxruntime replaces some layer with a quantized kernel
+    (int8: QLinear*/QGemm; int4: MatMulNBits, where a MatMul or Gemm is quantized)."""
+    spec = MANIFEST[key]
+    batch = batch_for(spec)
+    np.savez(tmp_path / "batch.npz", **batch)
+    argv = ["train", str(CORPUS / spec["file"]), "--data", str(tmp_path / "batch.npz"), "-o", str(tmp_path / "run"),
+            "--loss", spec["loss"], "--output-name", spec["output"], "--optimizer", spec["optimizer"],
+            "--lr", str(spec["lr"]), "--epochs", "2", "--batch-size", str(len(batch["labels"])), "--qat", scheme,
+            "--qat-calibration-steps", "1"]
+    code, _, err = cli(*argv)
+    if key in NOTHING_TO_QUANTIZE:
+        assert code != 0 and "found no Conv, ConvTranspose, Gemm or MatMul" in err, err
+        return
+    assert code == 0, err
+    path = tmp_path / "run" / "model.onnx"
+    exported = onnx.load(str(path))
+    onnx.checker.check_model(exported, full_check=True)
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    runner = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    for size in sizes(spec):
+        feeds = feeds_for(spec, size)
+        got = runner.run([spec["output"]], feeds)[0]
+        assert got.shape == output_of(spec, feeds).shape and np.isfinite(got).all()
+    kernels = {n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node}
+    weighted = {n.op_type for n in onnx.load(str(CORPUS / spec["file"])).graph.node}
+    if scheme == "int8":
+        assert any(k.startswith("QLinear") or k == "QGemm" for k in kernels), kernels
+    elif weighted & {"MatMul", "Gemm"}:
+        assert "MatMulNBits" in kernels, kernels
+
+
 def test_the_gradient_check_fails_on_a_wrong_gradient(tmp_path):
     """The directional comparison passes the package's gradients of a model that passes and
     catches one of them 1% off, or zero."""

@@ -52,6 +52,9 @@ def frozen_quantization(proto: onnx.ModelProto, quantize_format: str = "dequanti
     kept_info = [v for v in frozen.graph.value_info if v.name not in stale]
     del frozen.graph.value_info[:]
     frozen.graph.value_info.extend(kept_info)
+    inputs = [v for v in frozen.graph.input if v.name not in stale]  # (IR 3 lists initializers as inputs)
+    del frozen.graph.input[:]
+    frozen.graph.input.extend(inputs)
     _transposes_stored(frozen.graph)
     _blocked_gemms_as_matmuls(frozen.graph)
     if quantize_format == "matmulnbits":

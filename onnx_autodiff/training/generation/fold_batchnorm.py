@@ -52,6 +52,8 @@ class FoldBatchNormPass(ir.passes.InPlacePass):
             for value in statistics:
                 if value is not None and value.is_initializer() and not value.uses():
                     graph.initializers.pop(value.name)
+                    if value.is_graph_input():  # (an initializer listed as an input, as IR 3 models do)
+                        graph.inputs.remove(value)
             self.folded.append(norm.name or "")
         return ir.passes.PassResult(model, modified=bool(self.folded))
 

@@ -238,6 +238,7 @@ class Source:
                                 "MatMul with a float initializer weight to quantize"
                                 + (f" that the skip patterns {list(qat.skip)} leave" if qat.skip else ""))
         self.inference = self.model.clone()
+        self.constants = None  # (the inference model is the model to train: its weights lifted already)
         return inserted.added
 
     def _nbits_read_by_default(self, lora, upgrade: bool, target: Target):
