@@ -7,7 +7,7 @@ epoch and the time, exports the trained model, and saves a loss/accuracy plot wh
 is installed.
 
     pip install "onnx-autodiff[examples]"      # scikit-learn, matplotlib
-    python examples/train_digits.py [--model cnn|mlp] [--epochs N] [--out DIR]
+    python examples/train_digits.py [--model cnn|dwcnn|mlp] [--epochs N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -66,6 +66,36 @@ def cnn(seed: int = 0) -> onnx.ModelProto:
     return _model(nodes, inits, [1, 8, 8])
 
 
+def dwcnn(seed: int = 0) -> onnx.ModelProto:
+    """MobileNet-style, depthwise-separable: [1, 8, 8] → conv 16 → (depthwise 3×3, pointwise → 32) →
+    pool → (depthwise 3×3, pointwise → 64) → global average pool → 10 logits; BatchNorm and ReLU
+    after each convolution."""
+    rng = np.random.default_rng(seed)
+    t = _Tensors(rng)
+    nodes, inits = [], []
+
+    def block(x, y, name, channels_in, channels_out, kernel, group=1):
+        weight, conv, norm = f"{name}.weight", f"{name}.conv", f"{name}.norm"
+        stats = [f"{name}.bn_{part}" for part in ("scale", "bias", "mean", "var")]
+        inits.extend([t.kaiming(weight, channels_out, channels_in // group, kernel, kernel),
+                      t.full(stats[0], 1, channels_out), t.zeros(stats[1], channels_out),
+                      t.zeros(stats[2], channels_out), t.full(stats[3], 1, channels_out)])
+        nodes.extend([helper.make_node("Conv", [x, weight], [conv], pads=[kernel // 2] * 4, group=group, name=name),
+                      helper.make_node("BatchNormalization", [conv, *stats], [norm]),
+                      helper.make_node("Relu", [norm], [y])])
+
+    block("X", "a0", "stem", 1, 16, 3)
+    block("a0", "a1", "dw1", 16, 16, 3, group=16)
+    block("a1", "a2", "pw1", 16, 32, 1)
+    nodes.append(helper.make_node("MaxPool", ["a2"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]))
+    block("p1", "a3", "dw2", 32, 32, 3, group=32)
+    block("a3", "a4", "pw2", 32, 64, 1)
+    nodes += [helper.make_node("GlobalAveragePool", ["a4"], ["g"]), helper.make_node("Flatten", ["g"], ["f"]),
+              helper.make_node("Gemm", ["f", "W", "b"], ["logits"], transB=1, name="fc")]
+    inits += [t.kaiming("W", 10, 64, gain=1), t.zeros("b", 10)]
+    return _model(nodes, inits, [1, 8, 8])
+
+
 class _Tensors:
     def __init__(self, rng):
         self.rng = rng
@@ -96,13 +126,13 @@ def _model(nodes, inits, sample_shape) -> onnx.ModelProto:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["mlp", "cnn"], default="cnn")
+    parser.add_argument("--model", choices=["mlp", "cnn", "dwcnn"], default="cnn")
     parser.add_argument("--epochs", type=int, help="default 15 (cnn) or 30 (mlp)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--out", default="digits-run", help="directory for the artifacts, trained model and plot")
     args = parser.parse_args()
-    args.epochs = args.epochs or (15 if args.model == "cnn" else 30)
+    args.epochs = args.epochs or (30 if args.model == "mlp" else 15)
     try:
         from sklearn.datasets import load_digits
         from sklearn.model_selection import train_test_split
@@ -116,7 +146,7 @@ def main() -> int:
     X_train, X_test, y_train, y_test = train_test_split(
         X, digits.target.astype(np.int64), test_size=0.25, random_state=0, stratify=digits.target
     )
-    forward = mlp() if args.model == "mlp" else cnn()
+    forward = {"mlp": mlp, "cnn": cnn, "dwcnn": dwcnn}[args.model]()
     artifacts = generate_artifacts(forward, loss="cross_entropy", optimizer="adamw",
                                    optimizer_options={"lr": args.lr, "weight_decay": 1e-4})
     artifacts.save(os.path.join(args.out, "artifacts"))

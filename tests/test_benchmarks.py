@@ -163,7 +163,8 @@ def test_llama_lora_trains_a_shipped_matmulnbits_file_at_a_toy_size(tmp_path, ca
 def test_qat_benchmark_prints_its_table_and_musts_in_quick_mode(tmp_path, capsys):
     """benchmarks/qat.py --quick: the CNN's table (every method, accuracies and sizes), its own checks
     (the exported QDQ models agree with the Trainer's eval models; the int4 export at step 0 is round to
-    nearest) and the four must lines, whatever they say (quick mode trains too little to judge them)."""
+    nearest) and the four must lines of each digits model (the CNN and the depthwise-separable one),
+    whatever they say (quick mode trains too little to judge them)."""
     pytest.importorskip("sklearn")
     bench = load("qat")
     assert bench.main(["--quick", "--dir", str(tmp_path)]) == 0
@@ -180,7 +181,7 @@ def test_qat_benchmark_prints_its_table_and_musts_in_quick_mode(tmp_path, capsys
     assert sizes["int4-weights QAT"] < sizes["int8 QAT"] < sizes["float ("]  # the exports store integers
     assert "(the same)" in out  # the int4 export at step 0 against numpy's round to nearest
     musts = re.findall(r"^must: .* : measured .* \((PASS|FAIL|n/a)\)$", out, re.MULTILINE)
-    assert len(musts) == 4, out
+    assert len(musts) == 8 and out.count("(dwcnn)") == 1, out
     assert not list(tmp_path.iterdir())  # the models are removed
 
 
