@@ -47,6 +47,7 @@ class ObserversPass(ir.passes.InPlacePass):
             if weight in values:  # (a frozen weight, an initializer still, needs no gradient)
                 self._straight_through(graph, op, values[weight], values[made])
         position = {node: i for i, node in enumerate(graph)}
+        start = len(op.nodes)
         step = fresh_value(self.namer, "step", ir.DataType.INT64, [])
         observing = op.LessOrEqual(step, op.const(np.array(config.calibration_steps, np.int64)))
         first = op.Equal(step, op.const(np.array(1, np.int64)))
@@ -55,7 +56,7 @@ class ObserversPass(ir.passes.InPlacePass):
             number = lambda n: op.const(np.array(n, dtype.numpy()))  # noqa: E731
             rates[dtype] = op.Where(first, number(1), op.Where(observing, number(config.averaging_constant), number(0)))
         if len(graph):
-            graph.insert_before(graph.node(0), op.nodes)
+            graph.insert_before(graph.node(0), op.nodes[start:])
         updates: dict[str, ir.Value] = {}
         for observer in self.quantization.observers:
             x = values[observer.observed]
