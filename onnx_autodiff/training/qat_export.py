@@ -49,9 +49,7 @@ def frozen_quantization(proto: onnx.ModelProto, quantize_format: str = "dequanti
     frozen.graph.initializer.extend(initializers)
     frozen.graph.initializer.extend(numpy_helper.from_array(values[name], name) for name in computed)
     stale = set(constant) - read
-    kept_info = [v for v in frozen.graph.value_info if v.name not in stale]
-    del frozen.graph.value_info[:]
-    frozen.graph.value_info.extend(kept_info)
+    _forget_types(frozen.graph, stale)
     inputs = [v for v in frozen.graph.input if v.name not in stale]  # (IR 3 lists initializers as inputs)
     del frozen.graph.input[:]
     frozen.graph.input.extend(inputs)
@@ -67,10 +65,7 @@ def _as_matmulnbits(proto: onnx.ModelProto) -> None:
     (which nothing else reads) becomes onnxruntime's MatMulNBits of the same integers."""
     graph = proto.graph
     producers = {out: node for node in graph.node for out in node.output}
-    readers: dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
+    readers = _readers(graph)
     inits = {t.name: t for t in graph.initializer}
     nodes, dropped, reads, added = [], set(), set(), []
     for node in graph.node:
@@ -112,9 +107,7 @@ def _as_matmulnbits(proto: onnx.ModelProto) -> None:
     graph.node.extend(n for n in nodes if not set(n.output) & reads)
     del graph.initializer[:]
     graph.initializer.extend([*kept, *added])
-    info = [v for v in graph.value_info if v.name not in reads]
-    del graph.value_info[:]
-    graph.value_info.extend(info)
+    _forget_types(graph, reads)
     if not any(o.domain == "com.microsoft" for o in proto.opset_import):
         proto.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
 
@@ -128,6 +121,27 @@ def _readers(graph: onnx.GraphProto) -> dict[str, int]:
     for value in graph.output:
         readers[value.name] = readers.get(value.name, 0) + 1
     return readers
+
+
+def _forget_types(graph: onnx.GraphProto, names: set[str]) -> None:
+    """Drops the value_info of ``names`` (values gone, or whose stored shapes changed)."""
+    info = [v for v in graph.value_info if v.name not in names]
+    del graph.value_info[:]
+    graph.value_info.extend(info)
+
+
+def _store_transposed(read: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> None:
+    """The 2-D initializers a DequantizeLinear ``read`` of a 2-D weight reads (integers, scales, zero
+    points; a per-axis scale is 1-D and stays) stored transposed, its axis swapped: it gives the
+    weight's transpose."""
+    for name in read.input:
+        if name:
+            array = numpy_helper.to_array(inits[name])
+            if array.ndim == 2:
+                inits[name].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(array.T), name))
+    for attribute in read.attribute:
+        if attribute.name == "axis":
+            attribute.i = 1 - (attribute.i % 2)
 
 
 def _transposes_stored(graph: onnx.GraphProto) -> None:
@@ -146,13 +160,7 @@ def _transposes_stored(graph: onnx.GraphProto) -> None:
         stored = [name for name in read.input if name]
         if any(name not in inits or readers[name] != 1 for name in stored) or len(inits[stored[0]].dims) != 2:
             continue
-        for name in stored:
-            array = numpy_helper.to_array(inits[name])
-            if array.ndim == 2:
-                inits[name].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(array.T), name))
-        for attribute in read.attribute:
-            if attribute.name == "axis":
-                attribute.i = 1 - (attribute.i % 2)
+        _store_transposed(read, inits)
         renamed.add(read.output[0])
         read.output[0] = node.output[0]
         dropped.add(id(node))
@@ -161,9 +169,7 @@ def _transposes_stored(graph: onnx.GraphProto) -> None:
     kept = [node for node in graph.node if id(node) not in dropped]
     del graph.node[:]
     graph.node.extend(kept)
-    info = [v for v in graph.value_info if v.name not in renamed and v.name not in {n.output[0] for n in kept if n.op_type == "DequantizeLinear"}]
-    del graph.value_info[:]
-    graph.value_info.extend(info)
+    _forget_types(graph, renamed)
 
 
 def _fresh(name: str, taken: set[str]) -> str:
@@ -180,10 +186,7 @@ def _blocked_gemms_as_matmuls(graph: onnx.GraphProto) -> None:
     blocks along its reduction axis becomes a MatMul by the transposed weight (blocks along axis 0)
     and an Add of its bias: the form onnxruntime fuses into MatMulNBits."""
     producers = {out: node for node in graph.node for out in node.output}
-    readers: dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
+    readers = _readers(graph)
     inits = {t.name: t for t in graph.initializer}
     taken = {node.name for node in graph.node}
     nodes, transposed = [], set()
@@ -200,11 +203,7 @@ def _blocked_gemms_as_matmuls(graph: onnx.GraphProto) -> None:
                 any(name not in inits or readers[name] != 1 for name in stored):
             nodes.append(node)
             continue
-        for name in stored:
-            inits[name].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(inits[name]).T), name))
-        for attribute in read.attribute:
-            if attribute.name == "axis":
-                attribute.i = 0
+        _store_transposed(read, inits)
         transposed.add(read.output[0])
         if len(node.input) > 2 and node.input[2]:
             product = f"{node.output[0]}_product"
@@ -215,6 +214,4 @@ def _blocked_gemms_as_matmuls(graph: onnx.GraphProto) -> None:
             nodes.append(onnx.helper.make_node("MatMul", [node.input[0], node.input[1]], list(node.output), name=node.name))
     del graph.node[:]
     graph.node.extend(nodes)
-    info = [v for v in graph.value_info if v.name not in transposed]  # (their shapes are the stored ones')
-    del graph.value_info[:]
-    graph.value_info.extend(info)
+    _forget_types(graph, transposed)  # (their shapes are the stored ones')
