@@ -223,9 +223,7 @@ class Source:
             reason = f"quantization-aware training ({qat.scheme}) needs opset {qat.opset}"
             if not upgrade:
                 raise OpsetError(f"{reason}; the model imports opset {opset} (upgrade_opset=False)")
-            convert_in_place(self.model, qat.opset, reason)
-            if self.base_dir:
-                ir.external_data.set_base_dir(self.model.graph, self.base_dir)
+            self._convert(self.model, reason, qat.opset)
         FoldBatchNormPass()(self.model)
         if any(node.op_type in WEIGHTED and len(node.inputs) > 1 and node.inputs[1] is not None
                and not node.inputs[1].is_initializer() and node.inputs[1].shape is None
@@ -271,7 +269,7 @@ class Source:
         self._convert(self.model, reason)
         return reason if quantized else None
 
-    def _convert(self, model: ir.Model, reason: str) -> None:
-        convert_in_place(model, INT4_OPSET, reason)
+    def _convert(self, model: ir.Model, reason: str, opset: int = INT4_OPSET) -> None:
+        convert_in_place(model, opset, reason)
         if self.base_dir:  # the converted tensors are read from the file's folder, as before
             ir.external_data.set_base_dir(model.graph, self.base_dir)
